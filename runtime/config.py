@@ -1,0 +1,126 @@
+"""RuntimeConfig: the one schema a runtime pod (and the router) is configured with.
+
+Importable without torch: the operator builds it from the custom resources, writes it into a ConfigMap, and
+the pod reads it with `tokenfleet serve --config PATH`. Field names are snake_case here; the CRDs use
+camelCase and operator/builders.py maps between them.
+
+`LIVE_FIELDS` names what a running pod may change on a config reload; everything else needs a restart
+(the operator rolls pods by changing the config-hash annotation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenfleet.runtime.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    model: str = Field(DEFAULT_MODEL, description="Built-in name, a .gguf file, or a HF checkpoint directory.")
+    served_name: str | None = Field(None, description="Name clients use in `model`; defaults to `model`.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU (fastest correct there), bfloat16 on CUDA."
+    )
+    quantization: Literal["none", "fp8"] = "none"
+    max_model_len: int | None = Field(None, gt=0, description="Defaults to the model's context length.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto = triton on CUDA, torch elsewhere."
+    )
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.model
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, description="Tokens per KV block.")
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = Field(None, gt=0, description="Fixed KV block count; overrides the budgets.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: fraction of device memory.")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="CPU: KV cache budget in GiB.")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    cache_salt: str | None = Field(None, description="Mixed into every block hash (tenant isolation).")
+    ttl_seconds: float | None = Field(None, gt=0, description="Unreferenced cached blocks older than this go first.")
+    eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
+    pinned_prefixes: tuple[str, ...] = ()
+    max_pinned_fraction: float = Field(0.25, ge=0, le=1)
+    cpu_offload_gib: float = Field(0.0, ge=0, description="Host-memory tier for evicted KV blocks; 0 = off.")
+
+    @model_validator(mode="after")
+    def _check_block_size(self) -> CacheConfig:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    max_num_seqs: int = Field(64, gt=0, description="Most requests running in one step.")
+    max_num_batched_tokens: int = Field(1024, gt=0, description="Token budget of one step (chunked prefill).")
+    max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it requests get 429.")
+    enable_chunked_prefill: bool = True
+
+
+class SpeculativeConfig(_Strict):
+    method: Literal["none", "ngram", "draft", "self"] = "none"
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    draft_model: str | None = None
+    draft_layers: int = Field(8, ge=1, description="`self`: layers of the target used as the draft.")
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: tuple[str, ...] = ()
+    api_key_file: str | None = Field(None, description="One key per line (a mounted Secret).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    drain_seconds: float = Field(30.0, ge=0, description="SIGTERM grace: in-flight requests may finish.")
+    health_stall_seconds: float = Field(30.0, gt=0, description="/health fails when work waits this long.")
+
+
+class RuntimeConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    server: ServerConfig = ServerConfig()
+
+    @classmethod
+    def load(cls, path: str | Path) -> RuntimeConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+            return cls.model_validate(data)
+        except (OSError, yaml.YAMLError, ValueError) as e:
+            raise ConfigError(f"invalid runtime config {path}: {e}") from e
+
+    def dump_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=True)
+
+
+# Fields a running pod applies on reload without a restart (dotted paths).
+LIVE_FIELDS: frozenset[str] = frozenset(
+    {
+        "cache.ttl_seconds",
+        "cache.eviction",
+        "cache.pinned_prefixes",
+        "cache.max_pinned_fraction",
+        "cache.cpu_offload_gib",
+        "scheduler.max_waiting",
+        "server.api_keys",
+        "server.api_key_file",
+        "server.drain_seconds",
+    }
+)

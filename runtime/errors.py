@@ -1,0 +1,44 @@
+"""Typed errors shared by the engine, the server and the router.
+
+The HTTP layer maps each to an OpenAI-style JSON error: InvalidRequest -> 400, ContextLengthExceeded -> 400
+(param "messages"/"prompt"), CapacityError -> 400 (can never fit), Overloaded -> 429, ConfigError -> startup
+failure or a refused reload.
+"""
+
+from __future__ import annotations
+
+
+class TokenfleetError(Exception):
+    """Base class of every error tokenfleet raises on purpose."""
+
+
+class ConfigError(TokenfleetError):
+    """A configuration file or value is invalid."""
+
+
+class InvalidRequest(TokenfleetError):
+    """A request parameter is invalid; `param` names the offending field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt (+ max_tokens) does not fit in the model's context window."""
+
+
+class CapacityError(InvalidRequest):
+    """The request could never fit in the KV cache, whatever else is running."""
+
+
+class Overloaded(TokenfleetError):
+    """The bounded waiting queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(TokenfleetError):
+    """The engine loop has stopped; requests can no longer be served."""
