@@ -1,0 +1,173 @@
+"""The aiohttp application: routes, and the middleware every request goes through.
+
+Middleware (outermost first): request context + x-request-id + one JSON access-log line + errors mapped
+to OpenAI's JSON shape; then, on /v1/* only, the API-key check and the in-flight count the SIGTERM drain
+waits on. Probes (/health, /ready, /metrics, /version) stay open without a key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
+from tokenfleet.runtime.server import chat, completions
+from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
+from tokenfleet.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenfleet.runtime.server.protocol import ModelCard, ModelList
+from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
+from tokenfleet.runtime.server.state import HttpError, ServerState
+
+from tokenfleet import __version__
+
+STATE_KEY = web.AppKey("tokenfleet.state", ServerState)
+access_logger = logging.getLogger("tokenfleet.access")
+logger = logging.getLogger(__name__)
+
+# What a client that hung up gets logged as (nginx's convention); it never sees a status.
+CLIENT_CLOSED = 499
+
+
+def _route_name(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def context_middleware(request: web.Request, handler) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    ctx = RequestContext(state=state, request_id=client_request_id(request.headers.get("x-request-id")))
+    request[CONTEXT_KEY] = ctx
+    status = 500
+    try:
+        resp = await _handle_errors(request, handler, ctx)
+        status = CLIENT_CLOSED if ctx.disconnected else resp.status
+        return resp
+    except BaseException:  # cancelled: with handler_cancellation the client hung up
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        route = _route_name(request)
+        state.metrics.observe_http(route, status)
+        entry = {
+            "ts": round(time.time(), 3),
+            "request_id": ctx.request_id,
+            "method": request.method,
+            "path": request.path,
+            "route": route,
+            "status": status,
+            "duration_ms": round((time.monotonic() - ctx.start) * 1000, 2),
+            "remote": request.remote,
+            "user_agent": request.headers.get("User-Agent"),
+            **ctx.log_fields,
+        }
+        access_logger.info(json.dumps(entry))
+
+
+async def _handle_errors(request: web.Request, handler, ctx: RequestContext) -> web.StreamResponse:
+    max_body = ctx.state.config.server.max_body_bytes
+    try:
+        if request.content_length is not None and request.content_length > max_body:
+            raise web.HTTPRequestEntityTooLarge(max_size=max_body, actual_size=request.content_length)
+        return await handler(request)
+    except HttpError as e:
+        err = e.error
+    except TokenfleetError as e:
+        err = from_exception(e)
+    except web.HTTPRequestEntityTooLarge:
+        err = ApiError(413, f"Request body larger than {max_body} bytes.", code="request_too_large")
+    except web.HTTPException as e:  # unknown route, wrong method, ...
+        if e.status < 400:
+            raise
+        err = ApiError(
+            e.status, e.reason or "error", code=e.reason.lower().replace(" ", "_") if e.reason else None
+        )
+    except Exception as e:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        err = ApiError(500, f"Internal server error: {type(e).__name__}", type="internal_error")
+    ctx.log_fields["error"] = err.message
+    return error_response(err)
+
+
+@web.middleware
+async def v1_middleware(request: web.Request, handler) -> web.StreamResponse:
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    state = request.app[STATE_KEY]
+    if not state.api_keys.check(request.headers.get("Authorization")):
+        raise HttpError(unauthorized())
+    state.enter()
+    try:
+        return await handler(request)
+    finally:
+        state.leave()
+
+
+async def _set_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    ctx = request.get(CONTEXT_KEY)
+    if ctx is not None:
+        response.headers["x-request-id"] = ctx.request_id
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 503 when the engine loop died or stopped making progress with work queued."""
+    state = request.app[STATE_KEY]
+    if state.engine is None:
+        return web.json_response({"status": "starting" if state.load_error is None else "failed",
+                                  "reason": state.load_error}, status=200 if state.load_error is None else 503)  # fmt: skip
+    try:
+        state.engine.check_health()
+    except EngineDeadError as e:
+        return web.json_response({"status": "unhealthy", "reason": str(e)}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if state.engine is None:
+        return web.json_response({"status": "loading", "reason": state.load_error}, status=503)
+    return web.json_response({"status": "ready", "model": state.model_name})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__, "model": request.app[STATE_KEY].model_name})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    engine = state.require_engine()
+    card = ModelCard(id=state.model_name, created=int(state.started_at), max_model_len=engine.max_model_len)
+    return web.Response(text=ModelList(data=[card]).model_dump_json(), content_type="application/json")
+
+
+def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=None) -> web.Application:
+    """The app for one served model. `engine` may be set later (state.engine) once the model is loaded."""
+    keys = api_keys or ApiKeys(config.server.api_keys, config.server.api_key_file)
+    state = ServerState(config=config, metrics=None, api_keys=keys)  # type: ignore[arg-type]
+    state.metrics = ServerMetrics(config.model.name, lambda: state.engine.stats() if state.engine else None)
+    state.engine = engine
+    app = web.Application(
+        middlewares=[context_middleware, v1_middleware],
+        client_max_size=config.server.max_body_bytes,
+    )
+    app[STATE_KEY] = state
+    app.on_response_prepare.append(_set_request_id)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions.handle)
+    app.router.add_post("/v1/chat/completions", chat.handle)
+    return app

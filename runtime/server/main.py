@@ -1,0 +1,183 @@
+"""`tokenfleet serve`: load the model, serve the OpenAI API, drain gracefully on SIGTERM.
+
+The HTTP listener comes up first, so Kubernetes probes get answers while the model loads (/health 200,
+/ready 503); the model loads on a worker thread, then the engine starts and /ready turns 200. On SIGTERM
+the server stops admitting (/ready and new /v1 requests answer 503), lets in-flight requests finish for up
+to `server.drain_seconds`, then closes the listener (cancelling what is left, which aborts it in the
+engine) and stops the engine. A second signal skips the rest of the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from aiohttp import web
+from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.server.app import STATE_KEY, build_app
+from tokenfleet.runtime.server.auth import ApiKeys
+
+logger = logging.getLogger("tokenfleet.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenfleet serve", description="Serve a model over the OpenAI API.")
+    p.add_argument("--config", help="RuntimeConfig YAML (as the operator mounts it); flags override it")
+    p.add_argument("--model", help="built-in name, a .gguf file or a HF checkpoint directory")
+    p.add_argument("--served-name", help="the name clients pass as `model`")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
+    p.add_argument("--api-key-file", help="file of keys, one per line, re-read when it changes")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-waiting", type=int, help="bounded waiting queue; beyond it 429")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """The config file (or defaults) with the flags laid over it, validated once more as a whole."""
+    base = RuntimeConfig.load(args.config) if args.config else RuntimeConfig()
+    data = base.model_dump()
+    overrides = {
+        ("model", "model"): args.model,
+        ("model", "served_name"): args.served_name,
+        ("model", "max_model_len"): args.max_model_len,
+        ("server", "host"): args.host,
+        ("server", "port"): args.port,
+        ("server", "api_key_file"): args.api_key_file,
+        ("scheduler", "max_waiting"): args.max_waiting,
+    }
+    for (section, key), value in overrides.items():
+        if value is not None:
+            data[section][key] = value
+    if args.api_key:
+        data["server"]["api_keys"] = (*data["server"]["api_keys"], *args.api_key)
+    try:
+        return RuntimeConfig.model_validate(data)
+    except ValueError as e:
+        raise ConfigError(f"invalid options: {e}") from e
+
+
+def curl_example(url: str, model: str, with_key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $API_KEY"' if with_key else ""
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    return f"curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'"
+
+
+async def serve(
+    config: RuntimeConfig,
+    engine_factory: Callable[[RuntimeConfig], object] | None = None,
+    stop: asyncio.Event | None = None,
+    announce: Callable[[str], None] = print,
+) -> int:
+    """Run until `stop` is set (SIGTERM/SIGINT set it when not given); returns the exit status."""
+    if engine_factory is None:
+        from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
+
+        engine_factory = AsyncEngine.from_config
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals > 1:
+            drain_now.set()
+
+    drain_now = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Off the main thread (in-process tests) signals cannot be handled there: `stop` drives us.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, on_signal)
+
+    keys = ApiKeys(config.server.api_keys, config.server.api_key_file)
+    app = build_app(config, keys)
+    state = app[STATE_KEY]
+    # handler_cancellation: a non-streaming handler is cancelled when its client disconnects, which is
+    # what aborts its engine request; access_log=None: the app writes its own structured line.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    announce(f"tokenfleet: listening on {url}; loading model {config.model.model!r} ...")
+    engine = None
+    try:
+        try:
+            engine = await loop.run_in_executor(None, engine_factory, config)
+            await engine.start()
+        except Exception as e:
+            state.load_error = f"{type(e).__name__}: {e}"
+            logger.exception("model failed to load")
+            return 1
+        state.engine = engine
+        announce(f"tokenfleet: serving {state.model_name!r} at {url}  (max_model_len {engine.max_model_len})")
+        announce("try:\n  " + curl_example(url, state.model_name, keys.enabled))
+        await stop.wait()
+        state.draining = True
+        grace = config.server.drain_seconds
+        logger.info("draining: %d request(s) in flight, up to %.0fs", state.in_flight, grace)
+        waiter = asyncio.ensure_future(state.wait_idle(grace))
+        skip = asyncio.ensure_future(drain_now.wait())
+        await asyncio.wait({waiter, skip}, return_when=asyncio.FIRST_COMPLETED)
+        skip.cancel()
+        if not (waiter.done() and waiter.result()):
+            waiter.cancel()
+            logger.warning("drain ended with %d request(s) still in flight; aborting them", state.in_flight)
+        return 0
+    finally:
+        await runner.cleanup()  # cancels leftover handlers; their `finally` aborts them in the engine
+        if engine is not None:
+            await engine.shutdown()
+        announce("tokenfleet: stopped")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The access log is already one JSON object per line: no prefix, so log shippers can parse it.
+    access = logging.getLogger("tokenfleet.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"tokenfleet serve: {e}", file=sys.stderr)
+        return 2
+
+    import uvloop
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        return uvloop.run(serve(config, announce=say))
+    except ConfigError as e:
+        print(f"tokenfleet serve: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. the port is taken
+        print(
+            f"tokenfleet serve: cannot listen on {config.server.host}:{config.server.port}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

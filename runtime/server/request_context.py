@@ -1,0 +1,75 @@
+"""RequestContext: per-HTTP-request facts shared by the middleware (ids, access log) and the handlers."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from tokenfleet.runtime.server.generation import ChoiceState
+from tokenfleet.runtime.server.protocol import PromptTokensDetails, Usage
+from tokenfleet.runtime.server.state import ServerState
+
+# A client-supplied x-request-id is echoed and logged, so keep it to a safe, bounded alphabet.
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def client_request_id(header: str | None) -> str:
+    if header and _CLIENT_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass(eq=False)
+class RequestContext:
+    state: ServerState
+    request_id: str  # echoed in x-request-id; the client's own if it sent a valid one
+    start: float = field(default_factory=time.monotonic)
+    # Engine request ids must be unique even when clients reuse an x-request-id, so they get their own.
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefix: str = "cmpl"
+    disconnected: bool = False
+    log_fields: dict = field(default_factory=dict)
+
+    @staticmethod
+    def of(request: web.Request) -> RequestContext:
+        return request[CONTEXT_KEY]
+
+    @property
+    def response_id(self) -> str:
+        return f"{self.prefix}-{self.uid}"
+
+    @property
+    def engine_base_id(self) -> str:
+        return self.response_id
+
+    def record(self, choices: list[ChoiceState]) -> None:
+        """Token counts and finish reasons for the access log line."""
+        usage = usage_of(choices)
+        self.log_fields.update(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0,
+            finish_reasons=sorted({c.finish_reason or "none" for c in choices}),
+        )
+
+
+def usage_of(choices: list[ChoiceState]) -> Usage:
+    """Prompt tokens count once per prompt (not once per choice), as OpenAI bills them."""
+    per_prompt: dict[int, ChoiceState] = {}
+    for c in choices:
+        per_prompt.setdefault(c.prompt_index, c)
+    prompt = sum(c.num_prompt_tokens for c in per_prompt.values())
+    cached = sum(c.num_cached_tokens for c in per_prompt.values())
+    completion = sum(c.num_output_tokens for c in choices)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+CONTEXT_KEY = web.RequestKey("tokenfleet.context", RequestContext)

@@ -1,0 +1,81 @@
+"""ServerState: what one running server knows about itself (engine, readiness, drain, in-flight count).
+
+The HTTP server starts before the model is loaded so probes can reach it: `/ready` answers 503 until
+`engine` is set and started, and again once `draining` is set by SIGTERM. Handlers of /v1/* get the
+engine through `require_engine()`, which turns both situations into a 503 the client can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.errors import ApiError, model_not_found, unavailable
+from tokenfleet.runtime.server.metrics import ServerMetrics
+
+
+class HttpError(Exception):
+    """Raised by handlers for errors that are not engine errors (unknown model, not ready, ...)."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(eq=False)
+class ServerState:
+    config: RuntimeConfig
+    metrics: ServerMetrics
+    api_keys: ApiKeys
+    engine: object | None = None  # an AsyncEngine once loaded and started
+    draining: bool = False
+    load_error: str | None = None
+    in_flight: int = 0
+    started_at: float = field(default_factory=time.time)
+    _idle: asyncio.Event | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.name
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    def require_engine(self):
+        if self.draining:
+            raise HttpError(unavailable("The server is shutting down.", code="draining", retry_after=1))
+        if self.engine is None:
+            reason = f"model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise HttpError(unavailable(f"Not ready: {reason}.", code="not_ready", retry_after=5))
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        # A missing `model` means the one model this pod serves (vLLM does the same).
+        if name is not None and name != self.model_name:
+            raise HttpError(model_not_found(name))
+
+    # In-flight accounting for the SIGTERM drain.
+    def enter(self) -> None:
+        self.in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every in-flight request finished within `timeout` seconds."""
+        if self.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
