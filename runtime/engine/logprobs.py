@@ -1,0 +1,46 @@
+"""Logprobs of sampled tokens and their top-n alternatives, under the *raw* model distribution.
+
+Raw means `log_softmax` of the logits as the model produced them: before penalties, min_tokens bans,
+temperature and top-k/top-p/min-p truncation. This is what OpenAI and vLLM (by default) report, and it stays
+meaningful for greedy requests (a processed distribution would be one-hot there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tokenfleet.runtime.engine.outputs import TokenLogprobs
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_logprobs: Sequence[int | None],
+    max_num_logprobs: int | None,
+) -> list[TokenLogprobs | None]:
+    """One entry per row: None where the row asked for no logprobs.
+
+    raw_logits [N, V] fp32; token_ids [N] int64 (the sampled tokens); num_logprobs[i] is row i's number of
+    alternatives (0 = only the sampled token's logprob). Alternatives are sorted by logprob, descending, and
+    may include the sampled token (as OpenAI's top_logprobs do).
+    """
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    if max_num_logprobs is None:
+        return result
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    row_index = torch.tensor(rows, dtype=torch.int64, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits.index_select(0, row_index).float(), dim=-1)
+    sampled = logprobs.gather(1, token_ids.index_select(0, row_index).unsqueeze(1)).squeeze(1)
+    width = min(max_num_logprobs, logprobs.shape[-1])
+    if width > 0:
+        top_values, top_ids = logprobs.topk(width, dim=-1)  # sorted, descending
+        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    # One device-to-host transfer per tensor; the Python objects are built from plain lists.
+    sampled_list = sampled.tolist()
+    token_list = token_ids.index_select(0, row_index).tolist()
+    for j, row in enumerate(rows):
+        k = min(num_logprobs[row] or 0, width)
+        top = tuple(zip(top_ids_list[j][:k], top_values_list[j][:k], strict=True)) if k else ()
+        result[row] = TokenLogprobs(token_id=token_list[j], logprob=sampled_list[j], top=top)
+    return result
