@@ -1,0 +1,242 @@
+"""KVCacheManager: the requests' view of the block pool — block tables, prefix-cache lookups, caching.
+
+When a block is cached (indexed by hash so others can share it): *lazily*, once its KV is written, i.e.
+once `request.num_computed_tokens` covers it — the next time the request allocates, or when it is
+freed. vLLM caches at allocation time instead (before the step that writes the KV runs); caching after
+the fact costs nothing measurable (a block shared within its own step is rare) and removes two hazards:
+a request preempted in the step that allocated its blocks would otherwise leave hashes on blocks whose KV
+was never written, and rejected speculative tokens could be cached. It also means the router's
+`BlockStored` events only name KV that exists.
+
+Prefix-cache statistics count tokens once per admission: `prefix_queries` += the request's tokens and
+`prefix_hits` += the tokens served from the cache, when the request gets its first blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenfleet.runtime.config import CacheConfig
+from tokenfleet.runtime.engine.kv_cache.block_hash import (
+    ExtraItem,
+    encode_extra,
+    hash_block_encoded,
+    hash_extra,
+    with_salt,
+)
+from tokenfleet.runtime.engine.kv_cache.block_pool import BlockPool, KVBlock
+from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
+from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
+from tokenfleet.runtime.engine.request import Request
+
+# Distinct cache salts whose encoded hash extra is memoised; beyond this the memo starts over (salts are
+# client-chosen, so the memo must stay bounded).
+_MAX_SALT_MEMO = 1024
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_extra: tuple[ExtraItem, ...] = (),
+        eviction: str = "lru",
+        enable_kv_events: bool = True,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        # The model-wide part of every block hash; each request's `cache_salt` is appended to it.
+        self.hash_extra = hash_extra
+        self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of each request already offered to the cache
+        self._extra_bytes: dict[str | None, bytes] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @classmethod
+    def from_config(cls, cache: CacheConfig, num_blocks: int, model_name: str) -> KVCacheManager:
+        return cls(
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            hash_extra=hash_extra(model_name, cache.cache_salt),
+            eviction=cache.eviction,
+        )
+
+    # ---- figures ------------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` fits in the whole cache (with nothing else running)."""
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+
+    def get_block_ids(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._req_block_ids.get(request_id, ()))
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # ---- lookup and allocation -----------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a request that holds no blocks yet: (blocks, number of tokens).
+
+        Stops at the first miss, and never covers the last token: it must be computed to get logits.
+        The blocks are not referenced yet; pass them to `allocate_slots` in the same step.
+        """
+        if not self.enable_caching:
+            return [], 0
+        assert request.request_id not in self._req_blocks, "lookup for a request that holds blocks"
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        hits: list[KVBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.pool.get_cached_block(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` after the computed ones (+ the cache hits); the new blocks.
+
+        None, with nothing changed, when the free blocks do not suffice. Hits on free cached blocks take
+        those out of the free pool, so they count against what is free.
+        """
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        first = blocks is None
+        num_held = 0 if blocks is None else len(blocks)
+        num_hits = len(new_computed_blocks)
+        total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        num_required = max(0, -(-total // self.block_size) - num_held - num_hits)
+        if num_required or num_hits:
+            num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_required + num_touched_free > self.pool.num_free_blocks:
+                return None
+        if first:
+            blocks = self._req_blocks[rid] = []
+            self._req_block_ids[rid] = []
+            self._num_cached[rid] = num_hits  # hits are cached blocks already
+            if self.enable_caching:
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += num_hits * self.block_size
+        elif self.enable_caching:
+            self._cache_computed(request, blocks)
+        block_ids = self._req_block_ids[rid]
+        if num_hits:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            block_ids.extend(b.block_id for b in new_computed_blocks)
+        if not num_required:
+            return []
+        new_blocks = self.pool.get_new_blocks(num_required)
+        blocks.extend(new_blocks)
+        block_ids.extend(b.block_id for b in new_blocks)
+        return new_blocks
+
+    # ---- release --------------------------------------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Give back all of a request's blocks, caching its computed full ones first.
+
+        Freed in reverse order: the tail of a sequence is the least shareable part, so it is evicted first.
+        """
+        rid = request.request_id
+        blocks = self._req_blocks.pop(rid, None)
+        if blocks is None:
+            return
+        if self.enable_caching:
+            self._cache_computed(request, blocks)
+        del self._num_cached[rid]
+        del self._req_block_ids[rid]
+        self.pool.free_blocks(reversed(blocks))
+
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> int:
+        """Free the request's blocks that lie entirely at or past token `num_tokens`; how many.
+
+        Used after speculative decoding rejects tokens: slots were allocated for all proposed tokens.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        if blocks is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(blocks):
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self._req_block_ids[request.request_id][keep:]
+        rid = request.request_id
+        self._num_cached[rid] = min(self._num_cached[rid], keep)
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
+
+    # ---- hashing and caching --------------------------------------------------------------------------------
+
+    def _extra_for(self, request: Request) -> bytes:
+        salt = request.cache_salt
+        extra = self._extra_bytes.get(salt)
+        if extra is None:
+            if len(self._extra_bytes) >= _MAX_SALT_MEMO:
+                self._extra_bytes.clear()
+            extra = self._extra_bytes[salt] = encode_extra(with_salt(self.hash_extra, salt))
+        return extra
+
+    def _update_hashes(self, request: Request) -> None:
+        """Hash the request's full blocks not hashed yet (incremental: earlier hashes never change)."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = request.num_tokens // bs
+        if len(hashes) >= num_full:
+            return
+        extra = self._extra_for(request)
+        start = len(hashes)
+        tokens = token_slice(request, start * bs, num_full * bs)
+        parent = hashes[-1] if hashes else None
+        for i in range(num_full - start):
+            parent = hash_block_encoded(parent, tokens[i * bs : (i + 1) * bs], extra)
+            hashes.append(parent)
+
+    def _cache_computed(self, request: Request, blocks: list[KVBlock]) -> None:
+        """Index the request's full blocks whose KV is written (covered by num_computed_tokens)."""
+        rid = request.request_id
+        start = self._num_cached[rid]
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if num_full <= start:
+            return
+        self._update_hashes(request)
+        hashes = request.block_hashes
+        bs = self.block_size
+        self.pool.cache_blocks(
+            blocks[start:num_full],
+            hashes[start:num_full],
+            hashes[start - 1] if start else None,
+            token_slice(request, start * bs, num_full * bs),
+            bs,
+        )
+        self._num_cached[rid] = num_full
