@@ -117,8 +117,10 @@ async def health(request: web.Request) -> web.Response:
     """Liveness: 503 when the engine loop died or stopped making progress with work queued."""
     state = request.app[STATE_KEY]
     if state.engine is None:
-        return web.json_response({"status": "starting" if state.load_error is None else "failed",
-                                  "reason": state.load_error}, status=200 if state.load_error is None else 503)  # fmt: skip
+        return web.json_response(
+            {"status": "starting" if state.load_error is None else "failed", "reason": state.load_error},
+            status=200 if state.load_error is None else 503,
+        )
     try:
         state.engine.check_health()
     except EngineDeadError as e:

@@ -32,8 +32,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     ctx.state.check_model(req.model)
     params = chat_params(req)
     prompt = chat_prompt(req, engine.tokenizer)
-    gen = Generation(engine, ctx.state.metrics, ctx.engine_base_id, [prompt], params, req.priority,
-                     req.cache_salt)  # fmt: skip
+    gen = Generation(
+        engine, ctx.state.metrics, ctx.engine_base_id, [prompt], params, req.priority, req.cache_salt
+    )
     created = int(time.time())
     try:
         await gen.submit()
@@ -51,8 +52,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
             )
             for st in gen.choices
         ]
-        body = ChatCompletionResponse(id=ctx.response_id, created=created, model=ctx.state.model_name,
-                                      choices=choices, usage=usage_of(gen.choices))  # fmt: skip
+        body = ChatCompletionResponse(
+            id=ctx.response_id,
+            created=created,
+            model=ctx.state.model_name,
+            choices=choices,
+            usage=usage_of(gen.choices),
+        )
         return web.Response(text=body.model_dump_json(), content_type="application/json")
     finally:
         await gen.close()
@@ -65,23 +71,28 @@ async def _stream(
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        return sse.event(ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.state.model_name,
-                                             choices=choices, usage=usage))  # fmt: skip
+        return sse.event(
+            ChatCompletionChunk(
+                id=ctx.response_id, created=created, model=ctx.state.model_name, choices=choices, usage=usage
+            )
+        )
 
     try:
         try:
             # OpenAI opens every choice with a role-only delta; clients key message assembly on it.
             for st in gen.choices:
-                await resp.write(chunk([ChatChunkChoice(index=st.index,
-                                                        delta=DeltaMessage(role="assistant", content=""))]))  # fmt: skip
+                await resp.write(
+                    chunk([ChatChunkChoice(index=st.index, delta=DeltaMessage(role="assistant", content=""))])
+                )
             async for st, out in gen.deltas():
                 if not out.new_text and not out.finished and not out.new_logprobs:
                     continue  # e.g. a token held back because it may start a stop string
                 lps = chat_logprobs(tokenizer, out.new_logprobs or []) if req.logprobs else None
                 delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
                 finish = out.finish_reason if out.finished else None
-                await resp.write(chunk([ChatChunkChoice(index=st.index, delta=delta, logprobs=lps,
-                                                        finish_reason=finish)]))  # fmt: skip
+                await resp.write(
+                    chunk([ChatChunkChoice(index=st.index, delta=delta, logprobs=lps, finish_reason=finish)])
+                )
             ctx.record(gen.choices)
             if include_usage:
                 await resp.write(chunk([], usage_of(gen.choices)))

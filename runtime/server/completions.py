@@ -22,8 +22,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     ctx.state.check_model(req.model)
     params = completion_params(req)
     prompts = completion_prompts(req, engine.tokenizer)
-    gen = Generation(engine, ctx.state.metrics, ctx.engine_base_id, prompts, params, req.priority,
-                     req.cache_salt)  # fmt: skip
+    gen = Generation(
+        engine, ctx.state.metrics, ctx.engine_base_id, prompts, params, req.priority, req.cache_salt
+    )
     created = int(time.time())
     try:
         await gen.submit()
@@ -40,10 +41,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 if req.logprobs is not None
                 else None
             )
-            choices.append(CompletionChoice(index=st.index, text=echo + "".join(st.text), logprobs=lps,
-                                            finish_reason=st.finish_reason))  # fmt: skip
-        body = CompletionResponse(id=ctx.response_id, created=created, model=ctx.state.model_name,
-                                  choices=choices, usage=usage_of(gen.choices))  # fmt: skip
+            choices.append(
+                CompletionChoice(
+                    index=st.index, text=echo + "".join(st.text), logprobs=lps, finish_reason=st.finish_reason
+                )
+            )
+        body = CompletionResponse(
+            id=ctx.response_id,
+            created=created,
+            model=ctx.state.model_name,
+            choices=choices,
+            usage=usage_of(gen.choices),
+        )
         return web.Response(text=body.model_dump_json(), content_type="application/json")
     finally:
         await gen.close()
@@ -57,8 +66,11 @@ async def _stream(
     offsets = [0] * len(gen.choices)  # running character offsets, for logprobs' text_offset
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
-        return sse.event(CompletionResponse(id=ctx.response_id, created=created, model=ctx.state.model_name,
-                                            choices=choices, usage=usage))  # fmt: skip
+        return sse.event(
+            CompletionResponse(
+                id=ctx.response_id, created=created, model=ctx.state.model_name, choices=choices, usage=usage
+            )
+        )
 
     try:
         try:
@@ -75,8 +87,15 @@ async def _stream(
                     lps = completion_logprobs(tokenizer, out.new_logprobs or [], offsets[st.index])
                     offsets[st.index] += sum(len(t) for t in lps.tokens)
                 finish = out.finish_reason if out.finished else None
-                await resp.write(chunk([CompletionChoice(index=st.index, text=out.new_text, logprobs=lps,
-                                                         finish_reason=finish)]))  # fmt: skip
+                await resp.write(
+                    chunk(
+                        [
+                            CompletionChoice(
+                                index=st.index, text=out.new_text, logprobs=lps, finish_reason=finish
+                            )
+                        ]
+                    )
+                )
             ctx.record(gen.choices)
             if include_usage:
                 await resp.write(chunk([], usage_of(gen.choices)))

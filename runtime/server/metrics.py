@@ -20,12 +20,74 @@ PREFIX = "tokenfleet:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Buckets as vLLM uses them, so recording rules written for vLLM keep their meaning.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class EngineStatsCollector(Collector):
@@ -56,8 +118,9 @@ class EngineStatsCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
         yield gauge("num_kv_blocks_free", "Free KV-cache blocks.", stats.num_free_blocks)
         yield gauge("num_kv_blocks_total", "KV-cache blocks in the pool.", stats.num_total_blocks)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)  # fmt: skip
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
@@ -75,18 +138,46 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(model_name, stats))
         labels = ["model_name"]
-        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", labels,
-                               buckets=TTFT_BUCKETS, registry=self.registry)  # fmt: skip
-        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.", labels,
-                              buckets=ITL_BUCKETS, registry=self.registry)  # fmt: skip
-        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", labels,
-                              buckets=E2E_BUCKETS, registry=self.registry)  # fmt: skip
-        self._queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduling.", labels,
-                                buckets=E2E_BUCKETS, registry=self.registry)  # fmt: skip
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                [*labels, "finished_reason"], registry=self.registry)  # fmt: skip
-        self._http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.",
-                             [*labels, "route", "status"], registry=self.registry)  # fmt: skip
+        self._ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self._queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduling.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self._http = Counter(
+            PREFIX + "http_requests",
+            "HTTP requests by route and status.",
+            [*labels, "route", "status"],
+            registry=self.registry,
+        )
 
     def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
         # A delta may carry several tokens (speculative decoding): spread the gap evenly over them.

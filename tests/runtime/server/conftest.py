@@ -79,8 +79,18 @@ class FakeEngine:
                 now = asyncio.get_running_loop().time()
                 metrics = RequestMetrics(arrival, arrival, arrival + 0.001, now) if last else None
                 finished = last
-                yield RequestOutput(rid, [tok], chr(tok), lps, last, "length" if last else None, len(prompt),
-                                    i + 1, 0, metrics=metrics)  # fmt: skip
+                yield RequestOutput(
+                    rid,
+                    [tok],
+                    chr(tok),
+                    lps,
+                    last,
+                    "length" if last else None,
+                    len(prompt),
+                    i + 1,
+                    0,
+                    metrics=metrics,
+                )
         finally:
             self.active.discard(rid)
             if not finished:
@@ -108,9 +118,11 @@ def fake_engine() -> FakeEngine:
 async def make_client():
     clients: list[TestClient] = []
 
-    async def make(engine=None, config: RuntimeConfig | None = None, **app_kwargs) -> TestClient:
+    async def make(
+        engine=None, config: RuntimeConfig | None = None, handler_cancellation: bool = True, **app_kwargs
+    ) -> TestClient:
         app = build_app(config or RuntimeConfig(), engine=engine, **app_kwargs)
-        client = TestClient(TestServer(app, handler_cancellation=True))
+        client = TestClient(TestServer(app, handler_cancellation=handler_cancellation))
         await client.start_server()
         clients.append(client)
         return client

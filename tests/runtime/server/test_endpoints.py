@@ -13,8 +13,9 @@ def sse_events(raw: str) -> list[str]:
 
 
 async def test_completion_returns_text_usage_and_echoes_request_id(client):
-    resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5},
-                             headers={"x-request-id": "req-42"})  # fmt: skip
+    resp = await client.post(
+        "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, headers={"x-request-id": "req-42"}
+    )
     assert resp.status == 200
     assert resp.headers["x-request-id"] == "req-42"
     body = await resp.json()
@@ -33,9 +34,15 @@ async def test_every_response_gets_a_request_id(client):
 
 
 async def test_chat_stream_is_openai_sse_with_usage_chunk(client, fake_engine):
-    resp = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(await resp.text())
@@ -60,13 +67,19 @@ async def test_n_choices_get_distinct_seeds_and_are_merged(client, fake_engine):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [p.seed for _, _, p in fake_engine.submitted] == [7, 8, 9]
     assert all(p.n == 1 for _, _, p in fake_engine.submitted)
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 6,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_n_choices_stream_carries_every_index(client):
-    resp = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "n": 2, "stream": True})  # fmt: skip
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "n": 2, "stream": True},
+    )
     chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
     finished = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"] == "length"}
     assert finished == {0, 1}
@@ -86,20 +99,39 @@ async def test_completion_logprobs_legacy_shape(client):
     resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "logprobs": 1})
     choice = (await resp.json())["choices"][0]
     assert choice["text"] == "ab"
-    assert choice["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.25, -0.25],
-                                  "top_logprobs": [{"a": -0.25, "?": -2.0}, {"b": -0.25, "?": -2.0}],
-                                  "text_offset": [0, 1]}  # fmt: skip
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.25, -0.25],
+        "top_logprobs": [{"a": -0.25, "?": -2.0}, {"b": -0.25, "?": -2.0}],
+        "text_offset": [0, 1],
+    }
     resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "echo": True})
     assert (await resp.json())["choices"][0]["text"] == "abab"
 
 
 async def test_chat_logprobs_shape(client, fake_engine):
-    resp = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "z"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 2})  # fmt: skip
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "z"}],
+            "max_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     content = (await resp.json())["choices"][0]["logprobs"]["content"]
     assert fake_engine.submitted[0][2].logprobs == 2
-    assert content == [{"token": "<", "logprob": -0.25, "bytes": [60], "top_logprobs": [
-        {"token": "<", "logprob": -0.25, "bytes": [60]}, {"token": "?", "logprob": -2.0, "bytes": [63]}]}]  # fmt: skip
+    assert content == [
+        {
+            "token": "<",
+            "logprob": -0.25,
+            "bytes": [60],
+            "top_logprobs": [
+                {"token": "<", "logprob": -0.25, "bytes": [60]},
+                {"token": "?", "logprob": -2.0, "bytes": [63]},
+            ],
+        }
+    ]
 
 
 async def test_models_version_ready_and_health(client):
@@ -141,8 +173,13 @@ async def test_metrics_expose_engine_stats_and_latency_histograms(client):
     label = 'model_name="smollm2-135m-instruct"'
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"tokenfleet:{name}{{{label}}} 0.0" in text
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total"):  # fmt: skip
+    for name in (
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
         assert f"tokenfleet:{name}{{{label}}}" in text
     assert f"tokenfleet:time_to_first_token_seconds_count{{{label}}} 1.0" in text
     assert f"tokenfleet:e2e_request_latency_seconds_count{{{label}}} 1.0" in text
