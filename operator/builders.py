@@ -1,0 +1,344 @@
+"""Pure builders: ModelDeployment (+ its CachePolicy) -> RuntimeConfig, ConfigMap, Deployment, Service.
+
+No Kubernetes client here and no I/O: every function maps specs to plain manifest dicts, so the handlers
+stay a few lines long and the tests can assert exact manifests. ownerReferences are added by the handler
+(`kopf.adopt`) because they need the live parent's uid.
+
+Live vs restart: the ConfigMap always carries the whole RuntimeConfig (pods reload the file and apply
+`LIVE_FIELDS`); the pod template carries a hash of everything else, so changing a field a pod cannot apply
+live changes the template and rolls the pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
+from tokenfleet.runtime.config import (
+    LIVE_FIELDS,
+    CacheConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+)
+
+RUNTIME_PORT = 8000
+CONFIG_DIR = "/etc/tokenfleet"
+RUNTIME_CONFIG_FILE = "runtime.yaml"
+MODELS_DIR = "/models"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+MANAGED_BY = "tokenfleet-operator"
+# Seconds the kubelet waits beyond the server's own drain before SIGKILL.
+DRAIN_MARGIN_SECONDS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ChildNames:
+    deployment: str
+    service: str
+    config_map: str
+
+
+def child_names(md_name: str) -> ChildNames:
+    """Children are named after the parent so a restarted operator finds them again (level-based)."""
+    return ChildNames(deployment=md_name, service=md_name, config_map=f"{md_name}-runtime")
+
+
+def selector_labels(md_name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": md_name, "app.kubernetes.io/component": "runtime"}
+
+
+def common_labels(md_name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "tokenfleet",
+        **selector_labels(md_name),
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        f"{GROUP}/model-deployment": md_name,
+    }
+
+
+def selector_string(md_name: str) -> str:
+    """The pods' selector in the string form the scale subresource (`status.selector`) wants."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(md_name).items())
+
+
+def service_url(name: str, namespace: str, port: int = RUNTIME_PORT) -> str:
+    return f"http://{name}.{namespace}.svc:{port}"
+
+
+# ------------------------------------------------------------------------------------------------ model source
+@dataclass(frozen=True, slots=True)
+class ModelMount:
+    """Where the pod finds the model, and what it takes to put it there."""
+
+    model_path: str  # what RuntimeConfig.model.model says
+    served_name: str
+    volumes: tuple[dict[str, Any], ...] = ()
+    mounts: tuple[dict[str, Any], ...] = ()
+    init_containers: tuple[dict[str, Any], ...] = ()
+
+
+def model_mount(spec: ModelDeploymentSpec, security_context: dict[str, Any]) -> ModelMount:
+    source = spec.model.source
+    kind = source_kind(source)
+    if kind == "builtin":
+        return ModelMount(model_path=source, served_name=spec.model.served_name or source)
+    if kind == "pvc":
+        claim, _, sub = source.removeprefix("pvc://").partition("/")
+        root = f"{MODELS_DIR}/{claim}"
+        path = posixpath.join(root, sub)
+        return ModelMount(
+            model_path=path,
+            served_name=spec.model.served_name or _stem(path),
+            volumes=({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},),
+            mounts=({"name": "model", "mountPath": root, "readOnly": True},),
+        )
+    if kind == "hostpath":
+        path = source.removeprefix("file://")
+        # Mounted at the same path so error messages name the file the operator's user knows.
+        return ModelMount(
+            model_path=path,
+            served_name=spec.model.served_name or _stem(path),
+            volumes=({"name": "model", "hostPath": {"path": path}},),
+            mounts=({"name": "model", "mountPath": path, "readOnly": True},),
+        )
+    repo, _, revision = source.removeprefix("hf://").partition("@")
+    path = f"{MODELS_DIR}/{repo}"
+    command = ["hf", "download", repo, "--local-dir", path]
+    if revision:
+        command += ["--revision", revision]
+    fetch = {
+        "name": "fetch-model",
+        "image": spec.image,
+        "command": command,
+        "env": [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}],
+        "volumeMounts": [{"name": "model", "mountPath": MODELS_DIR}],
+        "securityContext": security_context,
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+    }
+    return ModelMount(
+        model_path=path,
+        served_name=spec.model.served_name or repo,
+        volumes=({"name": "model", "emptyDir": {}},),
+        mounts=({"name": "model", "mountPath": MODELS_DIR, "readOnly": True},),
+        init_containers=(fetch,),
+    )
+
+
+def _stem(path: str) -> str:
+    base = posixpath.basename(path.rstrip("/"))
+    return base.removesuffix(".gguf") or base
+
+
+# ---------------------------------------------------------------------------------------------- runtime config
+def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | None) -> RuntimeConfig:
+    """The pod's whole configuration; a missing CachePolicy means the runtime's own cache defaults."""
+    mount = model_mount(spec, {})
+    gpu = spec.resources.gpus > 0
+    model = ModelConfig(
+        model=mount.model_path,
+        served_name=mount.served_name,
+        dtype=spec.model.dtype,
+        quantization=spec.model.quantization,
+        max_model_len=spec.model.max_model_len,
+        device="cuda" if gpu else "cpu",
+    )
+    cache_cfg = CacheConfig()
+    if cache is not None:
+        cache_cfg = CacheConfig(
+            block_size=cache.block_size,
+            enable_prefix_caching=cache.prefix_caching.enabled,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            cpu_kv_cache_gib=cache.cpu_kv_cache_gib,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            cache_salt=cache.cache_salt,
+            ttl_seconds=cache.prefix_caching.ttl_seconds,
+            eviction=cache.prefix_caching.eviction,
+            pinned_prefixes=cache.pinned_prefixes,
+            max_pinned_fraction=cache.max_pinned_fraction,
+            cpu_offload_gib=cache.cpu_offload.size_gib if cache.cpu_offload.enabled else 0.0,
+        )
+    engine = spec.engine
+    return RuntimeConfig(
+        model=model,
+        cache=cache_cfg,
+        scheduler=SchedulerConfig(
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_waiting=engine.max_waiting,
+        ),
+        speculative=SpeculativeConfig(
+            method=engine.speculative.method,
+            num_speculative_tokens=engine.speculative.num_speculative_tokens,
+            draft_model=engine.speculative.draft_model,
+        ),
+        # In a pod the server listens on every interface: the Service and the kubelet's probes reach it.
+        server=ServerConfig(host="0.0.0.0", port=RUNTIME_PORT),
+    )
+
+
+def _drop_path(tree: dict[str, Any], dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.get(key, {})
+    tree.pop(leaf, None)
+
+
+def config_hash(config: RuntimeConfig) -> str:
+    """Hash of the fields a pod cannot apply live: equal hashes mean no rollout is needed."""
+    tree = config.model_dump(mode="json")
+    for dotted in LIVE_FIELDS:
+        _drop_path(tree, dotted)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- the children
+def build_config_map(name: str, config: RuntimeConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": child_names(name).config_map, "labels": common_labels(name)},
+        "data": {RUNTIME_CONFIG_FILE: config.dump_yaml()},
+    }
+
+
+def build_service(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": child_names(name).service, "labels": common_labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _probes(gpu: bool) -> dict[str, Any]:
+    # Startup covers model loading (weights off a PVC, CUDA init, Triton JIT): 10 min on GPU, 5 on CPU.
+    # Liveness only starts after it, so a slow load is never killed as a hang.
+    startup_failures = 60 if gpu else 30
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": startup_failures,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+        },
+    }
+
+
+def _resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
+    requests = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    # No CPU limit: throttling a decode loop costs latency and buys nothing on a dedicated node.
+    limits: dict[str, Any] = {"memory": spec.resources.memory}
+    if spec.resources.gpus:
+        limits["nvidia.com/gpu"] = str(spec.resources.gpus)
+        requests["nvidia.com/gpu"] = str(spec.resources.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig) -> dict[str, Any]:
+    gpu = spec.resources.gpus > 0
+    csc = container_security_context()
+    mount = model_mount(spec, csc)
+    names = child_names(name)
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names.config_map}},
+        {"name": "tmp", "emptyDir": {}},
+        *mount.volumes,
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        *mount.mounts,
+    ]
+    if gpu:
+        # NCCL and the CUDA IPC of tensor parallelism need more shared memory than the default 64 MiB.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "runtime",
+        "image": spec.image,
+        "command": ["tokenfleet", "serve", "--config", f"{CONFIG_DIR}/{RUNTIME_CONFIG_FILE}"],
+        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        # The root filesystem is read-only: caches (Triton JIT, HF, torch) go to the writable /tmp.
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": csc,
+        **_probes(gpu),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": math.ceil(config.server.drain_seconds) + DRAIN_MARGIN_SECONDS,
+        "enableServiceLinks": False,
+    }
+    if mount.init_containers:
+        pod_spec["initContainers"] = list(mount.init_containers)
+    if gpu:
+        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    labels = common_labels(name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names.deployment, "labels": labels},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # GPU nodes rarely have a spare device for a surge pod: replace in place instead.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}
+                if gpu
+                else {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        CONFIG_HASH_ANNOTATION: config_hash(config),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(RUNTIME_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }

@@ -1,0 +1,104 @@
+"""The few Kubernetes API calls the operator makes, over the `kubernetes` client's ApiClient.
+
+Children are written with server-side apply (`application/apply-patch+yaml`, one field manager, forced):
+create-or-patch in one request, idempotent (an apply that changes nothing does not write, so a restarted
+operator causes no churn), and it leaves fields that others own alone (an HPA's replicas, a mesh's
+injected annotations). Status is merge-patched on the `/status` subresource and only when it changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+from tokenfleet.operator.api import GROUP, VERSION
+
+FIELD_MANAGER = "tokenfleet-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    api_version: str
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        prefix = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        path = f"{prefix}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+KINDS: dict[str, Kind] = {
+    "ConfigMap": Kind("v1", "configmaps"),
+    "Service": Kind("v1", "services"),
+    "ServiceAccount": Kind("v1", "serviceaccounts"),
+    "Deployment": Kind("apps/v1", "deployments"),
+    "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "ModelDeployment": Kind(f"{GROUP}/{VERSION}", "modeldeployments"),
+    "CachePolicy": Kind(f"{GROUP}/{VERSION}", "cachepolicies"),
+    "RoutingPolicy": Kind(f"{GROUP}/{VERSION}", "routingpolicies"),
+}
+
+
+class Kube:
+    """Thin, synchronous (kopf runs sync handlers in its thread pool) wrapper over ApiClient.call_api."""
+
+    def __init__(self, api: ApiClient):
+        self.api = api
+
+    def _call(
+        self, method: str, path: str, body: Any = None, content_type: str | None = None, **query: Any
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        data, _, _ = self.api.call_api(
+            path,
+            method,
+            query_params=[(k, v) for k, v in query.items() if v is not None],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+            response_type="object",
+            _return_http_data_only=False,
+            _preload_content=True,
+        )
+        return data
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", KINDS[kind].path(namespace, name))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:
+        return list(self._call("GET", KINDS[kind].path(namespace)).get("items", []))
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` (which names its namespace); returns the object as stored."""
+        meta = obj["metadata"]
+        path = KINDS[obj["kind"]].path(meta["namespace"], meta["name"])
+        return self._call(
+            "PATCH",
+            path,
+            body=json.dumps(obj),
+            content_type="application/apply-patch+yaml",  # JSON is valid YAML
+            fieldManager=FIELD_MANAGER,
+            force="true",
+        )
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )

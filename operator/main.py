@@ -1,0 +1,113 @@
+"""`tokenfleet operator`: run the kopf operator with tokenfleet's handlers.
+
+Credentials come from one place for both clients the operator uses (kopf's watcher and the `kubernetes`
+client the handlers write with): `--kubeconfig` if given, else the in-cluster ServiceAccount, else the
+default kubeconfig. The operator never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+from tokenfleet.operator.api import DEFAULT_IMAGE
+from tokenfleet.operator.handlers import register
+from tokenfleet.operator.kube import Kube
+from tokenfleet.operator.reconcile import OperatorContext
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="tokenfleet operator", description="Run the tokenfleet Kubernetes operator."
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context to use")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; glob patterns allowed); default: every namespace",
+    )
+    p.add_argument("--image", default=DEFAULT_IMAGE, help="image for router pods (default: %(default)s)")
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="how often every object is re-reconciled to correct drift (default: %(default)s)",
+    )
+    p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8081/healthz")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    args = p.parse_args(argv)
+    if args.resync_seconds <= 0:
+        p.error("--resync-seconds must be > 0")
+    return args
+
+
+def load_client_configuration(kubeconfig: str | None, context: str | None) -> client.Configuration:
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
+        return configuration
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        config.load_kube_config(context=context, client_configuration=configuration)
+    return configuration
+
+
+def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
+    """kopf's view of the same credentials the `kubernetes` client uses."""
+    auth = (configuration.api_key or {}).get("authorization") or (configuration.api_key or {}).get(
+        "BearerToken"
+    )
+    scheme, token = None, None
+    if auth:
+        scheme, _, token = auth.partition(" ") if " " in auth else ("Bearer", "", auth)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    configuration = load_client_configuration(args.kubeconfig, args.context)
+    registry = kopf.OperatorRegistry()
+    register(registry, args.resync_seconds)
+
+    @kopf.on.login(registry=registry)
+    def _login(**_: Any) -> kopf.ConnectionInfo:
+        # In-cluster tokens rotate: re-read them whenever kopf asks (on start and after a 401).
+        fresh = load_client_configuration(args.kubeconfig, args.context)
+        return connection_info(fresh)
+
+    ctx = OperatorContext(
+        kube=Kube(client.ApiClient(configuration)), image=args.image, resync_seconds=args.resync_seconds
+    )
+    kopf.run(
+        registry=registry,
+        memo=kopf.Memo(ctx=ctx),
+        standalone=True,  # one replica (Recreate strategy); no peering objects needed
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Level-based reconciliation: read the parent (and what it references), build every child, apply, write
+status. Called from the kopf handlers of all three kinds, from timers, and when a child goes away; running
+it twice, or after a restart, converges to the same objects (server-side apply writes nothing when nothing
+changed, and status is written only when it changed).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from tokenfleet.operator.api import (
+    DEFAULT_IMAGE,
+    ModelDeploymentSpec,
+    parse_cache_policy,
+    parse_model_deployment,
+    parse_routing_policy,
+    source_kind,
+)
+from tokenfleet.operator.builders import (
+    build_config_map,
+    build_deployment,
+    build_runtime_config,
+    build_service,
+    config_hash,
+    selector_string,
+    service_url,
+)
+from tokenfleet.operator.kube import Kube
+from tokenfleet.operator.router_builders import (
+    ROUTER_PORT,
+    build_backend,
+    build_router_config,
+    build_router_config_map,
+    build_router_deployment,
+    build_router_role_binding,
+    build_router_service,
+    build_router_service_account,
+    router_names,
+)
+from tokenfleet.operator.status import (
+    ReconcileOutcome,
+    model_deployment_status,
+    policy_status,
+    status_changed,
+)
+from tokenfleet.runtime.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorContext:
+    """Everything a handler needs besides the event; lives in kopf's memo (no module-level state)."""
+
+    kube: Kube
+    image: str = DEFAULT_IMAGE
+    resync_seconds: float = 60.0
+    now: Callable[[], str] = lambda: dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _adopt_and_apply(
+    ctx: OperatorContext, owner: dict[str, Any], children: list[dict[str, Any]]
+) -> list[dict]:
+    kopf.adopt(children, owner=owner)
+    return [ctx.kube.apply(child) for child in children]
+
+
+def _announce(owner: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any]) -> None:
+    """Events on notable transitions only (phase changes), never on every resync."""
+    old_phase = (before or {}).get("phase")
+    new_phase = after.get("phase")
+    if old_phase == new_phase:
+        return
+    ready = next((c for c in after.get("conditions", []) if c["type"] == "Ready"), None)
+    message = f"{old_phase or 'New'} -> {new_phase}: {ready['message'] if ready else ''}".strip()
+    if new_phase in ("Failed", "Degraded", "Pending"):
+        kopf.warn(owner, reason=ready["reason"] if ready else new_phase, message=message)
+    else:
+        kopf.info(owner, reason=new_phase or "Unknown", message=message)
+
+
+# --------------------------------------------------------------------------------------------- ModelDeployment
+def reconcile_model_deployment(
+    ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger
+) -> None:
+    body = ctx.kube.get("ModelDeployment", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    generation = int(body["metadata"].get("generation") or 0)
+    outcome, spec, cache = _resolve(ctx, namespace, name, body)
+    if spec is not None and not outcome.missing_policies and outcome.config_error is None:
+        try:
+            config = build_runtime_config(spec, cache)
+        except ValueError as e:  # pydantic: a combination RuntimeConfig rejects
+            outcome = ReconcileOutcome(config_error=f"runtime config: {e}")
+        else:
+            children = [
+                build_config_map(name, config),
+                build_deployment(name, spec, config),
+                build_service(name),
+            ]
+            _adopt_and_apply(ctx, body, children)
+            outcome = ReconcileOutcome(
+                desired_replicas=spec.replicas,
+                selector=selector_string(name),
+                endpoint=service_url(name, namespace),
+                config_hash=config_hash(config),
+            )
+    # Read the Deployment right before writing status so a concurrent reconcile cannot leave a staler view.
+    deployment = ctx.kube.get("Deployment", namespace, name) if outcome.config_error is None else None
+    previous = body.get("status") or {}
+    status = model_deployment_status(outcome, deployment, generation, previous, ctx.now())
+    if status_changed(previous, status):
+        ctx.kube.patch_status("ModelDeployment", namespace, name, status)
+        _announce(body, previous, status)
+        logger.info("status: %s (%s ready)", status["phase"], status.get("readyReplicas"))
+    if outcome.config_error is not None:
+        # kopf posts the error as an Event too; no retry: only a spec change can fix it.
+        raise kopf.PermanentError(outcome.config_error)
+    if outcome.missing_policies:
+        # Creating the policy triggers a reconcile too; the retry covers a missed event.
+        raise kopf.TemporaryError(
+            f"waiting for {', '.join(outcome.missing_policies)}", delay=ctx.resync_seconds
+        )
+
+
+def _resolve(
+    ctx: OperatorContext, namespace: str, name: str, body: dict[str, Any]
+) -> tuple[ReconcileOutcome, ModelDeploymentSpec | None, Any]:
+    """Parse the spec and fetch the referenced policies; a problem becomes part of the outcome."""
+    try:
+        spec = parse_model_deployment(body.get("spec"))
+        source_kind(spec.model.source)
+    except ConfigError as e:
+        return ReconcileOutcome(config_error=str(e)), None, None
+    missing: list[str] = []
+    cache = None
+    if spec.cache_policy_ref:
+        cp = ctx.kube.get("CachePolicy", namespace, spec.cache_policy_ref)
+        if cp is None:
+            missing.append(f"CachePolicy/{spec.cache_policy_ref}")
+        else:
+            try:
+                cache = parse_cache_policy(cp.get("spec"))
+            except ConfigError as e:
+                return ReconcileOutcome(config_error=f"CachePolicy/{spec.cache_policy_ref}: {e}"), None, None
+    if spec.routing_policy_ref and ctx.kube.get("RoutingPolicy", namespace, spec.routing_policy_ref) is None:
+        missing.append(f"RoutingPolicy/{spec.routing_policy_ref}")
+    pending = ReconcileOutcome(missing_policies=tuple(missing), selector=selector_string(name))
+    return (pending if missing else ReconcileOutcome()), spec, cache
+
+
+def model_deployments_referencing(ctx: OperatorContext, namespace: str, field: str, policy: str) -> list[str]:
+    """Names of the ModelDeployments whose spec.<field> is `policy`."""
+    return sorted(
+        md["metadata"]["name"]
+        for md in ctx.kube.list("ModelDeployment", namespace)
+        if (md.get("spec") or {}).get(field) == policy
+    )
+
+
+def reconcile_dependents(
+    ctx: OperatorContext, namespace: str, field: str, policy: str, logger: logging.Logger
+) -> list[str]:
+    """Reconcile every ModelDeployment using a policy that changed; one bad dependent does not stop the rest."""
+    names = model_deployments_referencing(ctx, namespace, field, policy)
+    for md_name in names:
+        try:
+            reconcile_model_deployment(ctx, namespace, md_name, logger)
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            logger.warning("ModelDeployment %s/%s: %s", namespace, md_name, e)
+    return names
+
+
+def reconcile_cache_policy(ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger) -> None:
+    body = ctx.kube.get("CachePolicy", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    error = None
+    try:
+        parse_cache_policy(body.get("spec"))
+    except ConfigError as e:
+        error = str(e)
+    used_by = reconcile_dependents(ctx, namespace, "cachePolicyRef", name, logger)
+    _write_policy_status(ctx, "CachePolicy", body, used_by, None, error)
+
+
+def _write_policy_status(
+    ctx: OperatorContext,
+    kind: str,
+    body: dict[str, Any],
+    used_by: list[str],
+    endpoint: str | None,
+    error: str | None,
+) -> None:
+    meta = body["metadata"]
+    status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error)
+    if status_changed(body.get("status"), status):
+        ctx.kube.patch_status(kind, meta["namespace"], meta["name"], status)
+    if error:
+        raise kopf.PermanentError(error)
+
+
+# ----------------------------------------------------------------------------------------------- RoutingPolicy
+def reconcile_routing_policy(ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger) -> None:
+    body = ctx.kube.get("RoutingPolicy", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        spec = parse_routing_policy(body.get("spec"))
+    except ConfigError as e:
+        _write_policy_status(ctx, "RoutingPolicy", body, [], None, str(e))
+        return
+    backends = []
+    used_by = []
+    for md in ctx.kube.list("ModelDeployment", namespace):
+        if (md.get("spec") or {}).get("routingPolicyRef") != name:
+            continue
+        used_by.append(md["metadata"]["name"])
+        try:
+            md_spec = parse_model_deployment(md.get("spec"))
+            cache_name = md_spec.cache_policy_ref
+            cp = ctx.kube.get("CachePolicy", namespace, cache_name) if cache_name else None
+            cache = parse_cache_policy(cp.get("spec")) if cp else None
+            config = build_runtime_config(md_spec, cache)
+        except (ConfigError, ValueError) as e:
+            # An invalid ModelDeployment reports itself; the router just leaves it out.
+            logger.info("router %s skips ModelDeployment %s: %s", name, md["metadata"]["name"], e)
+            continue
+        builtin = source_kind(md_spec.model.source) == "builtin"
+        backends.append(build_backend(md["metadata"]["name"], namespace, config, builtin))
+    try:
+        router_config = build_router_config(namespace, spec, backends)
+    except ValueError as e:  # e.g. a modelRoute naming a backend that does not exist (yet)
+        _write_policy_status(ctx, "RoutingPolicy", body, used_by, None, f"router config: {e}")
+        return
+    children = [
+        build_router_config_map(name, router_config),
+        build_router_service_account(name),
+        build_router_role_binding(name),
+        build_router_deployment(name, router_config, ctx.image),
+        build_router_service(name),
+    ]
+    _adopt_and_apply(ctx, body, children)
+    endpoint = service_url(router_names(name).service, namespace, ROUTER_PORT)
+    _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None)
+
+
+def reconcile_routers(ctx: OperatorContext, namespace: str, logger: logging.Logger) -> None:
+    """Every router in the namespace: a ModelDeployment came, went or moved between policies."""
+    for rp in ctx.kube.list("RoutingPolicy", namespace):
+        try:
+            reconcile_routing_policy(ctx, namespace, rp["metadata"]["name"], logger)
+        except kopf.PermanentError as e:
+            logger.warning("RoutingPolicy %s/%s: %s", namespace, rp["metadata"]["name"], e)

@@ -1,0 +1,149 @@
+"""Pure status computation: (what the reconcile found, the Deployment as stored) -> ModelDeployment status.
+
+Phase: Failed (the spec can never work as written), Pending (waiting for a referenced policy), Progressing
+(pods are being created or rolled), Ready (every desired replica ready on the current template), Degraded
+(some but not all replicas ready and the rollout is not moving, or the rollout missed its deadline).
+Conditions Ready / ConfigValid / PoliciesResolved follow the Kubernetes conventions: a reason in
+CamelCase, a human message, and lastTransitionTime that only moves when the status flips (so a status
+written again with the same content is byte-identical and not written at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileOutcome:
+    """What the reconcile learned before looking at the pods."""
+
+    config_error: str | None = None  # the spec is invalid (schema could not catch it)
+    missing_policies: tuple[str, ...] = ()  # e.g. ("CachePolicy/fast",)
+    desired_replicas: int = 0
+    selector: str | None = None
+    endpoint: str | None = None
+    config_hash: str | None = None
+
+
+def _condition(
+    ctype: str, ok: bool, reason: str, message: str, generation: int, previous: list[dict[str, Any]], now: str
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = next((c for c in previous if c.get("type") == ctype), None)
+    since = before.get("lastTransitionTime") if before and before.get("status") == status else None
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since or now,
+        "observedGeneration": generation,
+    }
+
+
+def rollout_state(deployment: dict[str, Any] | None, desired: int) -> tuple[str, int, int, str]:
+    """(phase, replicas, readyReplicas, message) from a Deployment as the API server stores it."""
+    if deployment is None:
+        return "Progressing", 0, 0, "waiting for the Deployment to be created"
+    status = deployment.get("status") or {}
+    replicas = int(status.get("replicas") or 0)
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    seen = int(status.get("observedGeneration") or 0) >= int(deployment["metadata"].get("generation") or 0)
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    deadline = conditions.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
+    if desired == 0:
+        return "Ready", replicas, ready, "scaled to zero"
+    if seen and ready >= desired and updated >= desired:
+        return "Ready", replicas, ready, f"{ready}/{desired} replicas ready"
+    if deadline:
+        phase = "Degraded" if ready else "Failed"
+        return phase, replicas, ready, f"rollout exceeded its progress deadline ({ready}/{desired} ready)"
+    if ready and seen and updated >= desired:
+        return "Degraded", replicas, ready, f"only {ready}/{desired} replicas ready"
+    return "Progressing", replicas, ready, f"{ready}/{desired} replicas ready, rollout in progress"
+
+
+def model_deployment_status(
+    outcome: ReconcileOutcome,
+    deployment: dict[str, Any] | None,
+    generation: int,
+    previous: dict[str, Any] | None,
+    now: str,
+) -> dict[str, Any]:
+    """The whole `status` (camelCase) to write; equal inputs give an equal dict."""
+    prev_conditions = list((previous or {}).get("conditions") or [])
+
+    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+        return _condition(ctype, ok, reason, message, generation, prev_conditions, now)
+
+    base = {
+        "observedGeneration": generation,
+        "selector": outcome.selector,
+        "endpoint": outcome.endpoint,
+        "configHash": outcome.config_hash,
+    }
+    if outcome.config_error is not None:
+        return {
+            **base,
+            "phase": "Failed",
+            "replicas": 0,
+            "readyReplicas": 0,
+            "conditions": [
+                cond("Ready", False, "InvalidSpec", outcome.config_error),
+                cond("ConfigValid", False, "InvalidSpec", outcome.config_error),
+                cond("PoliciesResolved", False, "InvalidSpec", "not checked: the spec is invalid"),
+            ],
+        }
+    if outcome.missing_policies:
+        message = "referenced policies not found: " + ", ".join(outcome.missing_policies)
+        return {
+            **base,
+            "phase": "Pending",
+            "replicas": 0,
+            "readyReplicas": 0,
+            "conditions": [
+                cond("Ready", False, "PolicyNotFound", message),
+                cond("ConfigValid", True, "Valid", "the spec is valid"),
+                cond("PoliciesResolved", False, "PolicyNotFound", message),
+            ],
+        }
+    phase, replicas, ready, message = rollout_state(deployment, outcome.desired_replicas)
+    reason = {"Ready": "ReplicasReady", "Progressing": "RollingOut", "Degraded": "ReplicasUnavailable"}
+    return {
+        **base,
+        "phase": phase,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "conditions": [
+            cond("Ready", phase == "Ready", reason.get(phase, "RolloutFailed"), message),
+            cond("ConfigValid", True, "Valid", "the spec is valid"),
+            cond("PoliciesResolved", True, "Resolved", "every referenced policy exists"),
+        ],
+    }
+
+
+def status_changed(previous: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """True when writing `new` would change what is stored (unset keys count as None)."""
+    previous = previous or {}
+    return any(previous.get(key) != value for key, value in new.items())
+
+
+def policy_status(
+    generation: int, used_by: list[str], endpoint: str | None, error: str | None
+) -> dict[str, Any]:
+    return {
+        "observedGeneration": generation,
+        "usedBy": sorted(used_by),
+        "endpoint": endpoint,
+        "conditions": [
+            {
+                "type": "ConfigValid",
+                "status": "False" if error else "True",
+                "reason": "InvalidSpec" if error else "Valid",
+                "message": error or "the spec is valid",
+                "observedGeneration": generation,
+            }
+        ],
+    }
