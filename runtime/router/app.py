@@ -1,0 +1,280 @@
+"""The router's HTTP face: an OpenAI-compatible aiohttp app in front of the fleet.
+
+Per generation request: auth (API key -> tier) -> parse -> model targets (404 when nothing serves the model)
+-> tokenize the prompt as the pod will -> rate limit (429 + Retry-After) -> priority admission (the request
+waits in the router while every candidate is at its in-flight limit) -> `proxy.forward`.
+Also `/v1/models` (the union of the backends' lists plus route names), `/health` (the router itself is up),
+`/ready` (some endpoint takes traffic), `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+from tokenfleet.runtime.errors import Overloaded
+from tokenfleet.runtime.router.config import RouterConfig
+from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
+from tokenfleet.runtime.router.fleet import Fleet, PromptKey
+from tokenfleet.runtime.router.metrics import RouterMetrics
+from tokenfleet.runtime.router.model_routes import served_models
+from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
+from tokenfleet.runtime.router.proxy import Outgoing, error_body, forward, request_headers
+from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
+from tokenfleet.runtime.server.translate import Tokenizer
+
+log = logging.getLogger(__name__)
+
+TokenizerLoader = Callable[[str], Tokenizer | None]
+
+
+class RouterApp:
+    """State of one router process; created on app startup (it needs the running loop)."""
+
+    def __init__(self, config: RouterConfig, tokenizer_loader: TokenizerLoader | None) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.limiter = RateLimiter(config.routing.rate_limits)
+        self.key_tiers = config.key_tiers()
+        self.classes = {c.name: c.priority for c in config.routing.priority_classes}
+        self.tier_priority = {t: c.priority for c in config.routing.priority_classes for t in c.tiers}
+        self._tokenizer_loader = tokenizer_loader
+        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.fleet: Fleet | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._watches: list[EndpointSliceWatch] = []
+
+    async def start(self) -> None:
+        # No connection cap: the router's own in-flight limits bound the load; a pool cap would queue blindly.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.fleet = Fleet(self.config, self.metrics, self._session)
+        await self._load_tokenizers()
+        loop = asyncio.get_running_loop()
+        for backend in self.config.backends:
+            if self.config.discovery.mode == "static":
+                self.fleet.sync_backend(backend, static_urls(backend))
+            else:
+                watch = EndpointSliceWatch(
+                    backend, self.config.discovery.namespace, self.fleet.sync_backend, loop
+                )
+                watch.start()
+                self._watches.append(watch)
+
+    async def _load_tokenizers(self) -> None:
+        if self._tokenizer_loader is None:
+            return
+        for backend in self.config.backends:
+            if backend.model in self.tokenizers:
+                continue
+            source = backend.tokenizer or backend.model
+            try:
+                tok = await asyncio.to_thread(self._tokenizer_loader, source)
+            except Exception as e:  # routing still works, with the approximate index only
+                log.warning(
+                    "no tokenizer for %s from %r (%s): exact prefix routing is off", backend.model, source, e
+                )
+                tok = None
+            self.tokenizers[backend.model] = tok
+
+    async def stop(self) -> None:
+        for w in self._watches:
+            w.stop()
+        if self.fleet is not None:
+            await self.fleet.close()
+        if self._session is not None:
+            await self._session.close()
+
+    # --- request admission -------------------------------------------------------------------------
+
+    def identity(self, request: web.Request) -> tuple[str, str]:
+        """(rate-limit key, tier); raises 401 when keys are configured and the request has no valid one."""
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        if self.key_tiers:
+            if token is None or token not in self.key_tiers:
+                raise _json_error(
+                    401, "invalid or missing API key", "authentication_error", "invalid_api_key"
+                )
+            return token, self.key_tiers[token]
+        return (f"key:{token}" if token else f"addr:{request.remote}"), "default"
+
+    def priority(self, request: web.Request, tier: str) -> int:
+        name = request.headers.get(self.config.routing.priority_header)
+        if name is not None:
+            if name not in self.classes:
+                raise _json_error(
+                    400, f"unknown priority class {name!r}", "invalid_request_error", "priority"
+                )
+            return self.classes[name]
+        return self.tier_priority.get(tier, 0)
+
+
+def _json_error(
+    status: int, message: str, type_: str, code: str | None = None, headers=None
+) -> web.HTTPException:
+    exc_type = web.HTTPException
+    for cls in (web.HTTPBadRequest, web.HTTPUnauthorized, web.HTTPNotFound, web.HTTPTooManyRequests):
+        if cls.status_code == status:
+            exc_type = cls
+    return exc_type(
+        text=json.dumps(error_body(message, type_, code)), content_type="application/json", headers=headers
+    )
+
+
+ROUTER = web.AppKey("router", RouterApp)
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER]
+    fleet = router.fleet
+    assert fleet is not None
+    key, tier = router.identity(request)
+    body = await request.read()
+    try:
+        payload = json.loads(body)
+        if not isinstance(payload, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise _json_error(400, f"request body must be a JSON object: {e}", "invalid_request_error") from e
+    models = served_models(router.config.routing, router.config.backends)
+    model = payload.get("model") or (models[0] if len(models) == 1 else None)
+    if not isinstance(model, str):
+        raise _json_error(400, "`model` is required", "invalid_request_error", "model")
+    targets = fleet.targets(model)
+    if not targets:
+        raise _json_error(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
+    payload["model"] = model
+
+    tokenizer = router.tokenizers.get(targets[0].model)
+    token_ids = prompt_token_ids(request.path, body, tokenizer) if tokenizer is not None else None
+    salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
+    text = prompt_text(payload) if token_ids is None else ""
+    prompt = PromptKey(tuple(token_ids) if token_ids is not None else None, text, salt)
+    num_prompt_tokens = len(token_ids) if token_ids is not None else max(len(prompt_text(payload)) // 4, 1)
+
+    rate = router.limiter.check(key, tier, num_prompt_tokens, time.monotonic())
+    if not rate.allowed:
+        router.metrics.rate_limited.labels(rate.kind or "unknown").inc()
+        router.metrics.requests.labels(model, "429").inc()
+        raise _json_error(
+            429, f"rate limit exceeded ({rate.kind} per minute)", "rate_limit_error", "rate_limit_exceeded",
+            headers={"Retry-After": retry_after_header(rate.retry_after)},
+        )  # fmt: skip
+
+    priority = router.priority(request, tier)
+    if not fleet.healthy_endpoints(targets):
+        router.metrics.requests.labels(model, "503").inc()
+        body503 = error_body(
+            f"no healthy endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint"
+        )
+        return web.json_response(body503, status=503, headers={"Retry-After": "1"})
+    router.metrics.queue_waiting.inc()
+    try:
+        await fleet.gate.wait_for(
+            lambda: fleet.has_capacity(targets), priority, router.config.routing.queue_timeout_seconds
+        )
+    except Overloaded as e:
+        router.metrics.requests.labels(model, "429").inc()
+        raise _json_error(
+            429,
+            str(e),
+            "rate_limit_error",
+            "overloaded",
+            headers={"Retry-After": retry_after_header(e.retry_after)},
+        ) from e
+    finally:
+        router.metrics.queue_waiting.dec()
+
+    out = Outgoing(
+        path=request.path,
+        payload=payload,
+        stream=bool(payload.get("stream")),
+        headers=request_headers(request.headers, priority),
+        targets=tuple(targets),
+        prompt=prompt,
+        session_key=request.headers.get(router.config.routing.session_header)
+        or _str_or_none(payload.get("user")),
+    )
+    resp, outcome = await forward(request, fleet, out, router.config.routing.retries)
+    router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
+    router.metrics.requests.labels(model, str(outcome.status)).inc()
+    return resp
+
+
+def _str_or_none(v) -> str | None:
+    return v if isinstance(v, str) and v else None
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    fleet = router.fleet
+    assert fleet is not None
+    router.identity(request)
+    eps = [ep for ep in fleet.endpoints.by_id.values() if fleet.available(ep)]
+
+    async def models_of(url: str) -> list[dict]:
+        try:
+            async with fleet.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                return list((await r.json()).get("data", [])) if r.status == 200 else []
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return []
+
+    merged: dict[str, dict] = {}
+    for data in await asyncio.gather(*(models_of(ep.url) for ep in eps)):
+        for m in data:
+            if isinstance(m, dict) and "id" in m:
+                merged.setdefault(m["id"], m)
+    for route in router.config.routing.model_routes:
+        if fleet.healthy_endpoints(fleet.targets(route.model)):
+            merged.setdefault(
+                route.model, {"id": route.model, "object": "model", "created": 0, "owned_by": "tokenfleet"}
+            )
+    return web.json_response({"object": "list", "data": [merged[k] for k in sorted(merged)]})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    fleet = request.app[ROUTER].fleet
+    eps = list(fleet.endpoints.by_id.values()) if fleet else []
+    up = [ep.id for ep in eps if fleet is not None and fleet.available(ep)]
+    return web.json_response(
+        {"ready": bool(up), "endpoints": len(eps), "available": len(up)}, status=200 if up else 503
+    )
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    metrics = request.app[ROUTER].metrics
+    return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+
+def build_app(config: RouterConfig, tokenizer_loader: TokenizerLoader | None = None) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes)
+    router = RouterApp(config, tokenizer_loader)
+    app[ROUTER] = router
+
+    async def lifecycle(app: web.Application):
+        await router.start()
+        yield
+        await router.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.add_routes(
+        [
+            web.post("/v1/completions", handle_generate),
+            web.post("/v1/chat/completions", handle_generate),
+            web.get("/v1/models", handle_models),
+            web.get("/health", handle_health),
+            web.get("/ready", handle_ready),
+            web.get("/metrics", handle_metrics),
+        ]
+    )
+    return app

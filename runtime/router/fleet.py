@@ -1,0 +1,227 @@
+"""The fleet: every endpoint the router knows, what it knows about them, and the routing decision.
+
+Owns the endpoint set, the exact and approximate prefix indexes, one monitor task and one KV-event follower
+per endpoint, and the strategy. Everything here runs on the event loop; discovery threads hop onto it.
+`pick()` is the decision: model targets (primary, then fallbacks) -> healthy untried endpoints -> prefix
+match per endpoint -> strategy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from tokenfleet.runtime.router.config import Backend, RouterConfig
+from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
+from tokenfleet.runtime.router.kv_events import KVEventFollower
+from tokenfleet.runtime.router.metrics import RouterMetrics
+from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
+from tokenfleet.runtime.router.monitor import monitor_endpoint
+from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex
+from tokenfleet.runtime.router.priority import PriorityGate
+from tokenfleet.runtime.router.prompt_blocks import text_block_hashes, token_block_hashes
+from tokenfleet.runtime.router.scoring import Candidate, Decision, RouteQuery, make_strategy
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """What the router knows of a prompt: token ids (None without a tokenizer) or its canonical text."""
+
+    token_ids: tuple[int, ...] | None
+    text: str
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    endpoint: Endpoint
+    decision: Decision
+    target: RouteTarget
+    num_blocks: int
+    approx_hashes: tuple[bytes, ...]
+
+
+class Fleet:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.session = session
+        self.endpoints = EndpointSet(config.discovery)
+        self.exact = ExactPrefixIndex()
+        self.approx = ApproximatePrefixIndex(config.discovery.approximate_index_blocks)
+        self.strategy = make_strategy(config.routing)
+        self.gate = PriorityGate()
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._followers: dict[str, KVEventFollower] = {}
+
+    # --- membership ---------------------------------------------------------------------------------
+
+    def sync_backend(self, backend: Backend, urls: Sequence[str]) -> None:
+        added, removed = self.endpoints.sync(backend, urls)
+        for ep in removed:
+            for task in self._tasks.pop(ep.id, []):
+                task.cancel()
+            self._followers.pop(ep.id, None)
+            self.exact.clear(ep.id)
+            self.approx.forget(ep.id)
+            self.metrics.forget_endpoint(ep.id)
+        for ep in added:
+            self.metrics.healthy.labels(ep.id).set(1)
+            self.metrics.in_flight.labels(ep.id).set(0)
+            d = self.config.discovery
+            tasks = [
+                asyncio.create_task(
+                    monitor_endpoint(
+                        self.session, ep, d.probe_interval_seconds, d.health_every, self._probe_result
+                    )
+                )
+            ]
+            if d.kv_events:
+                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact)
+                self._followers[ep.id] = follower
+                tasks.append(asyncio.create_task(follower.run()))
+            self._tasks[ep.id] = tasks
+        if added:
+            self.gate.release()
+
+    async def close(self) -> None:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # --- health -------------------------------------------------------------------------------------
+
+    def _probe_result(self, ep: Endpoint, ok: bool) -> None:
+        if ep.id in self.endpoints.by_id:
+            self.report(ep, ok)
+            follower = self._followers.get(ep.id)
+            self.metrics.events_live.labels(ep.id).set(1 if follower is not None and follower.live else 0)
+
+    def report(self, ep: Endpoint, ok: bool) -> None:
+        """Passive and active outcomes both land here."""
+        now = time.monotonic()
+        if ok:
+            if ep.health.record_success(now):
+                self.metrics.healthy.labels(ep.id).set(1)
+                self.gate.release()
+        elif ep.health.record_failure(now):
+            self.metrics.ejections.labels(ep.id).inc()
+            self.metrics.healthy.labels(ep.id).set(0)
+
+    def available(self, ep: Endpoint) -> bool:
+        return ep.health.is_available(time.monotonic())
+
+    # --- in-flight accounting -----------------------------------------------------------------------
+
+    def acquire(self, ep: Endpoint) -> None:
+        ep.in_flight += 1
+        self.metrics.in_flight.labels(ep.id).set(ep.in_flight)
+
+    def release(self, ep: Endpoint) -> None:
+        ep.in_flight -= 1
+        if ep.id in self.endpoints.by_id:
+            self.metrics.in_flight.labels(ep.id).set(ep.in_flight)
+        self.gate.release()
+
+    def has_capacity(self, targets: Sequence[RouteTarget]) -> bool:
+        limit = self.config.routing.max_in_flight_per_endpoint
+        return any(ep.in_flight < limit for ep in self.healthy_endpoints(targets))
+
+    # --- the decision -------------------------------------------------------------------------------
+
+    def targets(self, model: str) -> list[RouteTarget]:
+        return route_targets(model, self.config.routing, self.config.backends)
+
+    def healthy_endpoints(
+        self, targets: Sequence[RouteTarget], exclude: frozenset[str] = frozenset()
+    ) -> list[Endpoint]:
+        """Available endpoints of the first target that has any (primary, then fallbacks in order)."""
+        for target in targets:
+            eps = [
+                ep
+                for ep in self.endpoints.of_backends(target.backends)
+                if ep.id not in exclude and self.available(ep)
+            ]
+            if eps:
+                return eps
+        return []
+
+    def pick(
+        self,
+        targets: Sequence[RouteTarget],
+        prompt: PromptKey,
+        session_key: str | None,
+        exclude: frozenset[str],
+    ) -> Pick | None:
+        limit = self.config.routing.max_in_flight_per_endpoint
+        for target in targets:
+            eps = [
+                ep
+                for ep in self.endpoints.of_backends(target.backends)
+                if ep.id not in exclude and self.available(ep)
+            ]
+            # A retry may exceed the in-flight limit rather than fail: the request was admitted already.
+            below = [ep for ep in eps if ep.in_flight < limit]
+            eps = below or eps
+            if not eps:
+                continue
+            matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
+            candidates = [Candidate(ep.id, ep.load, ep.kv_cache_usage, matches.get(ep.id, 0)) for ep in eps]
+            decision = self.strategy.choose(RouteQuery(num_blocks, session_key), candidates)
+            if target.fallback:
+                decision = Decision(decision.endpoint_id, "fallback", decision.prefix_blocks)
+            ep = self.endpoints.by_id[decision.endpoint_id]
+            return Pick(ep, decision, target, num_blocks, tuple(approx.get(ep.id, ())))
+        return None
+
+    def _prefix_matches(
+        self, eps: Sequence[Endpoint], prompt: PromptKey, model: str
+    ) -> tuple[dict[str, int], int, dict[str, list[bytes]]]:
+        """Leading cached blocks per endpoint: exact where the pod's event stream is live, else approximate.
+
+        Returns (matches, prompt blocks, approximate-index hashes per endpoint for recording the route).
+        """
+        hash_cache: dict[tuple, list[bytes]] = {}
+
+        def hashes(block_size: int, extra: tuple) -> list[bytes]:
+            key = (block_size, extra)
+            if key not in hash_cache:
+                if prompt.token_ids is None:
+                    hash_cache[key] = text_block_hashes(prompt.text, model, prompt.cache_salt)
+                else:
+                    hash_cache[key] = token_block_hashes(
+                        prompt.token_ids, block_size, extra, prompt.cache_salt
+                    )
+            return hash_cache[key]
+
+        backends = {b.name: b for b in self.config.backends}
+        matches: dict[str, int] = {}
+        approx: dict[str, list[bytes]] = {}
+        num_blocks = 0
+        for ep in eps:
+            backend = backends.get(ep.backend)
+            default_bs = backend.block_size if backend else 16
+            approx_h = (
+                hashes(default_bs, ("approx", ep.model)) if prompt.token_ids is not None else hashes(0, ())
+            )
+            approx[ep.id] = approx_h
+            follower = self._followers.get(ep.id)
+            if prompt.token_ids is not None and follower is not None and follower.live and follower.position:
+                pos = follower.position
+                exact_h = hashes(pos.block_size, pos.hash_extra)
+                matches[ep.id] = self.exact.match(exact_h, [ep.id])[ep.id]
+                num_blocks = max(num_blocks, len(exact_h))
+            else:
+                matches[ep.id] = self.approx.match(approx_h, [ep.id])[ep.id]
+                num_blocks = max(num_blocks, len(approx_h))
+        return matches, num_blocks, approx
+
+    def record_route(self, pick: Pick) -> None:
+        """The prompt went to this endpoint: the approximate index remembers it (exact learns from events)."""
+        if pick.approx_hashes:
+            self.approx.record(pick.endpoint.id, pick.approx_hashes)

@@ -1,0 +1,185 @@
+"""The runtime side of the router's exact prefix index: `GET /v1/kv-events` and `GET /load` on every pod.
+
+Wire format (JSON, one object per response; long poll):
+
+    GET /v1/kv-events?since=SEQ&epoch=EPOCH&wait=SECONDS
+    -> {"epoch": str, "seq": int, "reset": bool, "block_size": int, "hash_extra": [str | int | null, ...],
+        "events": [{"type": "stored" | "removed" | "cleared", "block_hashes": [hex, ...]}, ...]}
+
+`seq` counts published batches. The reply holds every batch after `since` (waiting up to `wait` seconds,
+at most 10, when there is none yet). When the router cannot be brought up to date incrementally — it is
+new (no `since`), `since` fell out of the retained window (a gap), or `epoch` differs (the pod restarted and
+its seq started over) — the reply is a resync: `reset: true` and the events are one `cleared` followed by
+one `stored` with every block hash the pod holds now. The log tracks that set itself from the events it
+publishes, so a resync never touches the engine's block pool from the HTTP thread.
+
+    GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float}
+
+`hash_extra` is the pod's base extra of the block hash (`block_hash.hash_extra(model_name, pod_salt)`): the
+router appends a request's `cache_salt` with `block_hash.with_salt` exactly as the engine does, so it computes
+the same chained hashes from the same token ids.
+
+Mounting (the server owns the engine loop): build one `KVEventLog(block_size, hash_extra)`, call
+`log.publish(pool.take_events())` from the engine thread after each step (thread-safe), and add the routes
+with `app.add_routes(kv_event_routes(log, load_fn))`, where `load_fn()` returns a `LoadReport` (cheap, called
+on every router poll). `make_kv_events_app` gives the same routes as a sub-application for `add_subapp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from aiohttp import web
+from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+EVENT_TYPES = ("stored", "removed", "cleared")
+MAX_WAIT_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    type: str  # stored | removed | cleared
+    block_hashes: tuple[bytes, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"type": self.type, "block_hashes": [h.hex() for h in self.block_hashes]}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+    def to_json(self) -> dict:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+        }
+
+
+def normalize_event(event: KVEvent | BlockStored | BlockRemoved | AllBlocksCleared) -> KVEvent:
+    """The block pool's events (`BlockPool.take_events()`) as wire events."""
+    if isinstance(event, KVEvent):
+        if event.type not in EVENT_TYPES:
+            raise ValueError(f"unknown KV event type {event.type!r}")
+        return event
+    if isinstance(event, BlockStored):
+        return KVEvent("stored", tuple(event.block_hashes))
+    if isinstance(event, BlockRemoved):
+        return KVEvent("removed", tuple(event.block_hashes))
+    if isinstance(event, AllBlocksCleared):
+        return KVEvent("cleared")
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+class KVEventLog:
+    """Bounded log of event batches with the resulting set of cached hashes; publish from any thread."""
+
+    def __init__(
+        self, block_size: int, hash_extra: tuple[str | int | None, ...], retain_batches: int = 4096
+    ) -> None:
+        self.block_size = block_size
+        self.hash_extra = tuple(hash_extra)
+        self.epoch = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._batches: deque[tuple[int, tuple[KVEvent, ...]]] = deque(maxlen=retain_batches)
+        self._seq = 0
+        self._cached: set[bytes] = set()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def publish(self, events: Iterable) -> int:
+        batch = tuple(normalize_event(e) for e in events)
+        if not batch:
+            return self._seq
+        with self._lock:
+            for e in batch:
+                if e.type == "stored":
+                    self._cached.update(e.block_hashes)
+                elif e.type == "removed":
+                    self._cached.difference_update(e.block_hashes)
+                else:
+                    self._cached.clear()
+            self._seq += 1
+            self._batches.append((self._seq, batch))
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:
+            loop.call_soon_threadsafe(ev.set)
+        return self._seq
+
+    def read(self, since: int | None, epoch: str | None) -> dict:
+        """The reply body for a poll from `since` (None: a new subscriber)."""
+        with self._lock:
+            oldest = self._batches[0][0] if self._batches else self._seq + 1
+            in_window = since is not None and epoch == self.epoch and oldest - 1 <= since <= self._seq
+            if in_window:
+                events = [e.to_json() for seq, batch in self._batches if seq > since for e in batch]
+                reset = False
+            else:
+                stored = KVEvent("stored", tuple(self._cached))
+                events = [{"type": "cleared", "block_hashes": []}, stored.to_json()]
+                reset = True
+            return {
+                "epoch": self.epoch,
+                "seq": self._seq,
+                "reset": reset,
+                "block_size": self.block_size,
+                "hash_extra": list(self.hash_extra),
+                "events": events,
+            }
+
+    async def wait_after(self, since: int, timeout: float) -> None:
+        ev = asyncio.Event()
+        with self._lock:
+            if self._seq != since:
+                return
+            self._waiters.append((asyncio.get_running_loop(), ev))
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except TimeoutError:
+            with self._lock:
+                self._waiters = [w for w in self._waiters if w[1] is not ev]
+
+
+def _query_float(request: web.Request, name: str, default: float) -> float:
+    try:
+        return float(request.query.get(name, default))
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"{name} must be a number") from e
+
+
+def kv_event_routes(log: KVEventLog, load_fn: Callable[[], LoadReport]) -> list[web.RouteDef]:
+    async def kv_events(request: web.Request) -> web.Response:
+        raw_since = request.query.get("since")
+        epoch = request.query.get("epoch")
+        since: int | None = None
+        if raw_since is not None:
+            try:
+                since = int(raw_since)
+            except ValueError as e:
+                raise web.HTTPBadRequest(text="since must be an integer") from e
+        wait = min(max(_query_float(request, "wait", 0.0), 0.0), MAX_WAIT_SECONDS)
+        if since is not None and epoch == log.epoch and since == log.seq and wait > 0:
+            await log.wait_after(since, wait)
+        return web.json_response(log.read(since, epoch))
+
+    async def load(request: web.Request) -> web.Response:
+        return web.json_response(load_fn().to_json())
+
+    return [web.get("/v1/kv-events", kv_events), web.get("/load", load)]
+
+
+def make_kv_events_app(log: KVEventLog, load_fn: Callable[[], LoadReport]) -> web.Application:
+    app = web.Application()
+    app.add_routes(kv_event_routes(log, load_fn))
+    return app

@@ -1,0 +1,52 @@
+"""`tokenfleet route --config PATH`: run the cache-aware router."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from aiohttp import web
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.router.app import build_app
+from tokenfleet.runtime.router.config import RouterConfig
+from tokenfleet.runtime.server.translate import Tokenizer
+
+
+def load_tokenizer(source: str) -> Tokenizer | None:
+    """The model's tokenizer only (no weights), through the runtime's model loader."""
+    loader = importlib.import_module("tokenfleet.runtime.model.loader")
+    return loader.load_tokenizer(source)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tokenfleet route", description="Run the cache-aware router.")
+    p.add_argument("--config", required=True, help="RouterConfig YAML (the operator's ConfigMap).")
+    p.add_argument("--host", help="Override the config's host.")
+    p.add_argument("--port", type=int, help="Override the config's port.")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = RouterConfig.load(args.config)
+    except ConfigError as e:
+        print(f"tokenfleet route: {e}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        config = config.model_copy(update=overrides)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(build_app(config, load_tokenizer), host=config.host, port=config.port, print=None)
+    return 0

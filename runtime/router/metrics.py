@@ -1,0 +1,69 @@
+"""Router metrics (Prometheus), on a registry owned by the app rather than the process-global one."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "tokenfleet:router_"
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            PREFIX + "requests", "Requests by model and HTTP status.", ["model", "status"], registry=r
+        )
+        self.decisions = Counter(
+            PREFIX + "decisions",
+            "Routing decisions by reason (prefix_hit, load, round_robin, session, hotspot_guard, fallback).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_match_blocks = Histogram(
+            PREFIX + "prefix_match_blocks",
+            "Leading prompt blocks cached on the chosen endpoint.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.prefix_match_ratio = Histogram(
+            PREFIX + "prefix_match_ratio",
+            "Cached fraction of the prompt's full blocks on the chosen endpoint.",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            PREFIX + "endpoint_in_flight", "Requests in flight per endpoint.", ["endpoint"], registry=r
+        )
+        self.healthy = Gauge(
+            PREFIX + "endpoint_healthy", "1 when the endpoint takes traffic.", ["endpoint"], registry=r
+        )
+        self.events_live = Gauge(
+            PREFIX + "endpoint_kv_events_live",
+            "1 when the exact index follows the endpoint.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.retries = Counter(
+            PREFIX + "retries", "Attempts retried on another endpoint.", ["reason"], registry=r
+        )
+        self.ejections = Counter(PREFIX + "ejections", "Endpoint ejections.", ["endpoint"], registry=r)
+        self.stream_errors = Counter(
+            PREFIX + "stream_errors", "Streams ended with an error event after the first byte.", registry=r
+        )
+        self.rate_limited = Counter(PREFIX + "rate_limited", "429s by limit kind.", ["kind"], registry=r)
+        self.queue_waiting = Gauge(
+            PREFIX + "queue_waiting", "Requests waiting for capacity in the router.", registry=r
+        )
+
+    def forget_endpoint(self, endpoint: str) -> None:
+        for g in (self.in_flight, self.healthy, self.events_live):
+            with contextlib.suppress(KeyError):
+                g.remove(endpoint)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,234 @@
+"""Forward one admitted request: pick, send, retry before the first byte, then stream through unbuffered.
+
+Retry rule: a connection failure, a timeout before the response headers, a 5xx, or a 429 from the pod
+(its queue is full) sends the request to another endpoint, at most `retries.maxAttempts` attempts in all.
+Once the first byte has reached the client nothing can be retried: a stream that breaks then ends with an
+SSE error event and `data: [DONE]`, so a client never waits on a dead pod. Non-streaming replies are read
+whole before anything is sent (they are one JSON object), which keeps them retryable until complete.
+Every wait has a bound: connect, first byte, and the silence between stream chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from tokenfleet.runtime.router.config import Retries
+from tokenfleet.runtime.router.fleet import Fleet, Pick, PromptKey
+from tokenfleet.runtime.router.model_routes import RouteTarget
+
+log = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself on the way out.
+_DROP_RESPONSE = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "date",
+    "server",
+}
+_FORWARD_REQUEST = (
+    "authorization",
+    "content-type",
+    "accept",
+    "x-request-id",
+    "openai-organization",
+    "user-agent",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    path: str
+    payload: dict
+    stream: bool
+    headers: dict[str, str]
+    targets: tuple[RouteTarget, ...]
+    prompt: PromptKey
+    session_key: str | None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the app needs after forwarding: for metrics and the token rate limit."""
+
+    status: int
+    completion_tokens: int = 0
+    endpoint: str | None = None
+
+
+def error_body(message: str, type_: str, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def sse_error(message: str) -> bytes:
+    body = error_body(message, "upstream_error", "stream_interrupted")
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def request_headers(incoming, priority: int) -> dict[str, str]:
+    headers = {k: incoming[k] for k in _FORWARD_REQUEST if k in incoming}
+    headers["x-tokenfleet-priority"] = str(priority)
+    return headers
+
+
+def _body_for(out: Outgoing, pick: Pick) -> bytes:
+    payload = out.payload
+    if payload.get("model") != pick.endpoint.model:
+        payload = {**payload, "model": pick.endpoint.model}  # a fallback or an alias: name the pod's model
+    return json.dumps(payload).encode()
+
+
+def _response_headers(upstream: aiohttp.ClientResponse, pick: Pick) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+    headers["x-tokenfleet-endpoint"] = pick.endpoint.url
+    headers["x-tokenfleet-route"] = pick.decision.reason
+    return headers
+
+
+def _count_sse_tokens(chunk: bytes) -> int:
+    # One SSE event per generated token is what our pods (and vLLM) send; [DONE] and usage-only events are few.
+    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+
+
+async def forward(
+    request: web.Request, fleet: Fleet, out: Outgoing, retries: Retries
+) -> tuple[web.StreamResponse, Outcome]:
+    tried: set[str] = set()
+    last_error: tuple[int, bytes, str] | None = None
+    for attempt in range(retries.max_attempts):
+        pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset(tried))
+        if pick is None:
+            break
+        if attempt > 0:
+            fleet.metrics.retries.labels(last_error[2] if last_error else "unknown").inc()
+        ep = pick.endpoint
+        tried.add(ep.id)
+        fleet.acquire(ep)
+        try:
+            result = await _attempt(request, fleet, out, pick, retries)
+        finally:
+            fleet.release(ep)
+        if isinstance(result, tuple):
+            last_error = result
+            continue
+        fleet.metrics.decisions.labels(pick.decision.reason).inc()
+        fleet.metrics.prefix_match_blocks.observe(pick.decision.prefix_blocks)
+        if pick.num_blocks:
+            fleet.metrics.prefix_match_ratio.observe(min(pick.decision.prefix_blocks / pick.num_blocks, 1.0))
+        return result
+    if last_error is not None:
+        status, body, _ = last_error
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        return resp, Outcome(status)
+    body = error_body("no healthy endpoint serves this model", "service_unavailable", "no_healthy_endpoint")
+    return web.json_response(body, status=503, headers={"Retry-After": "1"}), Outcome(503)
+
+
+async def _attempt(
+    request: web.Request, fleet: Fleet, out: Outgoing, pick: Pick, retries: Retries
+) -> tuple[web.StreamResponse, Outcome] | tuple[int, bytes, str]:
+    """One try. Returns the response sent to the client, or (status, body, reason) to retry elsewhere."""
+    ep = pick.endpoint
+    timeout = aiohttp.ClientTimeout(total=None, connect=retries.connect_timeout_seconds, sock_read=None)
+    try:
+        upstream = await asyncio.wait_for(
+            fleet.session.post(
+                ep.url + out.path, data=_body_for(out, pick), headers=out.headers, timeout=timeout
+            ),
+            retries.first_byte_timeout_seconds,
+        )
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        fleet.report(ep, False)
+        reason = "timeout" if isinstance(e, TimeoutError) else "connect"
+        msg = f"endpoint {ep.url} unreachable: {type(e).__name__}"
+        return 502, json.dumps(error_body(msg, "upstream_error", "upstream_unreachable")).encode(), reason
+    async with upstream:
+        if upstream.status >= 500 or upstream.status == 429:
+            body = await _read_quietly(upstream, retries.idle_timeout_seconds)
+            if upstream.status >= 500:
+                fleet.report(ep, False)
+            return upstream.status, body, "overloaded" if upstream.status == 429 else "5xx"
+        fleet.record_route(pick)
+        if not out.stream or upstream.status != 200:
+            return await _whole(fleet, pick, upstream, retries)
+        return await _stream(request, fleet, pick, upstream, retries)
+
+
+async def _read_quietly(upstream: aiohttp.ClientResponse, timeout: float) -> bytes:
+    try:
+        return await asyncio.wait_for(upstream.read(), timeout)
+    except (aiohttp.ClientError, TimeoutError):
+        return json.dumps(error_body("upstream failed", "upstream_error")).encode()
+
+
+async def _whole(
+    fleet: Fleet, pick: Pick, upstream: aiohttp.ClientResponse, retries: Retries
+) -> tuple[web.StreamResponse, Outcome] | tuple[int, bytes, str]:
+    try:
+        body = await asyncio.wait_for(upstream.read(), retries.first_byte_timeout_seconds)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        fleet.report(pick.endpoint, False)
+        msg = f"endpoint {pick.endpoint.url} failed mid-response: {type(e).__name__}"
+        return 502, json.dumps(error_body(msg, "upstream_error", "upstream_failed")).encode(), "broken"
+    fleet.report(pick.endpoint, True)
+    tokens = 0
+    if upstream.status == 200:
+        try:
+            tokens = int(json.loads(body).get("usage", {}).get("completion_tokens", 0))
+        except (ValueError, AttributeError, TypeError):
+            tokens = 0
+    resp = web.Response(status=upstream.status, body=body, headers=_response_headers(upstream, pick))
+    return resp, Outcome(upstream.status, tokens, pick.endpoint.id)
+
+
+async def _stream(
+    request: web.Request, fleet: Fleet, pick: Pick, upstream: aiohttp.ClientResponse, retries: Retries
+) -> tuple[web.StreamResponse, Outcome]:
+    resp = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream, pick))
+    await resp.prepare(request)
+    outcome = Outcome(upstream.status, 0, pick.endpoint.id)
+    ended = False
+    tail = b""  # the end marker may straddle two chunks
+    try:
+        while True:
+            chunk = await asyncio.wait_for(upstream.content.readany(), retries.idle_timeout_seconds)
+            if not chunk:
+                break
+            outcome.completion_tokens += _count_sse_tokens(chunk)
+            window = tail + chunk
+            ended = ended or b"data: [DONE]" in window
+            tail = window[-16:]
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+        fleet.report(pick.endpoint, False)
+        fleet.metrics.stream_errors.inc()
+        log.warning("stream from %s broke after the first byte: %s", pick.endpoint.url, type(e).__name__)
+        await _write_quietly(resp, sse_error(f"the serving endpoint failed mid-stream ({type(e).__name__})"))
+        return resp, outcome
+    except ConnectionResetError:
+        return resp, outcome  # the client left; leaving the context closes the upstream request, aborting it
+    if not ended:
+        # The pod closed cleanly but never finished the stream (e.g. killed between events).
+        fleet.metrics.stream_errors.inc()
+        await _write_quietly(resp, sse_error("the serving endpoint closed the stream early"))
+    else:
+        fleet.report(pick.endpoint, True)
+    await _write_quietly(resp, None)
+    return resp, outcome
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes | None) -> None:
+    try:
+        if data is not None:
+            await resp.write(data)
+        else:
+            await resp.write_eof()
+    except (ConnectionResetError, RuntimeError):
+        pass

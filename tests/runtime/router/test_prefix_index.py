@@ -1,0 +1,56 @@
+"""Longest cached prefix per endpoint, from events (exact) or from routing history (approximate)."""
+
+from __future__ import annotations
+
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
+from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex
+
+EXTRA = hash_extra("m")
+H = block_hashes_for(list(range(80)), 16, EXTRA)  # 5 chained blocks
+
+
+def test_exact_longest_leading_match():
+    idx = ExactPrefixIndex()
+    idx.stored("a", H[:4])
+    idx.stored("b", H[:2])
+    idx.stored("c", H[1:])  # holds later blocks but not the first: unusable
+    assert idx.match(H, ["a", "b", "c", "d"]) == {"a": 4, "b": 2, "c": 0, "d": 0}
+
+
+def test_removal_cuts_the_chain_and_clear_forgets():
+    idx = ExactPrefixIndex()
+    idx.stored("a", H)
+    idx.removed("a", [H[2]])
+    assert idx.match(H, ["a"]) == {"a": 2}
+    idx.clear("a")
+    assert idx.match(H, ["a"]) == {"a": 0}
+    assert idx.num_blocks("a") == 0
+
+
+def test_replace_is_a_resync():
+    idx = ExactPrefixIndex()
+    idx.stored("a", H)
+    idx.stored("b", H[:1])
+    idx.replace("a", H[:3])
+    assert idx.match(H, ["a", "b"]) == {"a": 3, "b": 1}
+    assert idx.num_blocks("a") == 3
+
+
+def test_different_salt_never_matches():
+    other = block_hashes_for(list(range(80)), 16, hash_extra("m", "tenant-2"))
+    idx = ExactPrefixIndex()
+    idx.stored("a", H)
+    assert idx.match(other, ["a"]) == {"a": 0}
+
+
+def test_approximate_records_routes_and_evicts_least_recent():
+    idx = ApproximatePrefixIndex(capacity_blocks=6)
+    idx.record("a", H[:4])
+    idx.record("b", H[:2])  # refreshes H0, H1: now the most recent
+    assert idx.match(H, ["a", "b"]) == {"a": 4, "b": 2}
+    other = block_hashes_for(list(range(100, 164)), 16, EXTRA)
+    idx.record("c", other[:3])  # 7 entries > 6: the oldest (H2) goes, cutting a's chain
+    assert len(idx) == 6
+    assert idx.match(H, ["a", "b"]) == {"a": 2, "b": 2}
+    idx.forget("a")
+    assert idx.match(H, ["a", "b"]) == {"a": 0, "b": 2}

@@ -1,0 +1,104 @@
+"""Scorer maths, the hot-spot guard, and each strategy's choice on hand-built candidate lists."""
+
+from __future__ import annotations
+
+import pytest
+from tokenfleet.runtime.router.config import Balance, RoutingSpec, Weights
+from tokenfleet.runtime.router.scoring import (
+    STRATEGIES,
+    Candidate,
+    RouteQuery,
+    combined_scores,
+    is_imbalanced,
+    make_strategy,
+    queue_scores,
+)
+
+
+def spec(**kw) -> RoutingSpec:
+    return RoutingSpec.model_validate(kw)
+
+
+def test_queue_scores_are_min_max_normalised():
+    assert queue_scores([0, 5, 10]) == [1.0, 0.5, 0.0]
+    assert queue_scores([3, 3]) == [1.0, 1.0]
+
+
+def test_combined_score_is_the_weighted_sum():
+    cands = [Candidate("a", load=0, kv_usage=0.5, prefix_blocks=4), Candidate("b", load=4, kv_usage=0.0)]
+    scores = combined_scores(cands, RouteQuery(num_blocks=8), Weights(prefix=3, queue=2, kv_usage=1))
+    assert scores == pytest.approx([3 * 0.5 + 2 * 1.0 + 1 * 0.5, 0 + 0 + 1.0])
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        ([0, 8], False),  # spread 8 is not above absolute 8
+        ([0, 9], True),
+        ([10, 19], False),  # 19 <= 2 * 10: relative threshold not passed
+        ([10, 21], True),
+        ([5], False),
+    ],
+)
+def test_hotspot_thresholds(loads, expected):
+    assert is_imbalanced(loads, Balance(absolute=8, relative=2.0)) is expected
+
+
+def test_prefix_affinity_prefers_the_cached_pod_while_balanced():
+    s = make_strategy(spec(strategy="prefix-affinity"))
+    cands = [Candidate("a", load=3, prefix_blocks=60), Candidate("b", load=0), Candidate("c", load=1)]
+    d = s.choose(RouteQuery(num_blocks=64), cands)
+    assert (d.endpoint_id, d.reason, d.prefix_blocks) == ("a", "prefix_hit", 60)
+
+
+def test_hotspot_guard_lets_load_win():
+    s = make_strategy(spec(strategy="prefix-affinity", balance={"absolute": 4, "relative": 1.5}))
+    cands = [
+        Candidate("a", load=20, prefix_blocks=64),
+        Candidate("b", load=2),
+        Candidate("c", load=2, prefix_blocks=1),
+    ]
+    d = s.choose(RouteQuery(num_blocks=64), cands)
+    # Load decides; among the least loaded the longer prefix breaks the tie.
+    assert (d.endpoint_id, d.reason) == ("c", "hotspot_guard")
+
+
+def test_queue_can_outweigh_a_short_prefix():
+    s = make_strategy(spec(strategy="prefix-affinity", weights={"prefix": 1, "queue": 2, "kvUsage": 0}))
+    cands = [Candidate("a", load=6, prefix_blocks=2), Candidate("b", load=0)]
+    assert s.choose(RouteQuery(num_blocks=64), cands).endpoint_id == "b"
+
+
+def test_least_load_ignores_prefix_and_uses_kv_usage():
+    s = make_strategy(spec(strategy="least-load"))
+    cands = [
+        Candidate("a", load=1, kv_usage=0.1, prefix_blocks=64),
+        Candidate("b", load=0, kv_usage=0.9),
+        Candidate("c", load=0, kv_usage=0.2),
+    ]
+    d = s.choose(RouteQuery(num_blocks=64), cands)
+    assert (d.endpoint_id, d.reason) == ("c", "load")
+
+
+def test_round_robin_cycles_in_a_stable_order():
+    s = make_strategy(spec(strategy="round-robin"))
+    cands = [Candidate("b", 0), Candidate("a", 5), Candidate("c", 0)]
+    assert [s.choose(RouteQuery(), cands).endpoint_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_session_affinity_sticks_and_falls_back_without_a_key():
+    s = make_strategy(spec(strategy="session-affinity"))
+    cands = [Candidate(x, load=1) for x in "abcd"]
+    first = s.choose(RouteQuery(session_key="user-42"), cands)
+    assert first.reason == "session"
+    assert all(s.choose(RouteQuery(session_key="user-42"), cands) == first for _ in range(5))
+    no_key = s.choose(RouteQuery(num_blocks=4), [Candidate("a", 0, prefix_blocks=4), Candidate("b", 0)])
+    assert (no_key.endpoint_id, no_key.reason) == ("a", "prefix_hit")
+
+
+def test_registry_covers_every_configurable_strategy():
+    from typing import get_args
+
+    from tokenfleet.runtime.router.config import Strategy
+
+    assert set(STRATEGIES) == set(get_args(Strategy))
