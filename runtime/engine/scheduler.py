@@ -1,0 +1,350 @@
+"""Scheduler: continuous batching with one rule — `num_computed_tokens` catches up with `num_tokens`.
+
+There are no prefill and decode phases. Each step hands out a token budget (`max_num_batched_tokens`):
+1. RUNNING requests first, in admission order: each gets what it still lacks, capped by the budget (a
+   decode lacks 1 token, plus its speculative proposals; a long prompt gets a chunk). When the KV cache
+   cannot hold a request's tokens, the lowest-priority, newest running request is preempted (blocks
+   freed, recomputed later) until the allocation succeeds or the request itself was the one preempted.
+2. Then WAITING requests in (priority, arrival) order — preempted ones keep their place, ahead of later
+   arrivals — while budget, `max_num_seqs` and free blocks allow: prefix-cache hits start
+   `num_computed_tokens` ahead, the rest of the prompt gets a chunk. Strict FCFS: when the head cannot
+   be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
+
+A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
+rule covers resumption. Synchronous, deterministic, no torch: one engine thread owns all of this state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
+from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
+from tokenfleet.runtime.engine.request import Request, RequestStatus
+from tokenfleet.runtime.engine.scheduler_output import (
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from tokenfleet.runtime.errors import CapacityError, ConfigError, ContextLengthExceeded, InvalidRequest
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        if max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # Without chunking a whole sequence must fit one step, or a long one could never run.
+            raise ConfigError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when chunked prefill is off"
+            )
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        # Waiting heap of (priority, arrival_time, order, request); `order` (fixed at add) breaks ties and
+        # makes entries unique. Aborted entries are dropped lazily: an entry is live only while
+        # `_waiting_order[id]` equals its order.
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._waiting_order: dict[str, int] = {}
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._aborted_ids: list[str] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions_total = 0
+
+    # ---- queries -----------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_order)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions_total=self.num_preemptions_total,
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+        )
+
+    # ---- admission and removal -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidRequest(f"duplicate request id {rid!r}", param="request_id")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if num_prompt >= self.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_prompt} tokens; the context length is {self.max_model_len}",
+                param="prompt",
+            )
+        # The last token is never fed back, so a sequence of final length L holds L - 1 tokens of KV.
+        # One that cannot fit the whole cache would be preempted forever: refuse it now.
+        if not self.kv.can_fit(self._length_limit(request) - 1):
+            raise CapacityError(
+                f"prompt ({num_prompt} tokens) + max_tokens cannot fit in the KV cache "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)",
+                param="max_tokens",
+            )
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self._order[rid] = next(self._counter)
+        self._push_waiting(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request in any state (stop string found, abort); frees its blocks. None if unknown."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is _RUNNING:
+            self.running.remove(request)
+        else:
+            self._waiting_order.pop(request_id, None)
+        request.status = status
+        self._release(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Abort in any state; frees everything at once. False if the id is unknown (or already done)."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_scheduled: dict[str, tuple[int, ...]] = {}
+        preempted: list[str] = []
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_missing = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_missing, budget)
+            spec: tuple[int, ...] = ()
+            if request.spec_token_ids and num_new == num_missing:
+                # Each accepted proposal adds a token: stay within max_tokens / the context length.
+                num_spec = min(
+                    len(request.spec_token_ids),
+                    budget - num_new,
+                    self._length_limit(request) - request.num_tokens - 1,
+                )
+                if num_spec > 0:
+                    spec = tuple(request.spec_token_ids[:num_spec])
+            while self.kv.allocate_slots(request, num_new + len(spec)) is None:
+                victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
+                victim = running.pop(victim_index)
+                vid = victim.request_id
+                if vid in num_scheduled:  # already given tokens in this step: take them back
+                    budget += num_scheduled.pop(vid) + len(spec_scheduled.pop(vid, ()))
+                self._preempt(victim)
+                preempted.append(vid)
+                if victim_index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            else:
+                num_scheduled[request.request_id] = num_new
+                if spec:
+                    spec_scheduled[request.request_id] = spec
+                budget -= num_new + len(spec)
+                i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled)
+
+        scheduled = []
+        for request in running:
+            rid = request.request_id
+            num_new = num_scheduled.get(rid)
+            if num_new is None:
+                continue
+            start = request.num_computed_tokens
+            if num_new == 1:  # a decode: avoid slicing
+                num_prompt = request.num_prompt_tokens
+                token_ids: tuple[int, ...] = (
+                    (request.prompt_token_ids[start],)
+                    if start < num_prompt
+                    else (request.output_token_ids[start - num_prompt],)
+                )
+            else:
+                token_ids = tuple(token_slice(request, start, start + num_new))
+            scheduled.append(
+                ScheduledRequest(
+                    rid,
+                    token_ids,
+                    start,
+                    self.kv.get_block_ids(rid),
+                    start + num_new == request.num_tokens,
+                    spec_scheduled.get(rid, ()),
+                )
+            )
+        output = SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=tuple(preempted),
+            aborted_ids=tuple(self._aborted_ids),
+            finished_ids=tuple(self._finished_ids),
+        )
+        self._aborted_ids.clear()
+        self._finished_ids.clear()
+        return output
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+        """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left."""
+        chunked = self.config.enable_chunked_prefill
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                break
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            heapq.heappop(self._waiting)
+            del self._waiting_order[request.request_id]
+            if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = _RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results; the requests that finished in it (their blocks are freed).
+
+        `sampled[id]` holds, for each `sample=True` entry, the accepted speculative tokens followed by
+        the one sampled after them (1 .. k+1 tokens for k proposals). KV slots of rejected proposals are
+        rolled back. Tokens after a stop condition are dropped.
+        """
+        finished: list[Request] = []
+        for scheduled in output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not _RUNNING:
+                continue  # aborted or finished since the step was scheduled
+            if not scheduled.sample:
+                request.num_computed_tokens += len(scheduled.token_ids)
+                continue
+            new_token_ids = sampled.get(scheduled.request_id)
+            num_spec = len(scheduled.spec_token_ids)
+            if not new_token_ids or len(new_token_ids) > num_spec + 1:
+                raise ValueError(
+                    f"request {scheduled.request_id!r}: expected 1..{num_spec + 1} sampled tokens, "
+                    f"got {new_token_ids!r}"
+                )
+            # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
+            request.num_computed_tokens += len(scheduled.token_ids) + len(new_token_ids) - 1
+            status = None
+            for token_id in new_token_ids:
+                request.output_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            if request.num_computed_tokens >= request.num_tokens:  # tokens dropped after a stop
+                request.num_computed_tokens = request.num_tokens - 1
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # consumed; the proposer sets fresh ones for the next step
+            if status is not None:
+                request.status = status
+                finished.append(request)
+            elif len(new_token_ids) <= num_spec:
+                self.kv.free_blocks_beyond(request, request.num_tokens)
+        if finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+            for request in finished:
+                self._release(request)
+        return finished
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+
+    def _length_limit(self, request: Request) -> int:
+        """The most tokens (prompt + output) this request may ever have."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= self._length_limit(request):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preemption_key(self, request: Request) -> tuple[int, float, int]:
+        """The largest key is preempted first: lowest priority (largest value), then the newest."""
+        return (request.priority, request.arrival_time, self._order[request.request_id])
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)  # caches its computed full blocks: resuming may hit them
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.spec_token_ids = []
+        self.num_preemptions_total += 1
+        self._push_waiting(request)
+
+    def _release(self, request: Request) -> None:
+        """Forget a request that reached a finished status; frees its blocks."""
+        self.kv.free(request)
+        rid = request.request_id
+        del self._requests[rid]
+        del self._order[rid]
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            self._aborted_ids.append(rid)
+        else:
+            self._finished_ids.append(rid)
+
+    def _push_waiting(self, request: Request) -> None:
+        order = self._order[request.request_id]
+        self._waiting_order[request.request_id] = order
+        heapq.heappush(self._waiting, (request.priority, request.arrival_time, order, request))
+        # Lazily dropped entries of aborted requests must not pile up.
+        if len(self._waiting) > 2 * len(self._waiting_order) + 64:
+            self._waiting = [e for e in self._waiting if self._waiting_order.get(e[3].request_id) == e[2]]
+            heapq.heapify(self._waiting)
+
+    def _peek_waiting(self) -> Request | None:
+        waiting = self._waiting
+        while waiting:
+            _, _, order, request = waiting[0]
+            if self._waiting_order.get(request.request_id) == order:
+                return request
+            heapq.heappop(waiting)
+        return None

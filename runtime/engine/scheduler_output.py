@@ -1,0 +1,54 @@
+"""What one scheduler step tells the model runner (frozen messages, built by the scheduler only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Feed `token_ids` at positions `start_pos ...`, then `spec_token_ids` (speculative proposals to verify)
+    right after them; `block_ids` is the request's whole block table and covers all of those positions.
+    `sample` is True when the chunk reaches the end of the request's known tokens: the runner samples
+    one token after the last of `token_ids` (and verifies the proposals when there are any).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots this request uses in the step (its share of the token budget)."""
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()  # preempted in this step: their KV is gone (recomputed on resume)
+    aborted_ids: tuple[str, ...] = ()  # aborted since the previous step: drop any per-request state
+    finished_ids: tuple[str, ...] = ()  # finished (not aborted) since the previous step: likewise
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for metrics (`tokenfleet:num_requests_running`, `kv_cache_usage_perc`, ...)."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    kv_cache_usage: float  # fraction of blocks in use, 0..1
+    num_free_blocks: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (once per admission)
+    prefix_cache_hits: int  # of which served from the cache
