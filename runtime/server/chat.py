@@ -9,7 +9,7 @@ from tokenfleet.runtime.errors import TokenfleetError
 from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.errors import from_exception, sse_error_event
 from tokenfleet.runtime.server.generation import Generation
-from tokenfleet.runtime.server.logprobs import chat_logprobs
+from tokenfleet.runtime.server.logprobs import TokenRenderer, chat_logprobs
 from tokenfleet.runtime.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,7 +39,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         await gen.submit()
         if req.stream:
-            return await _stream(request, ctx, engine.tokenizer, gen, req, created)
+            return await _stream(request, ctx, TokenRenderer(engine.tokenizer), gen, req, created)
         async for _ in gen.deltas():
             pass
         ctx.record(gen.choices)
@@ -47,7 +47,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
             ChatChoice(
                 index=st.index,
                 message=AssistantMessage(content="".join(st.text)),
-                logprobs=chat_logprobs(engine.tokenizer, st.logprobs) if req.logprobs else None,
+                logprobs=chat_logprobs(TokenRenderer(engine.tokenizer), st.logprobs)
+                if req.logprobs
+                else None,
                 finish_reason=st.finish_reason,
             )
             for st in gen.choices
@@ -65,7 +67,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(
-    request, ctx: RequestContext, tokenizer, gen: Generation, req: ChatCompletionRequest, created
+    request,
+    ctx: RequestContext,
+    renderer: TokenRenderer,
+    gen: Generation,
+    req: ChatCompletionRequest,
+    created,
 ):
     resp = await sse.open_stream(request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -87,7 +94,7 @@ async def _stream(
             async for st, out in gen.deltas():
                 if not out.new_text and not out.finished and not out.new_logprobs:
                     continue  # e.g. a token held back because it may start a stop string
-                lps = chat_logprobs(tokenizer, out.new_logprobs or []) if req.logprobs else None
+                lps = chat_logprobs(renderer, out.new_logprobs or []) if req.logprobs else None
                 delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
                 finish = out.finish_reason if out.finished else None
                 await resp.write(

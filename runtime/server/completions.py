@@ -9,7 +9,7 @@ from tokenfleet.runtime.errors import TokenfleetError
 from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.errors import from_exception, sse_error_event
 from tokenfleet.runtime.server.generation import Generation
-from tokenfleet.runtime.server.logprobs import completion_logprobs
+from tokenfleet.runtime.server.logprobs import TokenRenderer, completion_logprobs
 from tokenfleet.runtime.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from tokenfleet.runtime.server.request_context import RequestContext, usage_of
 from tokenfleet.runtime.server.translate import completion_params, completion_prompts, parse_request
@@ -29,18 +29,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         await gen.submit()
         if req.stream:
-            return await _stream(request, ctx, engine.tokenizer, gen, req, created)
+            return await _stream(request, ctx, TokenRenderer(engine.tokenizer), gen, req, created)
         async for _ in gen.deltas():
             pass
         ctx.record(gen.choices)
+        renderer = TokenRenderer(engine.tokenizer)
         choices = []
         for st in gen.choices:
             echo = prompts[st.prompt_index].text if req.echo else ""
-            lps = (
-                completion_logprobs(engine.tokenizer, st.logprobs, len(echo))
-                if req.logprobs is not None
-                else None
-            )
+            lps = None
+            if req.logprobs is not None:
+                lps = completion_logprobs(renderer, st.logprobs, len(echo))
             choices.append(
                 CompletionChoice(
                     index=st.index, text=echo + "".join(st.text), logprobs=lps, finish_reason=st.finish_reason
@@ -59,7 +58,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(
-    request, ctx: RequestContext, tokenizer, gen: Generation, req: CompletionRequest, created: int
+    request,
+    ctx: RequestContext,
+    renderer: TokenRenderer,
+    gen: Generation,
+    req: CompletionRequest,
+    created: int,
 ):
     resp = await sse.open_stream(request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -84,7 +88,7 @@ async def _stream(
                     continue  # e.g. a token held back because it may start a stop string
                 lps = None
                 if req.logprobs is not None:
-                    lps = completion_logprobs(tokenizer, out.new_logprobs or [], offsets[st.index])
+                    lps = completion_logprobs(renderer, out.new_logprobs or [], offsets[st.index])
                     offsets[st.index] += sum(len(t) for t in lps.tokens)
                 finish = out.finish_reason if out.finished else None
                 await resp.write(
