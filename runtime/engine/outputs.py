@@ -1,0 +1,70 @@
+"""Messages the engine hands to its callers (frozen: they cross the engine-thread / event-loop boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token under the raw model distribution, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Monotonic timestamps (seconds) of one request's life, for latency histograms."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A delta: what one request produced in one engine step (the last one has finished=True)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None  # only on the final output
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """The whole result of one offline request (LLM.generate)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens, cumulative
+    prefix_cache_hits: int = 0  # tokens, cumulative
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0
