@@ -1,0 +1,153 @@
+"""Pure builders: spec -> RuntimeConfig and manifests, asserted exactly."""
+
+from __future__ import annotations
+
+import pytest
+from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment
+from tokenfleet.operator.builders import (
+    build_config_map,
+    build_deployment,
+    build_runtime_config,
+    build_service,
+    config_hash,
+    selector_string,
+)
+from tokenfleet.runtime.config import RuntimeConfig
+
+CPU = {"model": {"servedName": "smol"}, "engine": {"maxNumSeqs": 8, "maxWaiting": 10}}
+GPU = {
+    "model": {"source": "pvc://models/llama-8b", "quantization": "fp8", "dtype": "bfloat16"},
+    "replicas": 2,
+    "tensorParallelSize": 2,
+    "resources": {"gpus": 2, "cpu": "8", "memory": "64Gi"},
+}
+
+
+def _runtime(spec: dict, cache: dict | None = None) -> tuple:
+    md = parse_model_deployment(spec)
+    cp = parse_cache_policy(cache) if cache is not None else None
+    return md, build_runtime_config(md, cp)
+
+
+def test_runtime_config_from_spec_and_cache_policy():
+    _, cfg = _runtime(
+        CPU,
+        {
+            "blockSize": 32,
+            "prefixCaching": {"ttlSeconds": 30, "eviction": "s3fifo"},
+            "cpuOffload": {"enabled": True, "sizeGiB": 4},
+        },
+    )
+    assert cfg.model.model == "smollm2-135m-instruct" and cfg.model.name == "smol"
+    assert cfg.model.device == "cpu"
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_waiting) == (8, 10)
+    assert (cfg.cache.block_size, cfg.cache.ttl_seconds, cfg.cache.eviction) == (32, 30, "s3fifo")
+    assert cfg.cache.cpu_offload_gib == 4
+    assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
+    # What the pod reads back is what the operator meant.
+    assert RuntimeConfig.model_validate(__import__("yaml").safe_load(cfg.dump_yaml())) == cfg
+
+
+def test_without_cache_policy_the_runtime_defaults_apply():
+    _, cfg = _runtime({})
+    assert cfg.cache == RuntimeConfig().cache
+
+
+def test_live_fields_keep_the_hash_restart_fields_change_it():
+    _, base = _runtime(CPU, {"prefixCaching": {"ttlSeconds": 30}})
+    _, live = _runtime(
+        CPU, {"prefixCaching": {"ttlSeconds": 90, "eviction": "lfu"}, "pinnedPrefixes": ["sys"]}
+    )
+    _, restart = _runtime(CPU, {"blockSize": 32, "prefixCaching": {"ttlSeconds": 30}})
+    assert config_hash(base) == config_hash(live)
+    assert config_hash(base) != config_hash(restart)
+    assert len(config_hash(base)) == 16
+
+
+def test_cpu_deployment_manifest():
+    md, cfg = _runtime(CPU)
+    dep = build_deployment("smol", md, cfg)
+    assert dep["metadata"]["name"] == "smol"
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/instance": "smol", "app.kubernetes.io/component": "runtime"}
+    }
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["tokenfleet", "serve", "--config", "/etc/tokenfleet/runtime.yaml"]
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 300
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert pod["volumes"][0] == {"name": "config", "configMap": {"name": "smol-runtime"}}
+    assert pod["terminationGracePeriodSeconds"] == 35  # drain 30 s + 5
+    assert "tolerations" not in pod and "initContainers" not in pod
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["serving.tokenfleet.dev/config-hash"] == config_hash(cfg)
+
+
+def test_gpu_deployment_manifest():
+    md, cfg = _runtime(GPU)
+    assert cfg.model.model == "/models/models/llama-8b" and cfg.model.name == "llama-8b"
+    assert (cfg.model.device, cfg.model.quantization) == ("cuda", "fp8")
+    pod = build_deployment("llama", md, cfg)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"},
+    }
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    assert {"name": "model", "mountPath": "/models/models", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert c["startupProbe"]["failureThreshold"] == 60
+
+
+def test_hf_source_uses_an_init_container():
+    md, cfg = _runtime({"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct@v1"}})
+    assert cfg.model.model == "/models/Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg.model.name == "Qwen/Qwen2.5-0.5B-Instruct"
+    pod = build_deployment("qwen", md, cfg)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == [
+        "hf", "download", "Qwen/Qwen2.5-0.5B-Instruct", "--local-dir", "/models/Qwen/Qwen2.5-0.5B-Instruct",
+        "--revision", "v1",
+    ]  # fmt: skip
+    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+
+
+def test_hostpath_source_mounts_the_same_path():
+    md, cfg = _runtime({"model": {"source": "file:///data/smol.gguf"}})
+    assert (cfg.model.model, cfg.model.name) == ("/data/smol.gguf", "smol")
+    pod = build_deployment("dev", md, cfg)["spec"]["template"]["spec"]
+    assert {"name": "model", "hostPath": {"path": "/data/smol.gguf"}} in pod["volumes"]
+
+
+def test_config_map_and_service():
+    _, cfg = _runtime(CPU)
+    cm = build_config_map("smol", cfg)
+    assert cm["metadata"]["name"] == "smol-runtime"
+    assert cm["data"] == {"runtime.yaml": cfg.dump_yaml()}
+    svc = build_service("smol")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["selector"] == {
+        "app.kubernetes.io/instance": "smol",
+        "app.kubernetes.io/component": "runtime",
+    }
+    assert selector_string("smol") == "app.kubernetes.io/instance=smol,app.kubernetes.io/component=runtime"
+
+
+@pytest.mark.parametrize("replicas", [0, 5])
+def test_replicas_follow_the_spec(replicas):
+    md, cfg = _runtime({**CPU, "replicas": replicas})
+    assert build_deployment("smol", md, cfg)["spec"]["replicas"] == replicas
