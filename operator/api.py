@@ -188,6 +188,12 @@ class PolicyStatus(_Spec):
 
 
 # ---------------------------------------------------------------------------------------------------- registry
+# Lists whose items are unique by key (`x-kubernetes-list-type: map`): the API server rejects duplicates and
+# server-side apply merges them item by item.
+LIST_MAP_KEYS: dict[str, dict[str, list[str]]] = {
+    "RoutingPolicy": {"priorityClasses": ["name"], "modelRoutes": ["model"]},
+}
+
 # CEL rules per schema path (dotted, camelCase; "" = the spec itself). The operator checks the same rules in
 # the validators above, so a cluster without CEL still reports them (as a condition instead of a rejection).
 CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
@@ -211,15 +217,6 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
             {
                 "rule": "!has(self.enabled) || !self.enabled || (has(self.sizeGiB) && self.sizeGiB > 0.0)",
                 "message": "cpuOffload.enabled needs cpuOffload.sizeGiB > 0",
-            }
-        ],
-    },
-    "RoutingPolicy": {
-        "": [
-            {
-                "rule": "!has(self.priorityClasses) || "
-                "self.priorityClasses.all(c, self.priorityClasses.exists_one(d, d.name == c.name))",
-                "message": "priorityClasses names must be unique",
             }
         ],
     },

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
-from tokenfleet.operator.api import CEL_RULES, GROUP, KINDS, VERSION
+from tokenfleet.operator.api import CEL_RULES, GROUP, KINDS, LIST_MAP_KEYS, VERSION
 
 _DROP_KEYS = {"title", "additionalProperties", "$defs"}
 
@@ -113,6 +113,15 @@ def _attach_rules(schema: dict[str, Any], rules: dict[str, list[dict[str, str]]]
         node["x-kubernetes-validations"] = rule_list
 
 
+def _attach_list_keys(schema: dict[str, Any], keys: dict[str, list[str]]) -> None:
+    for path, key_names in keys.items():
+        node = schema
+        for part in path.split("."):
+            node = node["properties"][part]
+        node["x-kubernetes-list-type"] = "map"
+        node["x-kubernetes-list-map-keys"] = key_names
+
+
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural schema of one pydantic model (camelCase, as stored in the cluster)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
@@ -126,6 +135,7 @@ def build_crd(kind: str) -> dict[str, Any]:
     spec = openapi_schema(info["spec"])
     spec.setdefault("description", f"Desired state of the {kind}.")
     _attach_rules(spec, CEL_RULES.get(kind, {}))
+    _attach_list_keys(spec, LIST_MAP_KEYS.get(kind, {}))
     status = openapi_schema(info["status"])
     status.pop("default", None)
     status["description"] = f"Observed state of the {kind}, written by the operator."

