@@ -159,5 +159,6 @@ class Generation:
             if not state.finished:
                 # Awaited so that the KV blocks are free when the handler returns, not some time later.
                 await self._engine.abort(self.engine_id(state.index))
+                self._metrics.observe_aborted()
                 state.finished = True
                 state.finish_reason = state.finish_reason or "abort"

@@ -76,8 +76,12 @@ async def serve(
     engine_factory: Callable[[RuntimeConfig], object] | None = None,
     stop: asyncio.Event | None = None,
     announce: Callable[[str], None] = print,
+    started: Callable[[str, web.Application], None] | None = None,
 ) -> int:
-    """Run until `stop` is set (SIGTERM/SIGINT set it when not given); returns the exit status."""
+    """Run until `stop` is set (SIGTERM/SIGINT set it too); returns the exit status.
+
+    `started(url, app)` is called once the engine serves (in-process tests use it to find the port).
+    """
     if engine_factory is None:
         from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
 
@@ -123,6 +127,8 @@ async def serve(
         state.engine = engine
         announce(f"tokenfleet: serving {state.model_name!r} at {url}  (max_model_len {engine.max_model_len})")
         announce("try:\n  " + curl_example(url, state.model_name, keys.enabled))
+        if started is not None:
+            started(url, app)
         await stop.wait()
         state.draining = True
         grace = config.server.drain_seconds

@@ -199,6 +199,10 @@ class ServerMetrics:
         if m.finished_time is not None:
             self._e2e.labels(self.model_name).observe(max(0.0, m.finished_time - m.arrival_time))
 
+    def observe_aborted(self) -> None:
+        """A request the server aborted (client gone): the engine's final output never reaches us."""
+        self._success.labels(self.model_name, "abort").inc()
+
     def observe_http(self, route: str, status: int) -> None:
         self._http.labels(self.model_name, route, str(status)).inc()
 

@@ -120,7 +120,9 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[Pro
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=False)
+            # As vLLM and the offline LLM do: a raw completion prompt gets the tokenizer's own special
+            # tokens (e.g. BOS); chat prompts already carry them from the template.
+            ids = tokenizer.encode(item, add_special_tokens=True)
             prompts.append(Prompt(ids, item))
         else:
             prompts.append(Prompt(list(item), tokenizer.decode(list(item))))

@@ -8,6 +8,7 @@ need the real model use `real_server` (tests/runtime/server/test_openai_real.py 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprobs
 from tokenfleet.runtime.errors import ContextLengthExceeded, EngineDeadError, InvalidRequest, Overloaded
-from tokenfleet.runtime.server.app import build_app
+from tokenfleet.runtime.server.app import STATE_KEY, build_app
+from tokenfleet.runtime.server.main import serve
 
 
 class CharTokenizer:
@@ -135,3 +137,99 @@ async def make_client():
 @pytest.fixture
 async def client(make_client, fake_engine) -> TestClient:
     return await make_client(fake_engine)
+
+
+# --- the real default model, served in-process --------------------------------------------------------
+
+
+class ServerThread:
+    """`serve()` on its own thread and event loop, so blocking clients (openai) can call it from tests."""
+
+    def __init__(self, config: RuntimeConfig, engine_factory):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.lines: list[str] = []
+        self.url = ""
+        self.app = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-test-server", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.exit_code: int | None = None
+
+    def _run(self) -> None:
+        self.exit_code = asyncio.run(self._main())
+        self._ready.set()  # unblock start() if serving failed
+
+    async def _main(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        return await serve(
+            self.config,
+            self.engine_factory,
+            stop=self._stop,
+            announce=self.lines.append,
+            started=self._started,
+        )
+
+    def _started(self, url: str, app) -> None:
+        self.url, self.app = url, app
+        self._ready.set()
+
+    def start(self, timeout: float = 300) -> ServerThread:
+        self._thread.start()
+        assert self._ready.wait(timeout), "server did not start"
+        assert self.app is not None, f"server failed: {self.lines}"
+        return self
+
+    @property
+    def state(self):
+        return self.app[STATE_KEY]
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+def real_config(**sections) -> RuntimeConfig:
+    """The default model on CPU with a small fixed KV cache (tests are about behaviour, not capacity)."""
+    data = {"server": {"port": 0}, "cache": {"num_blocks": 256}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return RuntimeConfig.model_validate(data)
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    """The default model's weights, loaded once and shared by every real server of the session."""
+    import torch
+    from tokenfleet.runtime.model.loader import load_model
+
+    return load_model(RuntimeConfig().model, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def start_real_server(loaded_model):
+    from tokenfleet.runtime.engine.async_engine import AsyncEngine
+    from tokenfleet.runtime.engine.engine_core import EngineCore
+
+    servers: list[ServerThread] = []
+
+    def start(config: RuntimeConfig) -> ServerThread:
+        server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=loaded_model))).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_server(start_real_server) -> ServerThread:
+    return start_real_server(real_config())
