@@ -14,10 +14,12 @@ from tokenfleet.kernels._utils import (
     COMPUTE_DTYPES,
     FP8_DTYPE,
     FP8_MAX,
+    cdiv,
     check_device,
     check_kv_cache_pair,
     check_tensor,
     fp8_scales,
+    interpreter_active,
     next_power_of_2,
 )
 
@@ -34,6 +36,7 @@ def _write_kv_cache_kernel(
     slot_mapping_ptr,  # [num_tokens] int64
     k_scale_ptr,  # [1] float32
     v_scale_ptr,  # [1] float32
+    num_tokens,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -43,25 +46,26 @@ def _write_kv_cache_kernel(
     stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    block_id = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    src_k = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    src_v = value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    # Caches may hold >2**31 elements: the block offset is computed in int64 (block_id is int64 already).
-    dst = block_id * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    # One program writes BLOCK_T tokens; heads x head dims are flattened into the second tile axis.
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_valid = tokens < num_tokens
+    slots = tl.load(slot_mapping_ptr + tokens, mask=token_valid, other=-1).to(tl.int64)
+    # Caches may hold >2**31 elements: block offsets are computed in int64 (slots are int64).
+    block_ids = slots // BLOCK_SIZE
+    offsets = slots % BLOCK_SIZE
+    offs_hd = tl.arange(0, BLOCK_H * BLOCK_D)
+    heads = offs_hd // BLOCK_D
+    dims = offs_hd % BLOCK_D
+    mask = ((slots >= 0) & token_valid)[:, None] & ((heads < NUM_KV_HEADS) & (dims < HEAD_DIM))[None, :]
+    src_k = key_ptr + tokens[:, None] * stride_kt + (heads * stride_kh + dims)[None, :]
+    src_v = value_ptr + tokens[:, None] * stride_vt + (heads * stride_vh + dims)[None, :]
+    dst = (block_ids * stride_cb + offsets * stride_cs)[:, None] + (heads * stride_ch + dims)[None, :]
     k = tl.load(src_k, mask=mask, other=0.0)
     v = tl.load(src_v, mask=mask, other=0.0)
     if FP8:
@@ -110,7 +114,11 @@ def write_kv_cache(
     k_scale, v_scale = fp8_scales(k_cache.dtype, k_scale, v_scale, key.device)
     if num_tokens == 0:
         return
-    _write_kv_cache_kernel[(num_tokens,)](
+    block_h, block_d = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
+    # ~4k elements per program on a GPU; the interpreter pays per program, so it takes up to 64 tokens.
+    cap = 64 if interpreter_active() else max(1, 4096 // (block_h * block_d))
+    block_t = min(next_power_of_2(num_tokens), next_power_of_2(cap))
+    _write_kv_cache_kernel[(cdiv(num_tokens, block_t),)](
         key,
         value,
         k_cache,
@@ -118,6 +126,7 @@ def write_kv_cache(
         slot_mapping,
         k_scale,
         v_scale,
+        num_tokens,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -127,11 +136,12 @@ def write_kv_cache(
         k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1],
         FP8=k_cache.dtype == FP8_DTYPE,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=4,
     )
 
 

@@ -276,7 +276,7 @@ def paged_decode_attention(
     block_size = k_cache.shape[1]
     if block_n is None:
         # Wider key tiles keep more bytes in flight on a GPU; the interpreter pays per loop iteration.
-        block_n = max(block_size, 16 if interpreter_active() else 64)
+        block_n = max(block_size, 32 if interpreter_active() else 64)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
     if num_splits is None:

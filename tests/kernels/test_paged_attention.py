@@ -90,8 +90,8 @@ def test_split_kv_equals_unsplit():
     batch = make_paged_batch(
         [1, 2, 1],
         [69, 35, 4],
-        num_q_heads=4,
-        num_kv_heads=2,
+        num_q_heads=3,
+        num_kv_heads=1,
         head_dim=64,
         block_size=16,
         dtype=torch.float32,
