@@ -31,6 +31,7 @@ from tokenfleet.runtime.engine.scheduler_output import (
 from tokenfleet.runtime.errors import CapacityError, ConfigError, ContextLengthExceeded, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
+_new_tuple = tuple.__new__
 
 
 class Scheduler:
@@ -54,6 +55,10 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._waiting_order: dict[str, int] = {}
         self._order: dict[str, int] = {}
+        # Per request, fixed at admission: the length limit, and (limit, EOS + stop ids, min_tokens) for
+        # the stop check that runs for every sampled token.
+        self._limits: dict[str, int] = {}
+        self._stop_info: dict[str, tuple[int, frozenset[int], int]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
         self._finished_ids: list[str] = []
@@ -110,6 +115,10 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
+        params = request.sampling_params
+        eos = frozenset() if params.ignore_eos else request.eos_token_ids
+        self._limits[rid] = limit = self._length_limit(request)
+        self._stop_info[rid] = (limit, eos | frozenset(params.stop_token_ids), params.min_tokens)
         self._order[rid] = next(self._counter)
         self._push_waiting(request)
 
@@ -136,32 +145,42 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_scheduled: dict[str, tuple[int, ...]] = {}
+        # Entries are built as soon as a request's allocation succeeds (its block table is final for
+        # the step then); a request preempted later in the step is taken out again. Insertion order is
+        # running order, then admission order.
+        scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
         running = self.running
+        allocate = self.kv.allocate_slots
+        block_ids = self.kv.get_block_ids
 
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_missing = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_missing, budget)
+            prompt = request.prompt_token_ids
+            output_ids = request.output_token_ids
+            num_prompt = len(prompt)
+            num_tokens = num_prompt + len(output_ids)
+            start = request.num_computed_tokens
+            num_missing = num_tokens - start
+            num_new = num_missing if num_missing < budget else budget
             spec: tuple[int, ...] = ()
             if request.spec_token_ids and num_new == num_missing:
                 # Each accepted proposal adds a token: stay within max_tokens / the context length.
                 num_spec = min(
                     len(request.spec_token_ids),
                     budget - num_new,
-                    self._length_limit(request) - request.num_tokens - 1,
+                    self._limits[request.request_id] - num_tokens - 1,
                 )
                 if num_spec > 0:
                     spec = tuple(request.spec_token_ids[:num_spec])
-            while self.kv.allocate_slots(request, num_new + len(spec)) is None:
+            while allocate(request, num_new + len(spec)) is None:
                 victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
                 victim = running.pop(victim_index)
                 vid = victim.request_id
-                if vid in num_scheduled:  # already given tokens in this step: take them back
-                    budget += num_scheduled.pop(vid) + len(spec_scheduled.pop(vid, ()))
+                taken_back = scheduled.pop(vid, None)
+                if taken_back is not None:  # already given tokens in this step: take them back
+                    budget += taken_back.num_tokens
                 self._preempt(victim)
                 preempted.append(vid)
                 if victim_index < i:
@@ -169,43 +188,25 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                num_scheduled[request.request_id] = num_new
-                if spec:
-                    spec_scheduled[request.request_id] = spec
+                rid = request.request_id
+                if num_new == 1:  # a decode: no slicing
+                    token_ids = (prompt[start],) if start < num_prompt else (output_ids[start - num_prompt],)
+                else:
+                    token_ids = tuple(token_slice(request, start, start + num_new))
+                # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper; this runs for
+                # every running request every step). Same fields, same order as ScheduledRequest.
+                scheduled[rid] = _new_tuple(
+                    ScheduledRequest,
+                    (rid, token_ids, start, block_ids(rid), start + num_new == num_tokens, spec),
+                )
                 budget -= num_new + len(spec)
                 i += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled)
+            budget = self._admit_waiting(budget, scheduled)
 
-        scheduled = []
-        for request in running:
-            rid = request.request_id
-            num_new = num_scheduled.get(rid)
-            if num_new is None:
-                continue
-            start = request.num_computed_tokens
-            if num_new == 1:  # a decode: avoid slicing
-                num_prompt = request.num_prompt_tokens
-                token_ids: tuple[int, ...] = (
-                    (request.prompt_token_ids[start],)
-                    if start < num_prompt
-                    else (request.output_token_ids[start - num_prompt],)
-                )
-            else:
-                token_ids = tuple(token_slice(request, start, start + num_new))
-            scheduled.append(
-                ScheduledRequest(
-                    rid,
-                    token_ids,
-                    start,
-                    self.kv.get_block_ids(rid),
-                    start + num_new == request.num_tokens,
-                    spec_scheduled.get(rid, ()),
-                )
-            )
         output = SchedulerOutput(
-            scheduled=tuple(scheduled),
+            scheduled=tuple(scheduled.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(preempted),
             aborted_ids=tuple(self._aborted_ids),
@@ -215,7 +216,7 @@ class Scheduler:
         self._finished_ids.clear()
         return output
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left."""
         chunked = self.config.enable_chunked_prefill
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -231,13 +232,21 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             heapq.heappop(self._waiting)
-            del self._waiting_order[request.request_id]
+            rid = request.request_id
+            del self._waiting_order[rid]
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)
-            num_scheduled[request.request_id] = num_new
+            end = num_hit_tokens + num_new
+            scheduled[rid] = ScheduledRequest(
+                rid,
+                tuple(token_slice(request, num_hit_tokens, end)),
+                num_hit_tokens,
+                self.kv.get_block_ids(rid),
+                end == request.num_tokens,
+            )
             budget -= num_new
         return budget
 
@@ -249,37 +258,45 @@ class Scheduler:
         rolled back. Tokens after a stop condition are dropped.
         """
         finished: list[Request] = []
-        for scheduled in output.scheduled:
-            request = self._requests.get(scheduled.request_id)
+        requests = self._requests
+        stop_info = self._stop_info
+        for rid, token_ids, _, _, sample, spec_token_ids in output.scheduled:
+            request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue  # aborted or finished since the step was scheduled
-            if not scheduled.sample:
-                request.num_computed_tokens += len(scheduled.token_ids)
+            if not sample:
+                request.num_computed_tokens += len(token_ids)
                 continue
-            new_token_ids = sampled.get(scheduled.request_id)
-            num_spec = len(scheduled.spec_token_ids)
+            new_token_ids = sampled.get(rid)
+            num_spec = len(spec_token_ids)
             if not new_token_ids or len(new_token_ids) > num_spec + 1:
                 raise ValueError(
-                    f"request {scheduled.request_id!r}: expected 1..{num_spec + 1} sampled tokens, "
-                    f"got {new_token_ids!r}"
+                    f"request {rid!r}: expected 1..{num_spec + 1} sampled tokens, got {new_token_ids!r}"
                 )
             # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
-            request.num_computed_tokens += len(scheduled.token_ids) + len(new_token_ids) - 1
+            request.num_computed_tokens += len(token_ids) + len(new_token_ids) - 1
+            limit, stop_ids, min_tokens = stop_info[rid]
+            output_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
             status = None
             for token_id in new_token_ids:
-                request.output_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
+                output_ids.append(token_id)
+                if token_id in stop_ids and len(output_ids) >= min_tokens:
+                    status = self._stop_token_status(request, token_id)
                     break
-            if request.num_computed_tokens >= request.num_tokens:  # tokens dropped after a stop
-                request.num_computed_tokens = request.num_tokens - 1
+                if num_prompt + len(output_ids) >= limit:
+                    status = RequestStatus.FINISHED_LENGTH
+                    break
+            num_tokens = num_prompt + len(output_ids)
+            if request.num_computed_tokens >= num_tokens:  # tokens dropped after a stop
+                request.num_computed_tokens = num_tokens - 1
             if request.spec_token_ids:
                 request.spec_token_ids = []  # consumed; the proposer sets fresh ones for the next step
             if status is not None:
                 request.status = status
                 finished.append(request)
             elif len(new_token_ids) <= num_spec:
-                self.kv.free_blocks_beyond(request, request.num_tokens)
+                self.kv.free_blocks_beyond(request, num_tokens)
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
             for request in finished:
@@ -295,17 +312,11 @@ class Scheduler:
             return self.max_model_len
         return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_tokens >= self._length_limit(request):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _stop_token_status(self, request: Request, token_id: int) -> RequestStatus:
+        """`token_id` is an EOS or stop token (and min_tokens are out): EOS wins, as in vLLM."""
+        if token_id not in request.eos_token_ids or request.sampling_params.ignore_eos:
+            request.stop_reason = token_id
+        return RequestStatus.FINISHED_STOPPED
 
     def _preemption_key(self, request: Request) -> tuple[int, float, int]:
         """The largest key is preempted first: lowest priority (largest value), then the newest."""
@@ -326,6 +337,8 @@ class Scheduler:
         rid = request.request_id
         del self._requests[rid]
         del self._order[rid]
+        del self._limits[rid]
+        del self._stop_info[rid]
         if request.status is RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(rid)
         else:

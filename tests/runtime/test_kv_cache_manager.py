@@ -36,7 +36,7 @@ def test_allocation_gives_exact_block_ids_and_grows_by_blocks():
     assert km.get_block_ids("a") == (0, 1, 2)
     compute(r)
     r.output_token_ids += [100, 101]  # 12 tokens: still 3 blocks
-    assert km.allocate_slots(r, 2) == []
+    assert km.allocate_slots(r, 2) == ()
     r.num_computed_tokens = 12
     r.output_token_ids.append(102)
     new = km.allocate_slots(r, 1)

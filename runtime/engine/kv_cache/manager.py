@@ -29,6 +29,20 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request
 
+
+class _RequestBlocks:
+    """A request's block table. Mutable, private to the manager; one dict lookup per request per step."""
+
+    __slots__ = ("block_ids", "blocks", "num_cached")
+
+    def __init__(self, num_cached: int):
+        self.blocks: list[KVBlock] = []
+        # The same table as ids, as a tuple rebuilt only when it changes (every block_size tokens of a
+        # decode): the scheduler hands it to the runner for every request every step without copying.
+        self.block_ids: tuple[int, ...] = ()
+        self.num_cached = num_cached  # leading blocks already offered to the prefix cache
+
+
 # Distinct cache salts whose encoded hash extra is memoised; beyond this the memo starts over (salts are
 # client-chosen, so the memo must stay bounded).
 _MAX_SALT_MEMO = 1024
@@ -51,9 +65,7 @@ class KVCacheManager:
         # The model-wide part of every block hash; each request's `cache_salt` is appended to it.
         self.hash_extra = hash_extra
         self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events)
-        self._req_blocks: dict[str, list[KVBlock]] = {}
-        self._req_block_ids: dict[str, list[int]] = {}
-        self._num_cached: dict[str, int] = {}  # leading blocks of each request already offered to the cache
+        self._tables: dict[str, _RequestBlocks] = {}
         self._extra_bytes: dict[str | None, bytes] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -87,7 +99,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size) <= self.pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._req_block_ids.get(request_id, ()))
+        table = self._tables.get(request_id)
+        return () if table is None else table.block_ids
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -105,7 +118,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        assert request.request_id not in self._req_blocks, "lookup for a request that holds blocks"
+        assert request.request_id not in self._tables, "lookup for a request that holds blocks"
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
@@ -122,42 +135,51 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
-    ) -> list[KVBlock] | None:
+    ) -> tuple[KVBlock, ...] | None:
         """Make room for `num_new_tokens` after the computed ones (+ the cache hits); the new blocks.
 
         None, with nothing changed, when the free blocks do not suffice. Hits on free cached blocks take
         those out of the free pool, so they count against what is free.
         """
         rid = request.request_id
-        blocks = self._req_blocks.get(rid)
-        first = blocks is None
-        num_held = 0 if blocks is None else len(blocks)
+        table = self._tables.get(rid)
+        bs = self.block_size
+        if table is not None and not new_computed_blocks:
+            # Hot path (a decode, or the next chunk of a prompt): often no new block is needed at all.
+            blocks = table.blocks
+            num_computed = request.num_computed_tokens
+            num_required = -(-(num_computed + num_new_tokens) // bs) - len(blocks)
+            if num_required > 0 and num_required > self.pool.num_free_blocks:
+                return None
+            if num_computed // bs > table.num_cached and self.enable_caching:
+                self._cache_computed(request, table)
+            if num_required <= 0:
+                return ()  # the common case: no allocation at all (and no garbage for the GC)
+            new_blocks = tuple(self.pool.get_new_blocks(num_required))
+            blocks.extend(new_blocks)
+            table.block_ids += tuple(b.block_id for b in new_blocks)
+            return new_blocks
+        num_held = 0 if table is None else len(table.blocks)
         num_hits = len(new_computed_blocks)
-        total = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
-        num_required = max(0, -(-total // self.block_size) - num_held - num_hits)
+        total = request.num_computed_tokens + num_hits * bs + num_new_tokens
+        num_required = max(0, -(-total // bs) - num_held - num_hits)
         if num_required or num_hits:
             num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
             if num_required + num_touched_free > self.pool.num_free_blocks:
                 return None
-        if first:
-            blocks = self._req_blocks[rid] = []
-            self._req_block_ids[rid] = []
-            self._num_cached[rid] = num_hits  # hits are cached blocks already
+        if table is None:
+            table = self._tables[rid] = _RequestBlocks(num_cached=num_hits)  # hits are cached already
             if self.enable_caching:
                 self.prefix_queries += request.num_tokens
-                self.prefix_hits += num_hits * self.block_size
+                self.prefix_hits += num_hits * bs
         elif self.enable_caching:
-            self._cache_computed(request, blocks)
-        block_ids = self._req_block_ids[rid]
+            self._cache_computed(request, table)
         if num_hits:
             self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            block_ids.extend(b.block_id for b in new_computed_blocks)
-        if not num_required:
-            return []
-        new_blocks = self.pool.get_new_blocks(num_required)
-        blocks.extend(new_blocks)
-        block_ids.extend(b.block_id for b in new_blocks)
+            table.blocks.extend(new_computed_blocks)
+        new_blocks = tuple(self.pool.get_new_blocks(num_required)) if num_required else ()
+        table.blocks.extend(new_blocks)
+        table.block_ids = tuple(b.block_id for b in table.blocks)
         return new_blocks
 
     # ---- release --------------------------------------------------------------------------------------------
@@ -167,32 +189,28 @@ class KVCacheManager:
 
         Freed in reverse order: the tail of a sequence is the least shareable part, so it is evicted first.
         """
-        rid = request.request_id
-        blocks = self._req_blocks.pop(rid, None)
-        if blocks is None:
+        table = self._tables.pop(request.request_id, None)
+        if table is None:
             return
         if self.enable_caching:
-            self._cache_computed(request, blocks)
-        del self._num_cached[rid]
-        del self._req_block_ids[rid]
-        self.pool.free_blocks(reversed(blocks))
+            self._cache_computed(request, table)
+        self.pool.free_blocks(reversed(table.blocks))
 
     def free_blocks_beyond(self, request: Request, num_tokens: int) -> int:
         """Free the request's blocks that lie entirely at or past token `num_tokens`; how many.
 
         Used after speculative decoding rejects tokens: slots were allocated for all proposed tokens.
         """
-        blocks = self._req_blocks.get(request.request_id)
-        if blocks is None:
+        table = self._tables.get(request.request_id)
+        if table is None:
             return 0
         keep = -(-num_tokens // self.block_size)
-        if keep >= len(blocks):
+        if keep >= len(table.blocks):
             return 0
-        tail = blocks[keep:]
-        del blocks[keep:]
-        del self._req_block_ids[request.request_id][keep:]
-        rid = request.request_id
-        self._num_cached[rid] = min(self._num_cached[rid], keep)
+        tail = table.blocks[keep:]
+        del table.blocks[keep:]
+        table.block_ids = table.block_ids[:keep]
+        table.num_cached = min(table.num_cached, keep)
         self.pool.free_blocks(reversed(tail))
         return len(tail)
 
@@ -222,10 +240,10 @@ class KVCacheManager:
             parent = hash_block_encoded(parent, tokens[i * bs : (i + 1) * bs], extra)
             hashes.append(parent)
 
-    def _cache_computed(self, request: Request, blocks: list[KVBlock]) -> None:
+    def _cache_computed(self, request: Request, table: _RequestBlocks) -> None:
         """Index the request's full blocks whose KV is written (covered by num_computed_tokens)."""
-        rid = request.request_id
-        start = self._num_cached[rid]
+        start = table.num_cached
+        blocks = table.blocks
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         if num_full <= start:
             return
@@ -239,4 +257,4 @@ class KVCacheManager:
             token_slice(request, start * bs, num_full * bs),
             bs,
         )
-        self._num_cached[rid] = num_full
+        table.num_cached = num_full
