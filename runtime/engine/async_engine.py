@@ -1,0 +1,288 @@
+"""AsyncEngine: the HTTP server's view of the engine.
+
+Model steps run on one worker thread (torch releases the GIL), so the event loop keeps serving HTTP while
+the model computes. That thread is the only one that touches the EngineCore (scheduler, KV cache,
+requests); the event loop talks to it through a command inbox, and outputs come back through
+`loop.call_soon_threadsafe` into one asyncio.Queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.engine.engine_core import EngineCore
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
+from tokenfleet.runtime.engine.sampling_params import SamplingParams
+from tokenfleet.runtime.errors import EngineDeadError, Overloaded
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+    done: asyncio.Future | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn(core)` on the engine thread (configuration changes, test hooks) and return its result."""
+
+    fn: object
+    done: asyncio.Future = field(default=None)  # type: ignore[assignment]
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.config: RuntimeConfig = core.config
+        self.tokenizer = core.tokenizer
+        self.model_name = core.model_name
+        self.max_model_len = core.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._stats: EngineStats = core.stats()
+        self._submitted = 0  # adds sent (event-loop thread writes)
+        self._ingested = 0  # adds taken in (engine thread writes)
+        self._busy_since: float | None = None  # when the current unfinished work was last making progress
+        self._last_progress = time.monotonic()
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig) -> AsyncEngine:
+        return cls(EngineCore(config))
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenfleet-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(_Stop())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None and self._dead is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and enqueue now (errors raise here); iterate the result for the output deltas."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        if self._thread is None:
+            raise EngineDeadError("the engine has not been started")
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.core.validate(prompt_token_ids, params)
+        waiting = self._stats.num_waiting + (self._submitted - self._ingested)
+        if waiting >= self.config.scheduler.max_waiting:
+            raise Overloaded(
+                f"the waiting queue is full ({waiting} requests waiting)",
+                retry_after=self._retry_after(),
+            )
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._submitted += 1
+        self._inbox.put(
+            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic())
+        )
+        return self._stream(request_id, q)
+
+    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away (disconnect, cancellation): free its KV now
+                self._inbox.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once the engine thread has freed its KV blocks."""
+        if self._thread is None or self._dead is not None:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Abort(request_id, done))
+        await done
+
+    async def call(self, fn):
+        """Run `fn(core)` on the engine thread between steps; returns its result."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, done))
+        return await done
+
+    # ---- health and stats --------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        busy_since = self._busy_since
+        stall = self.config.server.health_stall_seconds
+        if busy_since is not None and time.monotonic() - busy_since > stall:
+            raise EngineDeadError(
+                f"the engine has made no progress for more than {stall:.0f}s with work queued"
+            )
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _retry_after(self) -> float:
+        return 1.0
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                block = not core.has_unfinished()
+                commands = []
+                try:
+                    commands.append(
+                        self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+                    )
+                    while True:
+                        commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                outputs: list[RequestOutput] = []
+                for cmd in commands:
+                    if isinstance(cmd, _Stop):
+                        self._fail_all(EngineDeadError("the engine is shutting down"))
+                        return
+                    self._handle(cmd, outputs)
+                if core.has_unfinished():
+                    if self._busy_since is None:
+                        self._busy_since = time.monotonic()
+                    outputs.extend(core.step())
+                    self._busy_since = time.monotonic() if core.has_unfinished() else None
+                else:
+                    self._busy_since = None
+                self._stats = core.stats()
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as e:  # the loop is dead: every waiter must hear it, /health must say it
+            logger.exception("engine loop died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
+
+    def _handle(self, cmd, outputs: list[RequestOutput]) -> None:
+        core = self.core
+        if isinstance(cmd, _Add):
+            self._ingested += 1
+            try:
+                core.add_request(
+                    cmd.request_id,
+                    cmd.prompt_token_ids,
+                    cmd.params,
+                    cmd.priority,
+                    cmd.cache_salt,
+                    cmd.arrival_time,
+                )
+            except Exception as e:  # validated up front; this is a rare race (e.g. a duplicate id)
+                self._post(cmd.request_id, e)
+        elif isinstance(cmd, _Abort):
+            out = core.abort(cmd.request_id)
+            if out is not None:
+                outputs.append(out)
+            if cmd.done is not None:
+                self._resolve(cmd.done, None)
+        elif isinstance(cmd, _Call):
+            try:
+                self._resolve(cmd.done, cmd.fn(core))
+            except Exception as e:
+                self._resolve(cmd.done, e, error=True)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver_on_loop, outputs)
+
+    def _deliver_on_loop(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _post(self, request_id: str, item) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver_item_on_loop, request_id, item)
+
+    def _deliver_item_on_loop(self, request_id: str, item) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _resolve(self, fut: asyncio.Future, value, error: bool = False) -> None:
+        assert self._loop is not None
+
+        def done() -> None:
+            if not fut.done():
+                fut.set_exception(value) if error else fut.set_result(value)
+
+        self._loop.call_soon_threadsafe(done)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._loop is None:
+            return
+
+        def fail() -> None:
+            for q in self._queues.values():
+                q.put_nowait(error)
+
+        with contextlib.suppress(RuntimeError):  # the event loop may already be closed
+            self._loop.call_soon_threadsafe(fail)
