@@ -40,7 +40,7 @@ def main() -> None:
     vocab = llm.engine.loaded.arch.vocab_size
     prefix = [rng.randrange(1000, vocab) for _ in range(args.prefix_tokens)]
     cold, warm, cached = [], [], []
-    for i in range(args.repeats):
+    for _ in range(args.repeats):
         suffix_a = [rng.randrange(1000, vocab) for _ in range(24)]
         suffix_b = [rng.randrange(1000, vocab) for _ in range(24)]
         llm.engine.kv_manager.reset_prefix_cache()

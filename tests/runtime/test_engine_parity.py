@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
+from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.llm import LLM
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
-from tokenfleet.runtime.model.loader import load_model
 
 MAX_NEW = 12
 
@@ -39,8 +38,8 @@ SHARED_PREFIX_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(ModelConfig(dtype="float32"), torch.device("cpu"))
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
