@@ -55,9 +55,8 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []
         self._waiting_order: dict[str, int] = {}
         self._order: dict[str, int] = {}
-        # Per request, fixed at admission: the length limit, and (limit, EOS + stop ids, min_tokens) for
-        # the stop check that runs for every sampled token.
-        self._limits: dict[str, int] = {}
+        # Per request, fixed at admission, for the stop check that runs for every sampled token:
+        # (length limit, EOS + stop token ids, min_tokens).
         self._stop_info: dict[str, tuple[int, frozenset[int], int]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
@@ -117,8 +116,8 @@ class Scheduler:
         self._requests[rid] = request
         params = request.sampling_params
         eos = frozenset() if params.ignore_eos else request.eos_token_ids
-        self._limits[rid] = limit = self._length_limit(request)
-        self._stop_info[rid] = (limit, eos | frozenset(params.stop_token_ids), params.min_tokens)
+        stop_ids = eos | frozenset(params.stop_token_ids)
+        self._stop_info[rid] = (self._length_limit(request), stop_ids, params.min_tokens)
         self._order[rid] = next(self._counter)
         self._push_waiting(request)
 
@@ -170,7 +169,7 @@ class Scheduler:
                 num_spec = min(
                     len(request.spec_token_ids),
                     budget - num_new,
-                    self._limits[request.request_id] - num_tokens - 1,
+                    self._stop_info[request.request_id][0] - num_tokens - 1,
                 )
                 if num_spec > 0:
                     spec = tuple(request.spec_token_ids[:num_spec])
@@ -337,7 +336,6 @@ class Scheduler:
         rid = request.request_id
         del self._requests[rid]
         del self._order[rid]
-        del self._limits[rid]
         del self._stop_info[rid]
         if request.status is RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(rid)

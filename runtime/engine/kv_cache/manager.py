@@ -8,6 +8,9 @@ a request preempted in the step that allocated its blocks would otherwise leave 
 was never written, and rejected speculative tokens could be cached. It also means the router's
 `BlockStored` events only name KV that exists.
 
+`Request.block_hashes` is extended incrementally (only the blocks that became full since the last time,
+never rehashing) when the manager needs it: at a prefix lookup and when blocks get cached.
+
 Prefix-cache statistics count tokens once per admission: `prefix_queries` += the request's tokens and
 `prefix_hits` += the tokens served from the cache, when the request gets its first blocks.
 """
