@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One GPU check, about 8 minutes on one GPU: the kernel tests natively on CUDA (no interpreter), then the
+# kernel benchmark. Everything lands in OUTDIR:
+#   env.txt                 GPU, driver, torch / triton versions
+#   kernel_tests.log/.xml   pytest tests/kernels (log + JUnit XML)
+#   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
+#   kernels_bench.json/.csv the same rows, machine-readable
+#   summary.txt             exit codes of both stages
+# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S time limits)
+set -uo pipefail
+
+OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+TESTS_S=${TESTS_S:-210}
+BENCH_S=${BENCH_S:-270}
+
+# Native kernels: the interpreter must be off (tests/conftest.py only turns it on without a GPU).
+unset TRITON_INTERPRET
+
+{
+    date -u
+    nvidia-smi || echo "nvidia-smi not found"
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); \
+print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '-')"
+} >"$OUT/env.txt" 2>&1
+
+# Import tokenfleet from this checkout without installing anything: a symlink farm mirrors the package-dir
+# mapping of pyproject.toml (tokenfleet.kernels -> kernels/, ...) when no editable install points here.
+if ! "$PY" -c "import tokenfleet.kernels, sys; sys.exit(0 if tokenfleet.kernels.__path__[0].startswith('$REPO') else 1)" 2>/dev/null; then
+    PKG=$(mktemp -d)
+    mkdir -p "$PKG/tokenfleet"
+    cp "$REPO/tokenfleet/__init__.py" "$PKG/tokenfleet/"
+    for sub in kernels runtime operator; do ln -s "$REPO/$sub" "$PKG/tokenfleet/$sub"; done
+    export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+    echo "tokenfleet imported through $PKG" >>"$OUT/env.txt"
+fi
+
+echo "== kernel tests (limit ${TESTS_S}s)"
+(
+    cd tests &&
+        timeout "$TESTS_S" "$PY" -m pytest --rootdir=.. -c ../pyproject.toml ../tests/kernels \
+            -q -rfE --durations=15 -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
+) >"$OUT/kernel_tests.log" 2>&1
+TESTS_RC=$?
+tail -n 25 "$OUT/kernel_tests.log"
+
+echo "== kernel benchmark (limit ${BENCH_S}s)"
+# The benchmark stops adding rows 40 s before its limit so it always gets to write its files.
+timeout "$BENCH_S" "$PY" bench/kernels.py --out "$OUT" --budget $((BENCH_S - 40)) >"$OUT/kernels_bench.txt" 2>&1
+BENCH_RC=$?
+cat "$OUT/kernels_bench.txt"
+
+printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\n' "$TESTS_RC" "$BENCH_RC" | tee "$OUT/summary.txt"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]

@@ -1,0 +1,426 @@
+"""Kernel benchmark: achieved GB/s and TFLOP/s as fractions of this GPU's peaks, measured in the same run.
+
+    python bench/kernels.py [--quick] [--sections decode,prefill] [--out DIR] [--budget SECONDS]
+
+The roofline references are measured first, on the same device and in the same process: copy bandwidth
+(a large device-to-device tensor copy, bytes read + written) and the bf16 matmul peak (torch.matmul of
+8192^3). Each row then reports the kernel's time, its achieved GB/s (decode: memory-bound, all K/V bytes
+read) or TFLOP/s (prefill: compute-bound, causal FLOPs), the fraction of the measured peak, and the same
+figures for the peer: torch's scaled_dot_product_attention over contiguous K/V of the same shapes.
+
+Sections live in a registry: another benchmark joins with one line, e.g.
+    from fp8_gemm_bench import bench_fp8_gemm;  SECTIONS["fp8_gemm"] = bench_fp8_gemm
+where the function takes a `BenchContext` and returns a list of `Row`s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class BenchContext:
+    device: torch.device
+    dtype: torch.dtype
+    quick: bool
+    copy_gbps: float  # measured device copy bandwidth (read + write bytes per second)
+    matmul_tflops: float  # measured bf16 dense matmul peak
+    deadline: float  # time.monotonic() after which sections stop adding rows
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    section: str
+    case: str
+    params: dict = field(default_factory=dict)
+    ms: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    frac_of_peak: float | None = None  # of copy_gbps (memory-bound rows) or matmul_tflops (compute-bound)
+    peer_ms: float | None = None
+    peer_frac_of_peak: float | None = None
+    note: str = ""
+
+
+Section = Callable[[BenchContext], list[Row]]
+SECTIONS: dict[str, Section] = {}
+
+
+def section(name: str) -> Callable[[Section], Section]:
+    def register(fn: Section) -> Section:
+        SECTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of `fn` (Triton's do_bench: warm-up, L2 flush between runs, CUDA events)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def measure_copy_gbps(device: torch.device) -> float:
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device=device).random_()  # 512 MiB: far beyond L2
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = time_ms(lambda: torch.matmul(a, b))
+    return 2 * n**3 / ms / 1e9
+
+
+LAYOUTS = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # (q heads, kv heads, head dim) of one attention layer
+KV_BUDGET_BYTES = 12 * 2**30  # per tensor set; larger cases are listed as skipped
+
+
+def _decode_inputs(
+    ctx: BenchContext, batch: int, context: int, hq: int, hkv: int, d: int, block_size: int = 16
+):
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, device=ctx.device, dtype=ctx.dtype)
+    v_cache = torch.randn_like(k_cache)
+    # Shuffled physical blocks: what a serving cache looks like after a while.
+    block_tables = torch.randperm(num_blocks, device=ctx.device).view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
+    q = torch.randn(batch, hq, d, device=ctx.device, dtype=ctx.dtype)
+    return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
+
+
+def _decode_row(ctx: BenchContext, layout: str, batch: int, context: int) -> Row:
+    import torch.nn.functional as F
+    from tokenfleet.kernels.paged_attention import paged_decode_attention
+
+    hq, hkv, d = LAYOUTS[layout]
+    params = {"layout": layout, "batch": batch, "context": context, "hq": hq, "hkv": hkv, "d": d}
+    case = f"{layout} b{batch} ctx{context}"
+    kv_bytes = 2 * batch * context * hkv * d * ctx.dtype.itemsize
+    if kv_bytes > KV_BUDGET_BYTES or time.monotonic() > ctx.deadline:
+        return Row("decode", case, params, note="skipped")
+    q, k_cache, v_cache, block_tables, seq_lens, qsl = _decode_inputs(ctx, batch, context, hq, hkv, d)
+    ms = time_ms(
+        partial(
+            paged_decode_attention,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            qsl,
+            d**-0.5,
+            max_query_len=1,
+            max_seq_len=context,
+        )
+    )
+    del k_cache, v_cache
+    # Peer: SDPA over contiguous K/V [B, Hkv, ctx, D] (GQA through enable_gqa).
+    kc = torch.randn(batch, hkv, context, d, device=ctx.device, dtype=ctx.dtype)
+    vc = torch.randn_like(kc)
+    peer = partial(
+        F.scaled_dot_product_attention, q.view(batch, hq, 1, d), kc, vc, scale=d**-0.5, enable_gqa=True
+    )
+    peer_ms = time_ms(peer)
+    gbps = kv_bytes / ms / 1e6
+    return Row(
+        "decode",
+        case,
+        params,
+        ms=ms,
+        gbps=gbps,
+        frac_of_peak=gbps / ctx.copy_gbps,
+        peer_ms=peer_ms,
+        peer_frac_of_peak=kv_bytes / peer_ms / 1e6 / ctx.copy_gbps,
+    )
+
+
+@section("decode")
+def bench_decode(ctx: BenchContext) -> list[Row]:
+    batches = (1, 32, 128) if ctx.quick else (1, 8, 32, 64, 128, 256)
+    contexts = (512, 4096, 32768) if ctx.quick else (512, 2048, 4096, 8192, 32768)
+    rows = [_decode_row(ctx, layout, b, c) for layout in LAYOUTS for b in batches for c in contexts]
+    torch.cuda.empty_cache()
+    return rows + _decode_tile_sweep(ctx)
+
+
+def _decode_tile_sweep(ctx: BenchContext) -> list[Row]:
+    """Key-tile width and split count at the target shape (batch 32, context 4k, 8B layout): tuning data."""
+    from tokenfleet.kernels.paged_attention import paged_decode_attention
+
+    hq, hkv, d = LAYOUTS["8B"]
+    batch, context = 32, 4096
+    q, k_cache, v_cache, block_tables, seq_lens, qsl = _decode_inputs(ctx, batch, context, hq, hkv, d)
+    kv_bytes = 2 * batch * context * hkv * d * ctx.dtype.itemsize
+    rows = []
+    for block_n in (16, 32, 64, 128):
+        for num_splits in (1, 2, 4, 8):
+            if time.monotonic() > ctx.deadline:
+                return rows
+            kernel = partial(
+                paged_decode_attention,
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                qsl,
+                d**-0.5,
+                max_query_len=1,
+                max_seq_len=context,
+                block_n=block_n,
+                num_splits=num_splits,
+            )
+            ms = time_ms(kernel)
+            gbps = kv_bytes / ms / 1e6
+            params = {"batch": batch, "context": context, "block_n": block_n, "num_splits": num_splits}
+            rows.append(
+                Row(
+                    "decode_tiles",
+                    f"bn{block_n} splits{num_splits}",
+                    params,
+                    ms=ms,
+                    gbps=gbps,
+                    frac_of_peak=gbps / ctx.copy_gbps,
+                )
+            )
+    return rows
+
+
+def _causal_flops(num_new: int, context: int, hq: int, d: int) -> float:
+    """QK^T and PV over the visible keys: query i sees context + i + 1 keys; 2 matmuls x 2 FLOPs/MAC."""
+    visible = num_new * context + num_new * (num_new + 1) / 2
+    return 4.0 * hq * d * visible
+
+
+def _prefill_inputs(
+    ctx: BenchContext, tokens: int, prefix: int, hq: int, hkv: int, d: int, block_size: int = 16
+):
+    q = torch.randn(tokens, hq, d, device=ctx.device, dtype=ctx.dtype)
+    k = torch.randn(tokens, hkv, d, device=ctx.device, dtype=ctx.dtype)
+    v = torch.randn_like(k)
+    blocks = max(1, -(-(prefix + tokens) // block_size))
+    k_cache = torch.randn(blocks, block_size, hkv, d, device=ctx.device, dtype=ctx.dtype)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(blocks, device=ctx.device).view(1, blocks).int()
+    seq_lens = torch.tensor([prefix + tokens], dtype=torch.int32, device=ctx.device)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device=ctx.device)
+    return q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl
+
+
+def _prefill_row(ctx: BenchContext, layout: str, tokens: int, prefix: int) -> Row:
+    import torch.nn.functional as F
+    from tokenfleet.kernels.prefill_attention import prefill_attention
+
+    hq, hkv, d = LAYOUTS[layout]
+    params = {"layout": layout, "tokens": tokens, "prefix": prefix, "hq": hq, "hkv": hkv, "d": d}
+    case = f"{layout} {tokens} tok" + (f" +{prefix} cached" if prefix else "")
+    if time.monotonic() > ctx.deadline:
+        return Row("prefill", case, params, note="skipped")
+    q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl = _prefill_inputs(ctx, tokens, prefix, hq, hkv, d)
+    ms = time_ms(
+        partial(
+            prefill_attention,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            qsl,
+            d**-0.5,
+            max_query_len=tokens,
+        )
+    )
+    # Peer: SDPA on contiguous [1, H, L, D]; with a cached prefix the causal mask is shifted by it.
+    total = prefix + tokens
+    qp = q.transpose(0, 1)[None]
+    kp = torch.randn(1, hkv, total, d, device=ctx.device, dtype=ctx.dtype)
+    vp = torch.randn_like(kp)
+    causal = {"is_causal": True}
+    if prefix:
+        causal = {"attn_mask": torch.ones(tokens, total, dtype=torch.bool, device=ctx.device).tril(prefix)}
+    peer_ms = time_ms(
+        partial(F.scaled_dot_product_attention, qp, kp, vp, scale=d**-0.5, enable_gqa=True, **causal)
+    )
+    flops = _causal_flops(tokens, prefix, hq, d)
+    tflops = flops / ms / 1e9
+    return Row(
+        "prefill",
+        case,
+        params,
+        ms=ms,
+        tflops=tflops,
+        frac_of_peak=tflops / ctx.matmul_tflops,
+        peer_ms=peer_ms,
+        peer_frac_of_peak=flops / peer_ms / 1e9 / ctx.matmul_tflops,
+    )
+
+
+@section("prefill")
+def bench_prefill(ctx: BenchContext) -> list[Row]:
+    sizes = [(512, 0), (4096, 0), (2048, 6144)]
+    if not ctx.quick:
+        sizes = [(512, 0), (1024, 0), (2048, 0), (4096, 0), (8192, 0), (2048, 6144)]
+    rows = [_prefill_row(ctx, layout, tokens, prefix) for layout in LAYOUTS for tokens, prefix in sizes]
+    torch.cuda.empty_cache()
+    return rows + _prefill_tile_sweep(ctx)
+
+
+def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
+    """Tile shapes / warps / stages at the target shape (4k tokens, head dim 128): tuning data."""
+    from tokenfleet.kernels.prefill_attention import prefill_attention
+
+    hq, hkv, d = LAYOUTS["8B"]
+    tokens = 4096
+    q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl = _prefill_inputs(ctx, tokens, 0, hq, hkv, d)
+    flops = _causal_flops(tokens, 0, hq, d)
+    configs = [
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (128, 64, 4, 3),
+        (64, 64, 4, 3),
+        (128, 32, 4, 4),
+        (128, 64, 8, 2),
+    ]
+    rows = []
+    for block_m, block_n, warps, stages in configs:
+        if time.monotonic() > ctx.deadline:
+            break
+        try:
+            kernel = partial(
+                prefill_attention,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                qsl,
+                d**-0.5,
+                max_query_len=tokens,
+                block_m=block_m,
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+            )
+            ms = time_ms(kernel)
+        except Exception as e:  # e.g. out of shared memory for a config: record it, keep sweeping
+            rows.append(
+                Row("prefill_tiles", f"{block_m}x{block_n} w{warps} s{stages}", note=f"failed: {e!s:.80}")
+            )
+            continue
+        tflops = flops / ms / 1e9
+        params = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+        rows.append(
+            Row(
+                "prefill_tiles",
+                f"{block_m}x{block_n} w{warps} s{stages}",
+                params,
+                ms=ms,
+                tflops=tflops,
+                frac_of_peak=tflops / ctx.matmul_tflops,
+            )
+        )
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row]) -> None:
+    print(
+        f"{'section':<14}{'case':<30}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}{'of peak':>9}{'peer ms':>9}{'peer pk':>9}  note"
+    )
+    for r in rows:
+        print(
+            f"{r.section:<14}{r.case:<30}{_fmt(r.ms, '.3f'):>9}{_fmt(r.gbps, '.0f'):>9}{_fmt(r.tflops, '.1f'):>9}"
+            f"{_fmt(r.frac_of_peak, '.1%'):>9}{_fmt(r.peer_ms, '.3f'):>9}{_fmt(r.peer_frac_of_peak, '.1%'):>9}  {r.note}"
+        )
+
+
+def write_results(out_dir: Path, ctx: BenchContext, rows: list[Row]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {
+        "device": torch.cuda.get_device_name(ctx.device),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "copy_gbps": ctx.copy_gbps,
+        "bf16_matmul_tflops": ctx.matmul_tflops,
+    }
+    (out_dir / "kernels_bench.json").write_text(
+        json.dumps({**header, "rows": [asdict(r) for r in rows]}, indent=1)
+    )
+    with (out_dir / "kernels_bench.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        names = [
+            "section",
+            "case",
+            "ms",
+            "gbps",
+            "tflops",
+            "frac_of_peak",
+            "peer_ms",
+            "peer_frac_of_peak",
+            "note",
+        ]
+        writer.writerow([*names, "params"])
+        for r in rows:
+            writer.writerow([getattr(r, n) for n in names] + [json.dumps(r.params)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes per section (about a minute)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {sorted(SECTIONS)}")
+    parser.add_argument("--out", type=Path, help="directory for kernels_bench.json / .csv")
+    parser.add_argument("--budget", type=float, default=600.0, help="seconds; later rows are marked skipped")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "bench/kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). "
+            "On CPU the kernels' correctness is covered by tests/kernels under TRITON_INTERPRET=1.",
+            file=sys.stderr,
+        )
+        return 2
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    start = time.monotonic()
+    device = torch.device("cuda")
+    copy_gbps = measure_copy_gbps(device)
+    matmul_tflops = measure_matmul_tflops(device, torch.bfloat16)
+    print(
+        f"{torch.cuda.get_device_name(device)}: copy {copy_gbps:.0f} GB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s"
+    )
+    ctx = BenchContext(device, torch.bfloat16, args.quick, copy_gbps, matmul_tflops, start + args.budget)
+    rows: list[Row] = []
+    for name in args.sections.split(","):
+        rows += SECTIONS[name](ctx)
+        torch.cuda.empty_cache()
+    print_table(rows)
+    if args.out:
+        write_results(args.out, ctx, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
