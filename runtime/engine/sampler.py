@@ -59,42 +59,67 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
     return out
 
 
+# top-p looks at this many most likely tokens first: a partial top-k is far cheaper than sorting the whole
+# vocabulary (~10x on CPU for 49k tokens), and almost always holds the top-p boundary.
+TOP_P_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Out of place; removed tokens get -inf. top_k 0 and top_p 1.0 mean off for that row.
 
     top-k keeps the k largest logits (and any tied with the k-th). top-p then keeps the smallest set of most
-    likely tokens whose probability reaches p (at least one token).
+    likely tokens whose probability reaches p, renormalised over the top-k survivors (at least one token).
     """
-    if top_k is None and top_p is None:
-        return logits
-    vocab = logits.shape[-1]
-    if top_p is None:
-        assert top_k is not None
-        return _apply_top_k_only(logits, top_k)
-    # Ascending sort: the cumulative sum then adds the small probabilities first (less rounding error).
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=False)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    # A token goes when the tokens at or below it carry at most 1 - p: the ones above it already reach p.
-    remove = cumulative <= (1.0 - top_p).unsqueeze(1)
-    remove[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
+        logits = _apply_top_k(logits, top_k)
+    if top_p is not None:
+        logits = _apply_top_p(logits, top_p)
+    return logits
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    # topk(max k) is far cheaper than a full-vocabulary sort when k is small, the usual case.
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    # topk(max k) rather than a full sort: k is small in practice.
     vocab = logits.shape[-1]
     max_k = int(top_k.max().clamp(min=1, max=vocab).item())
     k = top_k.clamp(min=1, max=max_k)
     kth = logits.topk(max_k, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     kth = kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))  # k = 0: the row keeps everything
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_keep(sorted_desc: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep mask over descending logits: a token stays while the tokens above it hold less than p."""
+    probs = (sorted_desc - log_norm).exp()
+    mass_above = probs.cumsum(dim=-1) - probs
+    return mass_above < top_p.unsqueeze(1)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    active = top_p < 1.0
+    log_norm = logits.logsumexp(dim=-1, keepdim=True)
+    num_candidates = min(vocab, TOP_P_CANDIDATES)
+    values, index = logits.topk(num_candidates, dim=-1)  # sorted, descending
+    keep = _top_p_keep(values, log_norm, top_p)
+    # The candidates decide the row when the boundary falls inside them (their last one is dropped);
+    # flatter rows, rare in practice, need the full sort.
+    covered = ~keep[:, -1] if num_candidates < vocab else torch.ones_like(active)
+    truncated = torch.full_like(logits, float("-inf")).scatter_(
+        1, index, values.masked_fill(~keep, float("-inf"))
+    )
+    out = torch.where((active & covered).unsqueeze(1), truncated, logits)
+    fallback = torch.nonzero(active & ~covered).flatten()
+    if fallback.numel():
+        rows = logits.index_select(0, fallback)
+        sorted_desc, sorted_index = rows.sort(dim=-1, descending=True)
+        keep_all = _top_p_keep(
+            sorted_desc, log_norm.index_select(0, fallback), top_p.index_select(0, fallback)
+        )
+        kept = sorted_desc.masked_fill(~keep_all, float("-inf"))
+        out[fallback] = torch.empty_like(rows).scatter_(1, sorted_index, kept)
+    return out
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -169,20 +194,27 @@ class Sampler:
         Greedy rows draw nothing (their q is 1 and unused) so a request's seeded stream only advances on the
         steps where it really samples.
         """
-        q = torch.ones_like(probs)
         greedy = meta.greedy.tolist()
         shared_rows = [i for i, g in enumerate(meta.generators) if g is None and not greedy[i]]
+        if len(shared_rows) == meta.num_rows:
+            return _exponential(probs.shape, self._shared_generator(probs.device), probs)
+        q = torch.ones_like(probs)
         if shared_rows:
-            gen = self._shared_generator(probs.device)
-            if len(shared_rows) == meta.num_rows:
-                q.exponential_(generator=gen)
-            else:
-                index = torch.tensor(shared_rows, dtype=torch.int64, device=probs.device)
-                q[index] = torch.empty(
-                    (len(shared_rows), probs.shape[1]), dtype=probs.dtype, device=probs.device
-                ).exponential_(generator=gen)
+            index = torch.tensor(shared_rows, dtype=torch.int64, device=probs.device)
+            q[index] = _exponential(
+                (len(shared_rows), probs.shape[1]), self._shared_generator(probs.device), probs
+            )
         for row, gen in enumerate(meta.generators):
             if gen is not None and not greedy[row]:
-                q[row].exponential_(generator=gen)
-        # Exp(1) can return exactly 0; p / 0 would be inf (or nan for a removed token) and win the race.
-        return q.clamp_(min=torch.finfo(q.dtype).tiny)
+                q[row] = _exponential((probs.shape[1],), gen, probs)
+        return q
+
+
+def _exponential(shape: tuple[int, ...], gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) samples as -log(U), U ~ U[0, 1): on CPU ~3x faster than Tensor.exponential_, same law.
+
+    U is clamped away from 0: q = inf would make p / q = 0 for a surviving token, and a row with a single
+    survivor could then "sample" a removed one. q is never 0 since U < 1, so p / q is always finite.
+    """
+    u = torch.rand(shape, generator=gen, dtype=like.dtype, device=like.device)
+    return u.clamp_(min=torch.finfo(like.dtype).tiny).log_().neg_()
