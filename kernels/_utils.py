@@ -99,19 +99,19 @@ def check_kv_cache_pair(
 
 
 def fp8_scales(
-    cache_dtype: torch.dtype, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, device: torch.device
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales for an FP8 cache (required) or placeholders for a full-precision one (ignored by kernels)."""
-    if cache_dtype == FP8_DTYPE:
+    """Scales for an FP8 cache (required), or for a full-precision one placeholders the kernels never read
+    (the cache itself: no allocation per launch)."""
+    if cache.dtype == FP8_DTYPE:
         if k_scale is None or v_scale is None:
             raise ValueError("k_scale and v_scale are required with an fp8 (float8_e4m3fn) KV cache")
-        return check_scale("k_scale", k_scale, device), check_scale("v_scale", v_scale, device)
+        return check_scale("k_scale", k_scale, cache.device), check_scale("v_scale", v_scale, cache.device)
     if k_scale is not None or v_scale is not None:
         raise ValueError(
-            f"k_scale/v_scale are only meaningful with an fp8 KV cache, cache dtype is {cache_dtype}"
+            f"k_scale/v_scale are only meaningful with an fp8 KV cache, cache dtype is {cache.dtype}"
         )
-    one = torch.ones(1, dtype=torch.float32, device=device)
-    return one, one
+    return cache, cache
 
 
 def dot_precision(dtype: torch.dtype) -> str:

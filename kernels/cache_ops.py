@@ -111,7 +111,7 @@ def write_kv_cache(
         ("slot_mapping", slot_mapping),
     ):
         check_device(name, t, key.device)
-    k_scale, v_scale = fp8_scales(k_cache.dtype, k_scale, v_scale, key.device)
+    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
     block_h, block_d = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)

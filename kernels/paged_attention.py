@@ -13,6 +13,8 @@ sequence with q_len queries and seq_len keys sits at position seq_len - q_len + 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -192,11 +194,16 @@ def _split_reduce_kernel(
         )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_num_splits(num_served: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough programs to fill the GPU a few times over, each split still reading >= 256 keys."""
     if device.type != "cuda":
         return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     programs = max(1, num_served * num_kv_heads)
     return max(1, min(cdiv(4 * sm_count, programs), cdiv(max_seq_len, 256), 32))
 
@@ -268,7 +275,7 @@ def paged_decode_attention(
             f"max_query_len={max_query_len} with {queries_per_kv} q heads per kv head exceeds the decode kernel's "
             f"{MAX_DECODE_ROWS} rows per program: use prefill_attention for these sequences"
         )
-    k_scale, v_scale = fp8_scales(k_cache.dtype, k_scale, v_scale, q.device)
+    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     num_served = seq_ids.shape[0]
     if num_served == 0 or num_tokens == 0:
         return out

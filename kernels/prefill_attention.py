@@ -258,7 +258,7 @@ def prefill_attention(
         ("out", out),
     ):
         check_device(name, t, q.device)
-    k_scale, v_scale = fp8_scales(k_cache.dtype, k_scale, v_scale, q.device)
+    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     if seq_ids.shape[0] == 0 or num_tokens == 0 or max_query_len < 1:
         return out
 
