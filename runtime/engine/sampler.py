@@ -134,8 +134,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
 def transform_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The logits each row is drawn from: softmax of this is the sampling distribution (for random rows).
 
-    Pure (the input is left untouched, it is still needed for raw logprobs). Speculative decoding uses the
-    same function so its rejection sampling targets exactly the distribution the sampler draws from.
+    Pure (the input is left untouched, it is still needed for raw logprobs). Public so that speculative
+    decoding can verify against exactly the distribution the sampler draws from.
     """
     out = logits
     if meta.penalties is not None:
