@@ -54,6 +54,15 @@ class Outgoing:
     session_key: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """An attempt failed before anything reached the client: try elsewhere, or answer with this."""
+
+    status: int
+    body: bytes
+    reason: str  # connect | timeout | 5xx | overloaded | broken
+
+
 @dataclass(slots=True)
 class Outcome:
     """What the app needs after forwarding: for metrics and the token rate limit."""
@@ -101,13 +110,13 @@ async def forward(
     request: web.Request, fleet: Fleet, out: Outgoing, retries: Retries
 ) -> tuple[web.StreamResponse, Outcome]:
     tried: set[str] = set()
-    last_error: tuple[int, bytes, str] | None = None
+    last_error: Retry | None = None
     for attempt in range(retries.max_attempts):
         pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset(tried))
         if pick is None:
             break
         if attempt > 0:
-            fleet.metrics.retries.labels(last_error[2] if last_error else "unknown").inc()
+            fleet.metrics.retries.labels(last_error.reason if last_error else "unknown").inc()
         ep = pick.endpoint
         tried.add(ep.id)
         fleet.acquire(ep)
@@ -115,7 +124,7 @@ async def forward(
             result = await _attempt(request, fleet, out, pick, retries)
         finally:
             fleet.release(ep)
-        if isinstance(result, tuple):
+        if isinstance(result, Retry):
             last_error = result
             continue
         fleet.metrics.decisions.labels(pick.decision.reason).inc()
@@ -124,17 +133,16 @@ async def forward(
             fleet.metrics.prefix_match_ratio.observe(min(pick.decision.prefix_blocks / pick.num_blocks, 1.0))
         return result
     if last_error is not None:
-        status, body, _ = last_error
-        resp = web.Response(status=status, body=body, content_type="application/json")
-        return resp, Outcome(status)
+        resp = web.Response(status=last_error.status, body=last_error.body, content_type="application/json")
+        return resp, Outcome(last_error.status)
     body = error_body("no healthy endpoint serves this model", "service_unavailable", "no_healthy_endpoint")
     return web.json_response(body, status=503, headers={"Retry-After": "1"}), Outcome(503)
 
 
 async def _attempt(
     request: web.Request, fleet: Fleet, out: Outgoing, pick: Pick, retries: Retries
-) -> tuple[web.StreamResponse, Outcome] | tuple[int, bytes, str]:
-    """One try. Returns the response sent to the client, or (status, body, reason) to retry elsewhere."""
+) -> tuple[web.StreamResponse, Outcome] | Retry:
+    """One try. Returns the response for the client, or a `Retry` when nothing was sent yet."""
     ep = pick.endpoint
     timeout = aiohttp.ClientTimeout(total=None, connect=retries.connect_timeout_seconds, sock_read=None)
     try:
@@ -148,13 +156,15 @@ async def _attempt(
         fleet.report(ep, False)
         reason = "timeout" if isinstance(e, TimeoutError) else "connect"
         msg = f"endpoint {ep.url} unreachable: {type(e).__name__}"
-        return 502, json.dumps(error_body(msg, "upstream_error", "upstream_unreachable")).encode(), reason
+        return Retry(
+            502, json.dumps(error_body(msg, "upstream_error", "upstream_unreachable")).encode(), reason
+        )
     async with upstream:
         if upstream.status >= 500 or upstream.status == 429:
             body = await _read_quietly(upstream, retries.idle_timeout_seconds)
             if upstream.status >= 500:
                 fleet.report(ep, False)
-            return upstream.status, body, "overloaded" if upstream.status == 429 else "5xx"
+            return Retry(upstream.status, body, "overloaded" if upstream.status == 429 else "5xx")
         fleet.record_route(pick)
         if not out.stream or upstream.status != 200:
             return await _whole(fleet, pick, upstream, retries)
@@ -170,13 +180,13 @@ async def _read_quietly(upstream: aiohttp.ClientResponse, timeout: float) -> byt
 
 async def _whole(
     fleet: Fleet, pick: Pick, upstream: aiohttp.ClientResponse, retries: Retries
-) -> tuple[web.StreamResponse, Outcome] | tuple[int, bytes, str]:
+) -> tuple[web.StreamResponse, Outcome] | Retry:
     try:
         body = await asyncio.wait_for(upstream.read(), retries.first_byte_timeout_seconds)
     except (aiohttp.ClientError, TimeoutError) as e:
         fleet.report(pick.endpoint, False)
         msg = f"endpoint {pick.endpoint.url} failed mid-response: {type(e).__name__}"
-        return 502, json.dumps(error_body(msg, "upstream_error", "upstream_failed")).encode(), "broken"
+        return Retry(502, json.dumps(error_body(msg, "upstream_error", "upstream_failed")).encode(), "broken")
     fleet.report(pick.endpoint, True)
     tokens = 0
     if upstream.status == 200:

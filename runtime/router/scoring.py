@@ -101,9 +101,17 @@ class RoundRobin(Strategy):
 
 
 class WeightedScore(Strategy):
-    """Hot-spot guard, then the weighted sum of scorers; `use_prefix` False gives least-load."""
+    """Hot-spot guard, then the weighted sum of scorers; `use_prefix` False gives least-load.
+
+    Ties (typically: idle pods, none holding the prefix) rotate instead of always going to the first id, so
+    new prefixes spread over the fleet even before load figures move.
+    """
 
     use_prefix = True
+
+    def __init__(self, spec: RoutingSpec) -> None:
+        super().__init__(spec)
+        self._ties = 0
 
     def _choose(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         if is_imbalanced([c.load for c in candidates], self.spec.balance):
@@ -113,11 +121,13 @@ class WeightedScore(Strategy):
             self.spec.weights if self.use_prefix else self.spec.weights.model_copy(update={"prefix": 0.0})
         )
         scores = combined_scores(candidates, query, weights)
-        best = max(
-            range(len(candidates)),
-            key=lambda i: (scores[i], -candidates[i].load, _neg(candidates[i].endpoint_id)),
+        top = max(scores)
+        best = sorted(
+            (c for c, s in zip(candidates, scores, strict=True) if s >= top - 1e-9),
+            key=lambda c: c.endpoint_id,
         )
-        c = candidates[best]
+        c = best[self._ties % len(best)]
+        self._ties += len(best) > 1
         reason = "prefix_hit" if self.use_prefix and c.prefix_blocks > 0 and weights.prefix > 0 else "load"
         return Decision(c.endpoint_id, reason, c.prefix_blocks)
 
@@ -150,11 +160,6 @@ class SessionAffinity(Strategy):
         chosen = self._ring.lookup(query.session_key, loads, self.epsilon)
         c = next(c for c in candidates if c.endpoint_id == chosen)
         return Decision(c.endpoint_id, "session", c.prefix_blocks)
-
-
-def _neg(s: str) -> tuple[int, ...]:
-    # max() tie-break on the smallest id: invert the code points.
-    return tuple(-ord(ch) for ch in s)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {

@@ -1,0 +1,222 @@
+"""Real HTTP on loopback: run aiohttp apps on free ports for the router's tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+from aiohttp import web
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application, port: int = 0):
+    """Run `app` on 127.0.0.1; yields its base URL."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    real_port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{real_port}"
+    finally:
+        await runner.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def serve_app():
+    return serve
+
+
+# --- a small real tokenizer and a fake runtime pod speaking the pod's HTTP contract ----------------------------
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+
+import tokenizers  # noqa: E402
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra  # noqa: E402
+from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
+from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
+from tokenfleet.runtime.router.kv_events_endpoint import KVEventLog, LoadReport, kv_event_routes  # noqa: E402
+from tokenfleet.runtime.router.prompt_blocks import prompt_token_ids  # noqa: E402
+from tokenizers import models, pre_tokenizers  # noqa: E402
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer() -> Tokenizer:
+    """Word-level: `w0 .. w1999` and a few words, one token each; ChatML specials."""
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for word in ["system", "user", "assistant", *(f"w{i}" for i in range(2000))]:
+        vocab[word] = len(vocab)
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return Tokenizer(backend, eos_token_ids=[2], eos_token="<|im_end|>", chat_template=CHATML)
+
+
+class FakePod:
+    """A runtime pod's HTTP surface with a real prefix cache model: it caches every prompt's full blocks,
+    publishes them on /v1/kv-events, and counts its own prefix-cache hits (as the real pod's metrics do)."""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, block_size: int = 16, tokens: int = 3):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.tokens = tokens
+        self.extra = hash_extra(model)
+        self.log = KVEventLog(block_size, self.extra)
+        self.cached: set[bytes] = set()
+        self.hit_blocks = 0
+        self.requests: list[dict] = []
+        self.fail_status: int | None = None
+        self.healthy = True
+        self.die_after_events: int | None = None
+        self.hang_after_events: int | None = None
+        self.gate: asyncio.Event | None = None  # stream waits on it after the first event
+        self.delay = 0.0
+        self.running = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.generate),
+                web.post("/v1/chat/completions", self.generate),
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                *kv_event_routes(self.log, lambda: LoadReport(self.running, 0, len(self.cached) / 10_000)),
+            ]
+        )
+        return app
+
+    async def health(self, request):
+        return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    def evict_all(self) -> None:
+        self.cached.clear()
+        self.log.publish([AllBlocksCleared()])
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        payload = json.loads(body)
+        self.requests.append({"payload": payload, "headers": dict(request.headers), "path": request.path})
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
+        if payload.get("model") != self.model:
+            return web.json_response({"error": {"message": "wrong model"}}, status=404)
+        ids = prompt_token_ids(request.path, body, self.tokenizer) or []
+        hashes = block_hashes_for(ids, self.block_size, self.extra)
+        for h in hashes:
+            if h not in self.cached:
+                break
+            self.hit_blocks += 1
+        new = [h for h in hashes if h not in self.cached]
+        if new:
+            self.cached.update(new)
+            self.log.publish([BlockStored(tuple(new), None, (), self.block_size)])
+        self.running += 1
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if not payload.get("stream"):
+                return web.json_response(
+                    {"object": "text_completion", "model": self.model, "choices": [{"text": "ok"}],
+                     "usage": {"prompt_tokens": len(ids), "completion_tokens": self.tokens}}
+                )  # fmt: skip
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(self.tokens):
+                if self.die_after_events == i:
+                    await asyncio.sleep(0.2)  # let the events reach the router, as on a real network
+                    request.transport.close()  # the pod dies mid-stream
+                    return resp
+                if self.hang_after_events == i:
+                    await asyncio.sleep(3600)
+                await resp.write(b"data: " + json.dumps({"choices": [{"text": f"t{i}"}]}).encode() + b"\n\n")
+                if i == 0 and self.gate is not None:
+                    await self.gate.wait()
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self.running -= 1
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return make_tokenizer()
+
+
+@pytest.fixture
+def make_pod(tokenizer):
+    return lambda model="m", **kw: FakePod(model, tokenizer, **kw)
+
+
+@pytest.fixture
+def start_router(serve_app, tokenizer):
+    """`async with start_router(backends, routing=..., discovery=...) as (url, router_state)`."""
+    from tokenfleet.runtime.router.app import ROUTER, build_app
+    from tokenfleet.runtime.router.config import RouterConfig
+
+    @contextlib.asynccontextmanager
+    async def start(backends, routing=None, discovery=None, **extra):
+        cfg = RouterConfig.model_validate(
+            {
+                "backends": backends,
+                "routing": routing or {},
+                "discovery": {"probeIntervalSeconds": 0.05, "healthEvery": 1, **(discovery or {})},
+                **extra,
+            }
+        )
+        app = build_app(cfg, lambda source: tokenizer)
+        async with serve_app(app) as url:
+            yield url, app[ROUTER]
+
+    return start
+
+
+async def until(cond, timeout: float = 5.0, step: float = 0.02) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(step)
+
+
+@pytest.fixture
+def wait_until():
+    return until
+
+
+@pytest.fixture
+def closed_port_url() -> str:
+    """A URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def free_ports():
+    """n distinct free ports with the same number of digits, ascending (URLs then sort like the ports)."""
+
+    def pick(n: int) -> list[int]:
+        ports: set[int] = set()
+        while len(ports) < n:
+            p = free_port()
+            if p >= 10000:
+                ports.add(p)
+        return sorted(ports)
+
+    return pick

@@ -1,0 +1,120 @@
+"""The KV-event stream end to end over loopback HTTP: incremental updates, long poll, resync on gap/restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
+from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
+from tokenfleet.runtime.router.kv_events_endpoint import KVEventLog, LoadReport, make_kv_events_app
+from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex
+
+EXTRA = hash_extra("m")
+H = block_hashes_for(list(range(64)), 16, EXTRA)
+
+
+def stored(hashes) -> BlockStored:
+    return BlockStored(tuple(hashes), None, (), 16)
+
+
+def test_log_incremental_then_gap_resync():
+    log = KVEventLog(16, EXTRA, retain_batches=2)
+    first = log.read(None, None)
+    assert first["reset"] and first["seq"] == 0
+    log.publish([stored(H[:2])])
+    log.publish([BlockRemoved((H[0],))])
+    inc = log.read(0, log.epoch)
+    assert not inc["reset"] and inc["seq"] == 2
+    assert [e["type"] for e in inc["events"]] == ["stored", "removed"]
+    log.publish([stored(H[2:])])  # the window holds batches 2..3 now: since=0 is a gap
+    gap = log.read(0, log.epoch)
+    assert gap["reset"] and gap["seq"] == 3
+    assert sorted(gap["events"][1]["block_hashes"]) == sorted(h.hex() for h in H[1:])
+    assert log.read(3, "another-epoch")["reset"]  # the pod restarted: its seq means something else
+    log.publish([AllBlocksCleared()])
+    assert log.read(None, None)["events"][1]["block_hashes"] == []
+
+
+def test_apply_reply_with_reset_replaces_the_endpoint_view():
+    idx = ExactPrefixIndex()
+    idx.stored("p", H)
+    log = KVEventLog(16, EXTRA)
+    log.publish([stored(H[:1])])
+    pos = apply_reply(idx, "p", log.read(None, None))
+    assert (pos.seq, pos.block_size, pos.hash_extra) == (1, 16, EXTRA)
+    assert idx.match(H, ["p"]) == {"p": 1}
+    with pytest.raises(ValueError):
+        apply_reply(
+            idx,
+            "p",
+            {
+                "events": [{"type": "stored", "block_hashes": ["zz"]}],
+                "epoch": "e",
+                "seq": 1,
+                "block_size": 16,
+                "hash_extra": [],
+            },
+        )
+
+
+async def test_follower_tracks_a_pod_over_http_and_resyncs_after_restart(serve_app):
+    log = KVEventLog(16, EXTRA)
+    load = LoadReport(2, 1, 0.25)
+    idx = ExactPrefixIndex()
+    async with serve_app(make_kv_events_app(log, lambda: load)) as url, aiohttp.ClientSession() as session:
+        async with session.get(url + "/load") as r:
+            assert await r.json() == {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}
+        follower = KVEventFollower(session, url, "p", idx, wait_seconds=5.0)
+        await follower.poll_once()  # initial resync
+        assert follower.live and idx.match(H, ["p"]) == {"p": 0}
+        poll = asyncio.create_task(follower.poll_once())  # long poll: waits for the next batch
+        await asyncio.sleep(0.1)
+        assert not poll.done()
+        log.publish([stored(H[:3])])
+        await asyncio.wait_for(poll, 2.0)
+        assert idx.match(H, ["p"]) == {"p": 3}
+        log.publish([BlockRemoved((H[1],))])
+        await follower.poll_once()
+        assert idx.match(H, ["p"]) == {"p": 1}
+        epoch_before = follower.position.epoch
+
+    # The "pod" restarts with an empty cache and a fresh epoch on the same port: the follower resyncs.
+    restarted = KVEventLog(16, EXTRA)
+    restarted.publish([stored(H[:2])])
+    port = int(url.rsplit(":", 1)[1])
+    async with (
+        serve_app(make_kv_events_app(restarted, lambda: load), port) as url2,
+        aiohttp.ClientSession() as session,
+    ):
+        assert url2 == url
+        follower._session = session
+        await follower.poll_once()
+        assert follower.position.epoch != epoch_before
+        assert idx.match(H, ["p"]) == {"p": 2}
+
+
+async def test_follower_drops_stale_state_when_the_stream_is_gone(serve_app):
+    idx = ExactPrefixIndex()
+    log = KVEventLog(16, EXTRA)
+    log.publish([stored(H)])
+    async with (
+        serve_app(make_kv_events_app(log, lambda: LoadReport(0, 0, 0.0))) as url,
+        aiohttp.ClientSession() as s,
+    ):
+        follower = KVEventFollower(s, url, "p", idx, wait_seconds=0.05, retry_seconds=0.05)
+        task = asyncio.create_task(follower.run())
+        for _ in range(100):
+            if follower.live:
+                break
+            await asyncio.sleep(0.02)
+        assert idx.match(H, ["p"]) == {"p": 4}
+    for _ in range(100):  # the server is gone
+        if not follower.live:
+            break
+        await asyncio.sleep(0.02)
+    assert not follower.live and idx.match(H, ["p"]) == {"p": 0}
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
