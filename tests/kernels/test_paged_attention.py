@@ -104,6 +104,23 @@ def test_split_kv_equals_unsplit():
     _assert_close(unsplit, _ref(batch), torch.float32)
 
 
+def test_key_tile_width_does_not_change_the_result():
+    # Key tiles narrower than, equal to and wider than a 32-token page (gathered across pages).
+    batch = make_paged_batch(
+        [1, 2],
+        [44, 20],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        block_size=32,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    ref = _ref(batch)
+    for block_n in (16, 32, 64):
+        _assert_close(_run(batch, block_n=block_n), ref, torch.float32)
+
+
 def test_fp8_cache_dequantises_with_scales():
     # The cache is quantised by torch (the interpreter's fp32->fp8 cast is wrong); the kernel only reads it.
     batch = make_paged_batch(
