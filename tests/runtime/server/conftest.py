@@ -220,8 +220,10 @@ def start_real_server(loaded_model):
 
     servers: list[ServerThread] = []
 
-    def start(config: RuntimeConfig) -> ServerThread:
-        server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=loaded_model))).start()
+    def start(**sections: dict) -> ServerThread:
+        server = ServerThread(
+            real_config(**sections), lambda cfg: AsyncEngine(EngineCore(cfg, loaded=loaded_model))
+        ).start()
         servers.append(server)
         return server
 
@@ -232,4 +234,4 @@ def start_real_server(loaded_model):
 
 @pytest.fixture(scope="session")
 def real_server(start_real_server) -> ServerThread:
-    return start_real_server(real_config())
+    return start_real_server()
