@@ -342,6 +342,18 @@ def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
     return rows
 
 
+def _register_fp8_moe() -> None:
+    """FP8 GEMM and fused-MoE sections (issue 5) live in bench/kernels_fp8_moe.py; rows come back as dicts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kernels_fp8_moe
+
+    for name, fn in kernels_fp8_moe.SECTIONS.items():
+        SECTIONS[name] = lambda ctx, fn=fn: [Row(**row) for row in fn(ctx)]
+
+
+_register_fp8_moe()
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
