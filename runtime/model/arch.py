@@ -1,0 +1,138 @@
+"""ModelArch: the shape of a Llama-family model, read from a HF config.json or GGUF metadata.
+
+One frozen description shared by the model, the KV-cache sizing and the engine (EOS ids, context length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet.runtime.errors import ConfigError
+
+# model_type values whose checkpoints this implementation reproduces exactly.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Context-extension parameters of rotary embeddings (HF `rope_parameters` / `rope_scaling`)."""
+
+    rope_type: str  # "linear" | "llama3" | "yarn"
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets both this and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # we attend over the full context: max_model_len is capped to this
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 = dense MLP); the MoE layer reads these.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def rope_scaling_from_hf(params: Mapping[str, Any] | None) -> RopeScaling | None:
+    """`rope_parameters` (transformers >= 5) or `rope_scaling` (older) -> RopeScaling; None when unscaled."""
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, yarn)")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+    )
+
+
+def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...] = ()) -> ModelArch:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r} (Llama family uses silu)")
+    rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
+    num_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    sliding_window = config.get("sliding_window")
+    if model_type == "qwen2" and not config.get("use_sliding_window", False):
+        sliding_window = None  # Qwen2 configs carry a window they do not use
+    attention_bias = bool(config.get("attention_bias", False))
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rope_scaling=rope_scaling_from_hf(rope_params),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type == "llama" and attention_bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
+    )

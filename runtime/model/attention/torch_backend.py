@@ -1,0 +1,123 @@
+"""Reference attention in plain PyTorch over the paged KV cache (CPU serving, and the oracle for kernels).
+
+Math in fp32 whatever the model dtype: the softmax of a long context in bf16 loses tokens. Decode rows
+(one new token) of all sequences go through one batched gather + masked SDPA; sequences with several new
+tokens (prefill chunks, speculative verification) go one by one with a causal mask shifted by the context
+already in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the step's new K/V rows at their flat slots ([num_blocks * block_size, Hkv, D] view)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length, Hkv, D] fp32: the first `length` cached positions of each row of `block_tables`."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, num_blocks, block_size, Hkv, D]
+    return blocks.flatten(1, 2)[:, :length].float()
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]: one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = gather_context(k_cache, block_tables, max_seq_len).transpose(1, 2)  # [B, Hkv, S, D]
+    values = gather_context(v_cache, block_tables, max_seq_len).transpose(1, 2)
+    # GQA without copying K/V: the query heads sharing a KV head act as that head's query rows.
+    grouped_q = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        grouped_q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def sequence_attention(
+    q: torch.Tensor,  # [q_len, Hq, D]: the last q_len tokens of the sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    q_len, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = gather_context(k_cache, block_table[None], seq_len)[0].transpose(0, 1)  # [Hkv, S, D]
+    values = gather_context(v_cache, block_table[None], seq_len)[0].transpose(0, 1)
+    query = q.float().transpose(0, 1)  # [Hq, q_len, D]
+    if q_len == seq_len:
+        # Nothing cached before this chunk: the plain causal mask, which SDPA handles without a mask tensor.
+        out = F.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scale, enable_gqa=num_kv_heads != num_heads
+        )
+    else:
+        # Query i sits at position seq_len - q_len + i and sees every key up to and including it.
+        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=num_kv_heads != num_heads
+        )
+    return out.transpose(0, 1)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_all_decode:
+            out = decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+            )
+            return out.to(q.dtype)
+
+        out = torch.empty_like(q)
+        starts = [0]
+        for q_len in meta.query_lens:
+            starts.append(starts[-1] + q_len)
+        decode_seqs = [b for b, q_len in enumerate(meta.query_lens) if q_len == 1]
+        if decode_seqs:
+            seq_idx = torch.tensor(decode_seqs, device=q.device)
+            rows = torch.tensor([starts[b] for b in decode_seqs], device=q.device)
+            max_len = max(meta.seq_lens_list[b] for b in decode_seqs)
+            decoded = decode_attention(
+                q[rows], k_cache, v_cache, meta.block_tables[seq_idx], meta.seq_lens[seq_idx], max_len, scale
+            )
+            out[rows] = decoded.to(q.dtype)
+        for b, q_len in enumerate(meta.query_lens):
+            if q_len == 1:
+                continue
+            rows = slice(starts[b], starts[b + 1])
+            seq_out = sequence_attention(
+                q[rows], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b], scale
+            )
+            out[rows] = seq_out.to(q.dtype)
+        return out

@@ -1,0 +1,140 @@
+"""Build a `tokenizers.Tokenizer` from GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys).
+
+GGUF files carry no tokenizer.json: the vocabulary, merges, token types and special ids are metadata, and
+`tokenizer.ggml.pre` names the pre-tokenizer the vocabulary was trained with. We rebuild the byte-level BPE
+tokenizer those describe, with the split rules of the original model (as llama.cpp applies them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import tokenizers
+from tokenfleet.runtime.errors import ConfigError
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+# llama.cpp token types
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+
+
+@functools.cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: printable Latin-1 bytes stand for themselves,
+    the rest (controls, space, soft hyphen) are shifted to code points from 256 up, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in mapping)
+    for offset, b in enumerate(shifted):
+        mapping[b] = chr(256 + offset)
+    return mapping
+
+
+@functools.cache
+def _byte_letters() -> frozenset[str]:
+    return frozenset(byte_alphabet().values())
+
+
+def _byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
+    # SmolLM / StarCoder vocabularies were trained with every digit on its own.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
+
+
+def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# Llama 3 splits numbers in groups of up to three; Qwen2 splits every digit.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+# `tokenizer.ggml.pre` -> pre-tokenizer builder; anything unlisted falls back to GPT-2's byte-level regex.
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "default": _byte_level,
+    "gpt-2": _byte_level,
+    "smollm": _digits_then_byte_level,
+    "starcoder": _digits_then_byte_level,
+    "llama-bpe": _split_then_bytes(_LLAMA3_PATTERN),
+    "llama3": _split_then_bytes(_LLAMA3_PATTERN),
+    "qwen2": _split_then_bytes(_QWEN2_PATTERN),
+}
+
+
+def _byte_level_spelling(token: str) -> str:
+    """Vocabulary entries in byte-level spelling; a few converters store raw UTF-8 text instead."""
+    if set(token) <= _byte_letters():
+        return token
+    alphabet = byte_alphabet()
+    return "".join(alphabet[b] for b in token.encode("utf-8"))
+
+
+def build_gguf_tokenizer(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    model_kind = metadata.get("tokenizer.ggml.model")
+    if model_kind != "gpt2":
+        raise ConfigError(
+            f"GGUF tokenizer model {model_kind!r} is not supported (supported: byte-level BPE 'gpt2')"
+        )
+    tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", ())]
+
+    vocab = {_byte_level_spelling(tok): i for i, tok in enumerate(tokens)}
+    tokenizer = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS.get(pre, _byte_level)()
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # Control tokens (<|im_start|>, <|endoftext|>) and user-defined ones must match whole in the text.
+    special = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        # Skip mislabelled ones outside the byte alphabet: adding them would grow the vocabulary.
+        if kind == TOKEN_CONTROL and tok in vocab
+    ]
+    user = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        if kind == TOKEN_USER_DEFINED and tok in vocab
+    ]
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(user)
+
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tokenizer
+
+
+def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    """EOS plus the end-of-turn / end-of-message ids llama.cpp also stops on."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return tuple(dict.fromkeys(int(metadata[k]) for k in keys if metadata.get(k) is not None))

@@ -1,0 +1,188 @@
+"""LlamaForCausalLM over a paged KV cache: Llama, SmolLM, Mistral, Qwen2 (QKV bias).
+
+Inputs are flattened token batches (no padding): T = all new tokens of all sequences in the step, with their
+positions and an AttentionMetadata telling the backend where each sequence's context lives. Weights arrive
+under HF names (`load_weights`); q/k/v and gate/up are concatenated into fused projections at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
+from tokenfleet.runtime.model.layers import GatedMLP, RMSNorm
+from tokenfleet.runtime.model.rope import RotaryEmbedding
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size, Hkv, D] each
+
+
+def _dense_mlp(arch: ModelArch) -> nn.Module:
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+
+
+# "dense" | "moe" -> builder. The MoE layer registers itself here with one entry.
+MLP_BUILDERS: dict[str, Callable[[ModelArch], nn.Module]] = {"dense": _dense_mlp}
+
+# HF parameter suffix -> (fused parameter suffix, shard index). Shards are stacked in index order.
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _num_shards(param_name: str) -> int:
+    """How many HF tensors fill this parameter (3 for fused q/k/v, 2 for fused gate/up)."""
+    return sum(1 for fused, _ in _FUSED.values() if f".{fused}." in f".{param_name}") or 1
+
+
+def build_mlp(arch: ModelArch) -> nn.Module:
+    kind = "moe" if arch.num_experts else "dense"
+    builder = MLP_BUILDERS.get(kind)
+    if builder is None:
+        raise ConfigError(f"no {kind} MLP implementation is registered")
+    return builder(arch)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.rotary = rotary  # shared by every layer: one cos/sin table
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = build_mlp(arch)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # One cos/sin table, shared by every layer's attention (non-persistent buffers: never in checkpoints).
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, self.rotary, backend) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], kv_caches, attn_meta) -> hidden [T, H]`; `compute_logits`."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head; call again after `to_empty`, which unties parameters."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.model.rotary.cos.shape[0])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_meta: AttentionMetadata,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """`num_layers` runs only the first layers (self-speculative drafting); default all."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(
+            self.model.layers[: num_layers or len(self.model.layers)], kv_caches, strict=False
+        ):
+            x = layer(positions, x, kv_cache, attn_meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; every parameter must be written exactly once (fused shards per shard)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = {name: _num_shards(name) for name in params}
+        if self.arch.tie_word_embeddings:
+            del expected["lm_head.weight"]  # the embedding, written under its own name
+        seen: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # derived from the config, never trusted from a checkpoint
+            if self.arch.tie_word_embeddings and hf_name == "lm_head.weight":
+                continue  # some tied checkpoints store the copy anyway
+            name, target = self._target(hf_name, params)
+            if target.shape != tensor.shape:
+                raise ConfigError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            seen[name] = seen.get(name, 0) + 1
+        missing = sorted(n for n, count in expected.items() if seen.get(n, 0) < count)
+        if missing:
+            raise ConfigError(
+                f"checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
+
+    def _target(self, hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor]:
+        """The parameter (or the rows of a fused parameter) that the HF tensor `hf_name` fills."""
+        for hf_part, (fused_part, shard) in _FUSED.items():
+            if f".{hf_part}." not in hf_name:
+                continue
+            name = hf_name.replace(hf_part, fused_part)
+            param = params.get(name)
+            if param is None:
+                break
+            sizes = self._shard_sizes(fused_part)
+            start = sum(sizes[:shard])
+            return name, param.narrow(0, start, sizes[shard])
+        param = params.get(hf_name)
+        if param is None:
+            raise ConfigError(f"unexpected weight {hf_name!r} in checkpoint")
+        return hf_name, param
+
+    def _shard_sizes(self, fused_part: str) -> list[int]:
+        if fused_part == "self_attn.qkv_proj":
+            return [self.arch.q_size, self.arch.kv_size, self.arch.kv_size]
+        return [self.arch.intermediate_size, self.arch.intermediate_size]

@@ -1,0 +1,115 @@
+"""load_model: ModelConfig -> a ready LlamaForCausalLM on the device, with its tokenizer and shape."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenfleet.runtime.config import ModelConfig
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.attention.base import get_attention_backend, resolve_backend_name
+from tokenfleet.runtime.model.checkpoint import Checkpoint
+from tokenfleet.runtime.model.gguf_loader import load_gguf
+from tokenfleet.runtime.model.llama import LlamaForCausalLM
+from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
+from tokenfleet.runtime.model.source import resolve_source
+from tokenfleet.runtime.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# source kind -> reader of that format
+CHECKPOINT_LOADERS: dict[str, Callable[[Path], Checkpoint]] = {"gguf": load_gguf, "hf_dir": load_hf_dir}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+ProgressFn = Callable[[int, int], None]  # (weights loaded, total)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArch
+    tokenizer: Tokenizer
+    name: str  # the name clients use (served_name or the model string)
+    max_model_len: int
+    dtype: torch.dtype
+    attention_backend: str
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: fp32 on CPU (no fast bf16 matmul on most CPUs, and exact vs references), bf16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def resolve_max_model_len(arch: ModelArch, requested: int | None) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        # Full attention equals sliding-window attention as long as no sequence outgrows the window.
+        limit = arch.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's context length {limit}")
+    return requested
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _tracked(weights: Iterator[tuple[str, torch.Tensor]], total: int, progress: ProgressFn | None):
+    for done, item in enumerate(weights, 1):
+        yield item
+        if progress is not None:
+            progress(done, total)
+
+
+def load_model(
+    model_config: ModelConfig, device: torch.device | str, progress: ProgressFn | None = None
+) -> LoadedModel:
+    device = torch.device(device)
+    source = resolve_source(model_config.model)
+    checkpoint = CHECKPOINT_LOADERS[source.kind](source.path)
+    arch = checkpoint.arch
+    dtype = resolve_dtype(model_config.dtype, device)
+    max_model_len = resolve_max_model_len(arch, model_config.max_model_len)
+    backend_name = resolve_backend_name(model_config.attention_backend, device)
+    backend = get_attention_backend(backend_name)
+
+    # Built on the meta device (no random init of weights about to be overwritten), then given
+    # uninitialised memory on the device in the target dtype. load_weights refuses a checkpoint that leaves
+    # any parameter unwritten, so no garbage survives; the RoPE tables (explicitly fp32) are recomputed.
+    max_positions = max(max_model_len, arch.max_position_embeddings)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = LlamaForCausalLM(arch, backend, max_positions=max_positions)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty unties shared parameters
+    model.model.rotary.build_tables()
+    model.load_weights(_tracked(checkpoint.weights(), checkpoint.num_weights, progress))
+    model.eval().requires_grad_(False)
+    log.info(
+        "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d",
+        model_config.model, arch.model_type, arch.num_layers, device, dtype, backend_name, max_model_len,
+    )  # fmt: skip
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=checkpoint.tokenizer,
+        name=model_config.name,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        attention_backend=backend_name,
+    )
