@@ -17,7 +17,7 @@ from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.server import chat, completions
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
-from tokenfleet.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenfleet.runtime.server.metrics import CONTENT_TYPE
 from tokenfleet.runtime.server.protocol import ModelCard, ModelList
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
 from tokenfleet.runtime.server.state import HttpError, ServerState
@@ -156,9 +156,7 @@ async def models(request: web.Request) -> web.Response:
 def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=None) -> web.Application:
     """The app for one served model. `engine` may be set later (state.engine) once the model is loaded."""
     keys = api_keys or ApiKeys(config.server.api_keys, config.server.api_key_file)
-    state = ServerState(config=config, metrics=None, api_keys=keys)  # type: ignore[arg-type]
-    state.metrics = ServerMetrics(config.model.name, lambda: state.engine.stats() if state.engine else None)
-    state.engine = engine
+    state = ServerState(config=config, api_keys=keys, engine=engine)
     app = web.Application(
         middlewares=[context_middleware, v1_middleware],
         client_max_size=config.server.max_body_bytes,

@@ -28,7 +28,6 @@ class HttpError(Exception):
 @dataclass(eq=False)
 class ServerState:
     config: RuntimeConfig
-    metrics: ServerMetrics
     api_keys: ApiKeys
     engine: object | None = None  # an AsyncEngine once loaded and started
     draining: bool = False
@@ -36,6 +35,11 @@ class ServerState:
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)
     _idle: asyncio.Event | None = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Engine gauges are read at scrape time; before the model is loaded there is nothing to report.
+        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats() if self.engine else None)
 
     @property
     def model_name(self) -> str:

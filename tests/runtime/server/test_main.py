@@ -1,0 +1,45 @@
+"""`tokenfleet serve` option handling: flags over the config file, and the printed curl example."""
+
+from __future__ import annotations
+
+import pytest
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.server.main import build_parser, config_from_args, curl_example
+
+
+def parse(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_defaults_serve_the_builtin_model_on_localhost_8000():
+    config = parse()
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+    assert config.model.name == "smollm2-135m-instruct"
+    assert config.server.api_keys == ()
+
+
+def test_flags_override_the_config_file(tmp_path):
+    path = tmp_path / "runtime.yaml"
+    path.write_text("server:\n  port: 9000\n  api_keys: [from-file]\nscheduler:\n  max_waiting: 7\n")
+    config = parse("--config", str(path), "--host", "0.0.0.0", "--api-key", "k2", "--served-name", "m")
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 9000)
+    assert config.server.api_keys == ("from-file", "k2")
+    assert config.scheduler.max_waiting == 7
+    assert config.model.name == "m"
+    assert parse("--config", str(path), "--max-waiting", "3").scheduler.max_waiting == 3
+
+
+def test_invalid_options_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        parse("--port", "70000")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  nope: 1\n")
+    with pytest.raises(ConfigError):
+        parse("--config", str(bad))
+
+
+def test_curl_example_carries_the_key_header_only_when_needed():
+    plain = curl_example("http://127.0.0.1:8000", "m", with_key=False)
+    assert plain.startswith("curl http://127.0.0.1:8000/v1/chat/completions ")
+    assert "Authorization" not in plain and '"model": "m"' in plain
+    assert "Authorization: Bearer $API_KEY" in curl_example("http://h:1", "m", with_key=True)
