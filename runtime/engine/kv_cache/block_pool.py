@@ -5,23 +5,31 @@ A free block is in exactly one of two places:
 - the *eviction* queue (a pluggable policy, LRU by default): ref count 0 but the block still holds the
   KV of a full, hashed block. It stays findable by hash until an allocation finds no empty block and
   evicts it (a `BlockRemoved` event), or a lookup hits it and `touch` takes it back into use.
-Every operation is O(1) per block. The pool knows nothing of requests; `KVCacheManager` does.
+Every operation is O(1) per block (O(log n) under LFU). The pool knows nothing of requests;
+`KVCacheManager` does.
+
+Cache policy (issue 9): free cached blocks past their TTL are evicted before the policy is asked
+(`evict_expired` sweeps them eagerly, reason "ttl"); a pressure eviction (reason "pressure") first hands
+the block to `on_evict` so a host tier can copy its KV out before the block is reused. The policy and
+the TTL can change live (`set_eviction_policy`, `set_ttl`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.runtime.engine.kv_cache.block_hash import BlockHash
-from tokenfleet.runtime.engine.kv_cache.eviction import EVICTION_POLICIES
+from tokenfleet.runtime.engine.kv_cache.eviction import EVICTION_POLICIES, EvictionQueue
 from tokenfleet.runtime.engine.kv_cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
 )
+from tokenfleet.runtime.engine.kv_cache.ttl import Clock, TTLIndex
 from tokenfleet.runtime.errors import ConfigError
 
 
@@ -41,19 +49,24 @@ class BlockPool:
         enable_caching: bool = True,
         eviction: str = "lru",
         enable_kv_events: bool = True,
+        ttl_seconds: float | None = None,
+        clock: Clock = time.monotonic,
     ):
         if num_blocks < 1:
             raise ConfigError(f"the KV cache needs at least one block, got {num_blocks}")
-        policy = EVICTION_POLICIES.get(eviction)
-        if policy is None:
-            raise ConfigError(f"unknown eviction policy {eviction!r}; known: {sorted(EVICTION_POLICIES)}")
         self.enable_caching = enable_caching
         self.enable_kv_events = enable_kv_events
         self._blocks = tuple(KVBlock(i) for i in range(num_blocks))
         self._empty: deque[KVBlock] = deque(self._blocks)
-        self._evictable = policy()
+        self.eviction = eviction
+        self._evictable = _make_policy(eviction, num_blocks)
+        self._ttl = TTLIndex(ttl_seconds, clock)
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        # Called with (block, its hash) when pressure evicts a cached block, before the block is reused.
+        self.on_evict: Callable[[KVBlock, BlockHash], None] | None = None
+        self.num_evicted_ttl = 0
+        self.num_evicted_pressure = 0
 
     # ---- inspection --------------------------------------------------------------------------------------
 
@@ -95,7 +108,16 @@ class BlockPool:
             if self._empty:
                 block = self._empty.popleft()
             else:
-                block = self._evictable.pop_victim()
+                block = self._ttl.pop_expired()
+                if block is not None:
+                    self._evictable.remove(block)
+                    self.num_evicted_ttl += 1
+                else:
+                    block = self._evictable.pop_victim()
+                    self._ttl.remove(block)
+                    self.num_evicted_pressure += 1
+                    if self.on_evict is not None:
+                        self.on_evict(block, block.block_hash)
                 assert block.block_hash is not None and block.ref_cnt == 0
                 removed.append(block.block_hash)
                 del self._cached[block.block_hash]
@@ -109,12 +131,19 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on cache hits; a hit on a free block takes it out of the eviction queue."""
+    def touch(self, blocks: Iterable[KVBlock], count_hit: bool = True) -> None:
+        """Take a reference on cache hits; a hit on a free block takes it out of the eviction queue.
+
+        `count_hit=False`: a reference that is not a use (holding blocks while others are allocated).
+        """
+        evictable = self._evictable
         for block in blocks:
             if block.ref_cnt == 0:
                 assert block.block_hash is not None, f"touched free block {block.block_id} holds no KV"
-                self._evictable.remove(block)
+                evictable.remove(block)
+                self._ttl.remove(block)
+            if count_hit:
+                evictable.record_hit(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -127,6 +156,7 @@ class BlockPool:
                     self._empty.append(block)
                 else:
                     self._evictable.append(block)
+                    self._ttl.append(block)
 
     # ---- prefix cache ----------------------------------------------------------------------------------------
 
@@ -180,6 +210,7 @@ class BlockPool:
         """Forget every hash (e.g. the weights changed). Blocks in use stay in use, just unshareable."""
         for block in list(self._evictable):
             self._evictable.remove(block)
+            self._ttl.remove(block)
             block.block_hash = None
             self._empty.append(block)
         for block in self._cached.values():
@@ -188,7 +219,51 @@ class BlockPool:
         if self.enable_kv_events:
             self._events.append(AllBlocksCleared())
 
+    # ---- cache policy ------------------------------------------------------------------------------------
+
+    def evict_expired(self) -> int:
+        """Evict every free cached block past its TTL now (it would be evicted first anyway); how many.
+
+        Expired KV is dropped, not offloaded: the TTL says how long a prefix is worth keeping.
+        """
+        removed: list[BlockHash] = []
+        while (block := self._ttl.pop_expired()) is not None:
+            self._evictable.remove(block)
+            assert block.block_hash is not None
+            removed.append(block.block_hash)
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self._empty.append(block)
+        self.num_evicted_ttl += len(removed)
+        if removed and self.enable_kv_events:
+            self._events.append(BlockRemoved(tuple(removed)))
+        return len(removed)
+
+    def set_ttl(self, ttl_seconds: float | None) -> None:
+        self._ttl.ttl_seconds = ttl_seconds
+
+    @property
+    def ttl_seconds(self) -> float | None:
+        return self._ttl.ttl_seconds
+
+    def set_eviction_policy(self, eviction: str) -> None:
+        """Switch policy live: the new one starts from the old one's order (usage history is dropped)."""
+        if eviction == self.eviction:
+            return
+        policy = _make_policy(eviction, len(self._blocks))
+        for block in self._evictable:
+            policy.append(block)
+        self._evictable = policy
+        self.eviction = eviction
+
     def take_events(self) -> list[KVEvent]:
         """Events since the last call, oldest first. The engine must drain these every step."""
         events, self._events = self._events, []
         return events
+
+
+def _make_policy(eviction: str, num_blocks: int) -> EvictionQueue:
+    factory = EVICTION_POLICIES.get(eviction)
+    if factory is None:
+        raise ConfigError(f"unknown eviction policy {eviction!r}; known: {sorted(EVICTION_POLICIES)}")
+    return factory(num_blocks)

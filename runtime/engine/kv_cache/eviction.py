@@ -5,8 +5,10 @@ handed to the policy; a cache hit takes it back out (`remove`); an allocation th
 asks the policy for a victim. Blocks without a hash never reach the policy: the pool reuses those first,
 since evicting them loses nothing.
 
-Policies are chosen by name through `EVICTION_POLICIES` (CacheConfig.eviction). LRU is the default; other
-policies (LFU, S3-FIFO, TTL-aware) plug in by implementing `EvictionQueue` and registering a factory.
+Policies are chosen by name through `EVICTION_POLICIES` (CacheConfig.eviction): `lru` (the default),
+`lfu` (LFU with dynamic ageing, evict_lfu.py) and `s3fifo` (scan-resistant, evict_s3fifo.py). A factory
+takes the pool's block count (policies that size internal queues need it). TTL expiry is not a policy:
+it runs in front of whichever policy is chosen (ttl.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
+
+from tokenfleet.runtime.engine.kv_cache.evict_lfu import LFUEvictionQueue
+from tokenfleet.runtime.engine.kv_cache.evict_s3fifo import S3FIFOEvictionQueue
 
 if TYPE_CHECKING:
     from tokenfleet.runtime.engine.kv_cache.block_pool import KVBlock
@@ -25,6 +30,9 @@ class EvictionQueue(Protocol):
 
     def remove(self, block: KVBlock) -> None:
         """`block` (currently in the queue) was hit by a lookup and is in use again."""
+
+    def record_hit(self, block: KVBlock) -> None:
+        """A lookup hit `block` (free or shared by running requests); frequency-aware policies count it."""
 
     def pop_victim(self) -> KVBlock:
         """Take out the block to evict next; only called when `len(self) > 0`."""
@@ -40,8 +48,11 @@ class LRUEvictionQueue:
 
     __slots__ = ("_blocks",)
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int = 0) -> None:
         self._blocks: OrderedDict[int, KVBlock] = OrderedDict()
+
+    def record_hit(self, block: KVBlock) -> None:
+        pass  # recency is the free order itself
 
     def append(self, block: KVBlock) -> None:
         assert block.block_id not in self._blocks, f"block {block.block_id} freed twice"
@@ -60,6 +71,8 @@ class LRUEvictionQueue:
         return iter(list(self._blocks.values()))
 
 
-EVICTION_POLICIES: dict[str, Callable[[], EvictionQueue]] = {
+EVICTION_POLICIES: dict[str, Callable[[int], EvictionQueue]] = {
     "lru": LRUEvictionQueue,
+    "lfu": LFUEvictionQueue,
+    "s3fifo": S3FIFOEvictionQueue,
 }
