@@ -54,7 +54,11 @@ class CacheConfig(_Strict):
     cache_salt: str | None = Field(None, description="Mixed into every block hash (tenant isolation).")
     ttl_seconds: float | None = Field(None, gt=0, description="Unreferenced cached blocks older than this go first.")
     eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
-    pinned_prefixes: tuple[str, ...] = ()
+    pinned_prefixes: tuple[str | tuple[int, ...], ...] = Field(
+        (),
+        description="Prefixes kept cached: texts (tokenized without added special tokens, so write them as "
+        "they start the rendered prompt) or lists of token ids. Only whole blocks are pinned.",
+    )
     max_pinned_fraction: float = Field(0.25, ge=0, le=1)
     cpu_offload_gib: float = Field(0.0, ge=0, description="Host-memory tier for evicted KV blocks; 0 = off.")
 

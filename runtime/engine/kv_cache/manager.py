@@ -13,10 +13,17 @@ never rehashing) when the manager needs it: at a prefix lookup and when blocks g
 
 Prefix-cache statistics count tokens once per admission: `prefix_queries` += the request's tokens and
 `prefix_hits` += the tokens served from the cache, when the request gets its first blocks.
+
+Cache policy (issue 9): a lookup first drops free blocks past their TTL; after the device hits it
+continues in the host tier, if one is attached (`attach_host_tier`): host hits get device blocks and a
+copy back (run by the engine before the next forward), become ordinary cached blocks and are returned
+with the device hits. Pinned prefixes (pins.py) hold references on their blocks. `apply_policy` changes
+TTL, eviction policy and pin cap live; `metrics()` snapshots the counters.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from tokenfleet.runtime.config import CacheConfig
@@ -28,8 +35,12 @@ from tokenfleet.runtime.engine.kv_cache.block_hash import (
     with_salt,
 )
 from tokenfleet.runtime.engine.kv_cache.block_pool import BlockPool, KVBlock
+from tokenfleet.runtime.engine.kv_cache.cache_metrics import KVCacheMetrics
 from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
+from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+from tokenfleet.runtime.engine.kv_cache.pins import PinnedPrefixes
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
+from tokenfleet.runtime.engine.kv_cache.ttl import Clock
 from tokenfleet.runtime.engine.request import Request
 
 
@@ -60,6 +71,9 @@ class KVCacheManager:
         hash_extra: tuple[ExtraItem, ...] = (),
         eviction: str = "lru",
         enable_kv_events: bool = True,
+        ttl_seconds: float | None = None,
+        max_pinned_fraction: float = 0.25,
+        clock: Clock = time.monotonic,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,11 +81,18 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # The model-wide part of every block hash; each request's `cache_salt` is appended to it.
         self.hash_extra = hash_extra
-        self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events, ttl_seconds, clock)
+        self.pins = PinnedPrefixes(self.pool, max_pinned_fraction)
+        self.host: HostKVTier | None = None
         self._tables: dict[str, _RequestBlocks] = {}
         self._extra_bytes: dict[str | None, bytes] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # The last lookup's (request id, device hits, host hits, misses) in blocks; counted on admission.
+        self._lookup: tuple[str, int, int, int] | None = None
+        self.num_device_hit_blocks = 0
+        self.num_host_hit_blocks = 0
+        self.num_miss_blocks = 0
 
     @classmethod
     def from_config(cls, cache: CacheConfig, num_blocks: int, model_name: str) -> KVCacheManager:
@@ -81,6 +102,38 @@ class KVCacheManager:
             enable_caching=cache.enable_prefix_caching,
             hash_extra=hash_extra(model_name, cache.cache_salt),
             eviction=cache.eviction,
+            ttl_seconds=cache.ttl_seconds,
+            max_pinned_fraction=cache.max_pinned_fraction,
+        )
+
+    # ---- cache policy ---------------------------------------------------------------------------------------
+
+    def apply_policy(self, cache: CacheConfig) -> None:
+        """Apply the live cache-policy fields (TTL, eviction policy, pin cap); the host tier and the pins
+        themselves are the engine's (they need tensors and prefill)."""
+        self.pool.set_ttl(cache.ttl_seconds)
+        self.pool.set_eviction_policy(cache.eviction)
+        self.pins.set_max_fraction(cache.max_pinned_fraction)
+
+    def attach_host_tier(self, host: HostKVTier | None) -> None:
+        """Offload pressure-evicted blocks to `host` and look prefixes up there (None: detach)."""
+        self.host = host
+        self.pool.on_evict = None if host is None else (lambda block, h: host.offload(block.block_id, h))
+
+    def metrics(self) -> KVCacheMetrics:
+        host = self.host
+        return KVCacheMetrics(
+            device_hit_blocks=self.num_device_hit_blocks,
+            host_hit_blocks=self.num_host_hit_blocks,
+            miss_blocks=self.num_miss_blocks,
+            evicted_ttl_blocks=self.pool.num_evicted_ttl,
+            evicted_pressure_blocks=self.pool.num_evicted_pressure,
+            pinned_blocks=self.pins.num_pinned_blocks,
+            offloaded_blocks=0 if host is None else host.num_blocks_offloaded,
+            loaded_blocks=0 if host is None else host.num_blocks_loaded,
+            host_evicted_blocks=0 if host is None else host.num_evicted,
+            host_used_blocks=0 if host is None else len(host),
+            host_total_blocks=0 if host is None else host.num_slots,
         )
 
     # ---- figures ------------------------------------------------------------------------------------------
@@ -122,16 +175,57 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         assert request.request_id not in self._tables, "lookup for a request that holds blocks"
+        self.pool.evict_expired()
         self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
         hits: list[KVBlock] = []
-        for i in range(min(max_blocks, len(hashes))):
+        for i in range(max_blocks):
             block = self.pool.get_cached_block(hashes[i])
             if block is None:
                 break
             hits.append(block)
+        num_device = len(hits)
+        if self.host is not None and num_device < max_blocks:
+            hits.extend(self._load_from_host(request, hits, max_blocks))
+        self._lookup = (request.request_id, num_device, len(hits) - num_device, max_blocks - len(hits))
         return hits, len(hits) * self.block_size
+
+    def _load_from_host(self, request: Request, hits: list[KVBlock], stop: int) -> list[KVBlock]:
+        """Blocks `len(hits)..stop` of the request found in the host tier, copied into device blocks."""
+        host = self.host
+        assert host is not None
+        hashes = request.block_hashes
+        start = len(hits)
+        n = 0
+        while start + n < stop and hashes[start + n] in host:
+            n += 1
+        if n == 0:
+            return []
+        pool = self.pool
+        # Hold the device hits so that taking blocks for the loads cannot evict them.
+        pool.touch(hits, count_hit=False)
+        n = min(n, pool.num_free_blocks)
+        blocks = pool.get_new_blocks(n) if n else []
+        num_loaded = 0
+        for block, block_hash in zip(blocks, hashes[start : start + n], strict=True):
+            # A pressure eviction just now may have pushed one of ours out of the host tier: stop there.
+            if not host.load(block_hash, block.block_id):
+                break
+            num_loaded += 1
+        bs = self.block_size
+        end = start + num_loaded
+        pool.cache_blocks(
+            blocks[:num_loaded],
+            hashes[start:end],
+            hashes[start - 1] if start else None,
+            token_slice(request, start * bs, end * bs),
+            bs,
+        )
+        # Loaded blocks become free cached blocks (the caller's allocate_slots takes them); unused go empty.
+        pool.free_blocks(reversed(blocks))
+        pool.free_blocks(reversed(hits))
+        return blocks[:num_loaded]
 
     def allocate_slots(
         self,
@@ -175,6 +269,12 @@ class KVCacheManager:
             if self.enable_caching:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_hits * bs
+                lookup = self._lookup
+                if lookup is not None and lookup[0] == rid:
+                    self.num_device_hit_blocks += lookup[1]
+                    self.num_host_hit_blocks += lookup[2]
+                    self.num_miss_blocks += lookup[3]
+                    self._lookup = None
         elif self.enable_caching:
             self._cache_computed(request, table)
         if num_hits:
@@ -197,7 +297,27 @@ class KVCacheManager:
             return
         if self.enable_caching:
             self._cache_computed(request, table)
+            if self.pins.pending_key(request.request_id) is not None:
+                self._pin_prompt(request, table)
         self.pool.free_blocks(reversed(table.blocks))
+
+    def _pin_prompt(self, request: Request, table: _RequestBlocks) -> None:
+        """A pin's prefill is freed: pin the cached blocks of its prompt (full blocks only) once computed.
+
+        Freed before its prompt was computed: preempted (it stays pending and comes back) or aborted.
+        """
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            if request.is_finished:
+                self.pins.forget(request.request_id)
+            return
+        num_full = request.num_prompt_tokens // self.block_size
+        blocks: list[KVBlock] = []
+        for block_hash in request.block_hashes[: min(num_full, table.num_cached)]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.pins.take(request.request_id, blocks)
 
     def free_blocks_beyond(self, request: Request, num_tokens: int) -> int:
         """Free the request's blocks that lie entirely at or past token `num_tokens`; how many.

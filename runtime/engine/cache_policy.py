@@ -1,0 +1,124 @@
+"""The engine side of the cache policy: host-tier tensors, pinned-prefix prefill, live application.
+
+`KVCacheManager` decides (TTL, eviction, pins, which blocks move between tiers); this class owns what
+needs the model and its tensors, and runs on the engine thread only:
+- the host tier: `HostKVTier` (bookkeeping, in the manager) + `HostKVBuffers` (host tensors) sized from
+  `cache.cpu_offload_gib` and the bytes of one block; `before_forward()` runs the recorded copies and
+  must be called after scheduling and before any forward pass that may write reused blocks;
+- pinned prefixes: each entry of `cache.pinned_prefixes` is a text (tokenized without added special
+  tokens: write it as it starts the rendered prompt, e.g. "<|im_start|>system\\n...") or a list of token
+  ids. A new pin is computed by a max_tokens=1 request; when it is freed the manager pins its full blocks.
+  Pins no longer listed are released;
+- `apply(cache)`: the live fields of a new CacheConfig (config reload; see config_watch.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+from tokenfleet.runtime.config import CacheConfig
+from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+from tokenfleet.runtime.engine.kv_cache.offload_copy import HostKVBuffers
+from tokenfleet.runtime.engine.kv_cache.pins import PinKey
+from tokenfleet.runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenfleet.runtime.engine.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+PIN_REQUEST_PREFIX = "tokenfleet-pin-"  # internal requests; their outputs reach no client
+
+
+def host_slots_for(cpu_offload_gib: float, bytes_per_block: int) -> int:
+    return int(cpu_offload_gib * 2**30 // bytes_per_block)
+
+
+class CachePolicyRuntime:
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self.host_buffers: HostKVBuffers | None = None
+        self._pin_ids = itertools.count()
+        self._bytes_per_block = sum(
+            t[0].numel() * t.element_size() for pair in core.runner.kv_caches for t in pair
+        )
+        self.apply(core.config.cache)
+        # At start-up nothing else runs yet: compute the pins now, so the first requests already hit them
+        # (and offline callers never see the internal requests' outputs).
+        while core.has_unfinished():
+            core.step()
+
+    def before_forward(self) -> None:
+        """Run the tier copies recorded since the last call (offloads first-come, then loads, in order)."""
+        host = self._core.kv_manager.host
+        if host is None or self.host_buffers is None:
+            return
+        self.host_buffers.run(host.take_transfers(), self._core.runner.kv_caches)
+
+    def apply(self, cache: CacheConfig) -> None:
+        km = self._core.kv_manager
+        km.apply_policy(cache)
+        self._apply_offload(cache.cpu_offload_gib)
+        if km.enable_caching:
+            self._apply_pins(cache.pinned_prefixes)
+
+    # ---- host tier --------------------------------------------------------------------------------------
+
+    def _apply_offload(self, cpu_offload_gib: float) -> None:
+        km = self._core.kv_manager
+        num_slots = host_slots_for(cpu_offload_gib, self._bytes_per_block)
+        if cpu_offload_gib > 0 and num_slots < 1:
+            logger.warning(
+                "cpu_offload_gib=%s holds no %d-byte block: offload stays off",
+                cpu_offload_gib,
+                self._bytes_per_block,
+            )
+        self.before_forward()  # pending copies name the current slots
+        if num_slots < 1 or not km.enable_caching:
+            if km.host is not None:
+                logger.info("KV host tier off")
+            km.attach_host_tier(None)
+            self.host_buffers = None
+            return
+        if km.host is None or self.host_buffers is None:
+            host = HostKVTier(num_slots)
+            self.host_buffers = HostKVBuffers(self._core.runner.kv_caches, num_slots)
+            km.attach_host_tier(host)
+        elif km.host.num_slots != num_slots:
+            moves = km.host.resize(num_slots)
+            self.host_buffers.resize(moves, num_slots)
+        else:
+            return
+        logger.info(
+            "KV host tier: %d blocks (%.2f GiB)", num_slots, num_slots * self._bytes_per_block / 2**30
+        )
+
+    # ---- pins ---------------------------------------------------------------------------------------------
+
+    def _pin_key(self, entry: str | tuple[int, ...]) -> PinKey:
+        if isinstance(entry, str):
+            return tuple(self._core.tokenizer.encode(entry, add_special_tokens=False))
+        return tuple(entry)
+
+    def _apply_pins(self, entries: tuple[str | tuple[int, ...], ...]) -> None:
+        core = self._core
+        pins = core.kv_manager.pins
+        wanted = list(dict.fromkeys(self._pin_key(e) for e in entries))
+        for key in pins.pin_keys():
+            if key not in wanted:
+                pins.unpin(key)
+                logger.info("unpinned a prefix of %d tokens", len(key))
+        held = set(pins.pin_keys())
+        for key in wanted:
+            if key in held:
+                continue
+            if len(key) <= core.kv_manager.block_size:
+                logger.warning("pinned prefix of %d tokens fills no whole block: nothing to pin", len(key))
+                continue
+            request_id = f"{PIN_REQUEST_PREFIX}{next(self._pin_ids)}"
+            pins.expect(request_id, key)
+            # max_tokens=1: the prompt's KV is what a pin needs; the one sampled token is discarded.
+            core.add_request(request_id, list(key), SamplingParams(max_tokens=1, temperature=0.0))
+            logger.info("pinning a prefix of %d tokens (request %s)", len(key), request_id)
