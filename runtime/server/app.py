@@ -17,14 +17,14 @@ from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.server import chat, completions
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
+from tokenfleet.runtime.server.live_config import config_endpoint
 from tokenfleet.runtime.server.metrics import CONTENT_TYPE
 from tokenfleet.runtime.server.protocol import ModelCard, ModelList
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
-from tokenfleet.runtime.server.state import HttpError, ServerState
+from tokenfleet.runtime.server.state import STATE_KEY, HttpError, ServerState
 
 from tokenfleet import __version__
 
-STATE_KEY = web.AppKey("tokenfleet.state", ServerState)
 access_logger = logging.getLogger("tokenfleet.access")
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/config", config_endpoint)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)
     return app

@@ -77,10 +77,12 @@ async def serve(
     stop: asyncio.Event | None = None,
     announce: Callable[[str], None] = print,
     started: Callable[[str, web.Application], None] | None = None,
+    config_path: str | None = None,
 ) -> int:
     """Run until `stop` is set (SIGTERM/SIGINT set it too); returns the exit status.
 
     `started(url, app)` is called once the engine serves (in-process tests use it to find the port).
+    With `config_path`, the file is watched and its live fields applied without a restart.
     """
     if engine_factory is None:
         from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
@@ -125,13 +127,19 @@ async def serve(
             logger.exception("model failed to load")
             return 1
         state.engine = engine
+        if config_path is not None:
+            from tokenfleet.runtime.config_watch import ConfigWatcher
+            from tokenfleet.runtime.server.live_config import on_change_for
+
+            state.watcher = ConfigWatcher(config_path, on_change_for(state), initial=config)
+            state.watcher.start()
         announce(f"tokenfleet: serving {state.model_name!r} at {url}  (max_model_len {engine.max_model_len})")
         announce("try:\n  " + curl_example(url, state.model_name, keys.enabled))
         if started is not None:
             started(url, app)
         await stop.wait()
         state.draining = True
-        grace = config.server.drain_seconds
+        grace = state.config.server.drain_seconds  # live: a reload may have changed it
         logger.info("draining: %d request(s) in flight, up to %.0fs", state.in_flight, grace)
         waiter = asyncio.ensure_future(state.wait_idle(grace))
         skip = asyncio.ensure_future(drain_now.wait())
@@ -142,6 +150,8 @@ async def serve(
             logger.warning("drain ended with %d request(s) still in flight; aborting them", state.in_flight)
         return 0
     finally:
+        if state.watcher is not None:
+            await state.watcher.stop()
         await runner.cleanup()  # cancels leftover handlers; their `finally` aborts them in the engine
         if engine is not None:
             await engine.shutdown()
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     try:
-        return uvloop.run(serve(config, announce=say))
+        return uvloop.run(serve(config, announce=say, config_path=args.config))
     except ConfigError as e:
         print(f"tokenfleet serve: {e}", file=sys.stderr)
         return 2

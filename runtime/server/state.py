@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, model_not_found, unavailable
@@ -30,6 +31,7 @@ class ServerState:
     config: RuntimeConfig
     api_keys: ApiKeys
     engine: object | None = None  # an AsyncEngine once loaded and started
+    watcher: object | None = None  # a config_watch.ConfigWatcher when serving from a config file
     draining: bool = False
     load_error: str | None = None
     in_flight: int = 0
@@ -83,3 +85,6 @@ class ServerState:
             return True
         except TimeoutError:
             return False
+
+
+STATE_KEY = web.AppKey("tokenfleet.state", ServerState)
