@@ -17,6 +17,7 @@ from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.server import chat, completions
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
+from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
 from tokenfleet.runtime.server.live_config import config_endpoint
 from tokenfleet.runtime.server.metrics import CONTENT_TYPE
 from tokenfleet.runtime.server.protocol import ModelCard, ModelList
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # What a client that hung up gets logged as (nginx's convention); it never sees a status.
 CLIENT_CLOSED = 499
+# Router long polls (up to 10 s, forever) are not work to drain: the drain waits on generation requests only.
+_NOT_COUNTED = frozenset({"/v1/kv-events", "/v1/config", "/v1/models"})
 
 
 def _route_name(request: web.Request) -> str:
@@ -100,6 +103,8 @@ async def v1_middleware(request: web.Request, handler) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     if not state.api_keys.check(request.headers.get("Authorization")):
         raise HttpError(unauthorized())
+    if request.path in _NOT_COUNTED:
+        return await handler(request)
     state.enter()
     try:
         return await handler(request)
@@ -169,6 +174,8 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/config", config_endpoint)
+    app.router.add_get("/v1/kv-events", kv_events_endpoint)
+    app.router.add_get("/load", load_endpoint)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)
     return app

@@ -22,6 +22,7 @@ from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.server.app import STATE_KEY, build_app
 from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.kv_events import KVEventPump
 
 logger = logging.getLogger("tokenfleet.server")
 
@@ -127,6 +128,8 @@ async def serve(
             logger.exception("model failed to load")
             return 1
         state.engine = engine
+        state.kv_events = KVEventPump(engine)
+        state.kv_events.start()
         if config_path is not None:
             from tokenfleet.runtime.config_watch import ConfigWatcher
             from tokenfleet.runtime.server.live_config import on_change_for
@@ -152,6 +155,8 @@ async def serve(
     finally:
         if state.watcher is not None:
             await state.watcher.stop()
+        if state.kv_events is not None:
+            await state.kv_events.stop()
         await runner.cleanup()  # cancels leftover handlers; their `finally` aborts them in the engine
         if engine is not None:
             await engine.shutdown()

@@ -32,6 +32,7 @@ class ServerState:
     api_keys: ApiKeys
     engine: object | None = None  # an AsyncEngine once loaded and started
     watcher: object | None = None  # a config_watch.ConfigWatcher when serving from a config file
+    kv_events: object | None = None  # a kv_events.KVEventPump once the engine runs
     draining: bool = False
     load_error: str | None = None
     in_flight: int = 0

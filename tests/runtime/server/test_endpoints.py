@@ -186,3 +186,10 @@ async def test_metrics_expose_engine_stats_and_latency_histograms(client):
     assert f"tokenfleet:request_queue_time_seconds_count{{{label}}} 1.0" in text
     assert f"tokenfleet:inter_token_latency_seconds_count{{{label}}} 2.0" in text
     assert f'tokenfleet:request_success_total{{finished_reason="length",{label}}} 1.0' in text
+
+
+async def test_kv_events_and_load_wait_for_the_engine(client):
+    for path in ("/v1/kv-events", "/load"):
+        resp = await client.get(path)
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "not_ready"

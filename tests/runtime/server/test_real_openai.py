@@ -152,3 +152,21 @@ async def test_64_streams_with_a_quarter_disconnecting(real_server):
     assert f"tokenfleet:num_requests_waiting{label} 0.0" in metrics
     assert f"tokenfleet:kv_cache_usage_perc{label} 0.0" in metrics
     assert await aborted_so_far() - aborted_before == 16
+
+
+async def test_kv_events_stream_reports_new_cached_blocks(real_server):
+    async with aiohttp.ClientSession() as session:
+        first = await (await session.get(real_server.url + "/v1/kv-events")).json()
+        assert first["reset"] is True and first["block_size"] == 16
+        body = {
+            "prompt": [1000 + i for i in range(40)],
+            "max_tokens": 1,
+        }  # two full blocks, never seen before
+        assert (await session.post(real_server.url + "/v1/completions", json=body)).status == 200
+        params = {"since": first["seq"], "epoch": first["epoch"], "wait": 5}
+        reply = await (await session.get(real_server.url + "/v1/kv-events", params=params)).json()
+        assert reply["reset"] is False and reply["seq"] > first["seq"]
+        stored = [h for e in reply["events"] if e["type"] == "stored" for h in e["block_hashes"]]
+        assert len(stored) >= 2
+        load = await (await session.get(real_server.url + "/load")).json()
+        assert set(load) == {"num_running", "num_waiting", "kv_cache_usage"}
