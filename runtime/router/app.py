@@ -48,13 +48,16 @@ class RouterApp:
         self.fleet: Fleet | None = None
         self._session: aiohttp.ClientSession | None = None
         self._watches: list[EndpointSliceWatch] = []
+        self._tokenizer_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         # No connection cap: the router's own in-flight limits bound the load; a pool cap would queue blindly.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.fleet = Fleet(self.config, self.metrics, self._session)
-        await self._load_tokenizers()
+        # Tokenizers load in the background (seconds: a checkpoint's metadata, torch imported): the router
+        # serves at once with the approximate index and turns exact as each model's tokenizer arrives.
+        self._tokenizer_task = asyncio.create_task(self._load_tokenizers())
         loop = asyncio.get_running_loop()
         for backend in self.config.backends:
             if self.config.discovery.mode == "static":
@@ -82,7 +85,15 @@ class RouterApp:
                 tok = None
             self.tokenizers[backend.model] = tok
 
+    async def tokenizers_loaded(self) -> None:
+        """Wait until every model's tokenizer has loaded (or failed to)."""
+        if self._tokenizer_task is not None:
+            await asyncio.shield(self._tokenizer_task)
+
     async def stop(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
+            await asyncio.gather(self._tokenizer_task, return_exceptions=True)
         for w in self._watches:
             w.stop()
         if self.fleet is not None:

@@ -14,10 +14,16 @@ from tokenfleet.runtime.router.config import RouterConfig
 from tokenfleet.runtime.server.translate import Tokenizer
 
 
-def load_tokenizer(source: str) -> Tokenizer | None:
-    """The model's tokenizer only (no weights), through the runtime's model loader."""
+def load_tokenizer(source: str) -> Tokenizer:
+    """The model's tokenizer, exactly as the pods build it: the same source resolution and checkpoint reader.
+
+    Checkpoint weights are read lazily, so this touches only metadata; the loader module imports torch,
+    which costs the router memory but guarantees identical tokenization (exact prefix matching needs it).
+    """
+    source_mod = importlib.import_module("tokenfleet.runtime.model.source")
+    src = source_mod.resolve_source(source)  # before importing torch: a bad source fails fast
     loader = importlib.import_module("tokenfleet.runtime.model.loader")
-    return loader.load_tokenizer(source)
+    return loader.CHECKPOINT_LOADERS[src.kind](src.path).tokenizer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -183,6 +183,7 @@ def start_router(serve_app, tokenizer):
         )
         app = build_app(cfg, lambda source: tokenizer)
         async with serve_app(app) as url:
+            await app[ROUTER].tokenizers_loaded()
             yield url, app[ROUTER]
 
     return start

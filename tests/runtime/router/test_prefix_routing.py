@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -32,13 +34,16 @@ async def test_shared_prefixes_land_on_the_pod_holding_them(serve_app, start_rou
         urls = [u0, u1, u2]
         async with start_router(backends(urls), {"strategy": "prefix-affinity"}) as (url, router):
             await wait_until(lambda: all(f.live for f in router.fleet._followers.values()))
-            home = {}
-            for k in range(3):
-                status, ep, _ = await send(url, chat(k, "w1999"))
-                assert status == 200
-                home[k] = ep
+            # The first turns arrive together: the router's in-flight counts spread them over the pods.
+            for p in pods:
+                p.delay = 0.2
+            first = await asyncio.gather(*(send(url, chat(k, "w1999")) for k in range(3)))
+            home = {k: ep for k, (_, ep, _) in enumerate(first)}
+            for p in pods:
+                p.delay = 0.0
+            for ep in home.values():
                 pod = pods[urls.index(ep)]
-                # Wait until the router's exact index has the pod's stored event.
+                # Wait until the router's exact index has the pod's stored events.
                 await wait_until(lambda ep=ep, pod=pod: router.fleet.exact.num_blocks(ep) == len(pod.cached))
             assert len(set(home.values())) == 3  # least-loaded spread for new prefixes
             for turn in range(4):
