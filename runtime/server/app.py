@@ -139,6 +139,10 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if state.engine is None:
         return web.json_response({"status": "loading", "reason": state.load_error}, status=503)
+    try:  # a dead engine must also stop receiving traffic, before liveness restarts the pod
+        state.engine.check_health()
+    except EngineDeadError as e:
+        return web.json_response({"status": "unhealthy", "reason": str(e)}, status=503)
     return web.json_response({"status": "ready", "model": state.model_name})
 
 

@@ -163,6 +163,7 @@ async def test_health_fails_when_engine_is_dead(client, fake_engine):
     resp = await client.get("/health")
     assert resp.status == 503
     assert "boom" in (await resp.json())["reason"]
+    assert (await client.get("/ready")).status == 503
     resp = await client.post("/v1/completions", json={"prompt": "a"})
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_dead"
 
