@@ -3,8 +3,8 @@
 `KVCacheManager` decides (TTL, eviction, pins, which blocks move between tiers); this class owns what
 needs the model and its tensors, and runs on the engine thread only:
 - the host tier: `HostKVTier` (bookkeeping, in the manager) + `HostKVBuffers` (host tensors) sized from
-  `cache.cpu_offload_gib` and the bytes of one block; `before_forward()` runs the recorded copies and
-  must be called after scheduling and before any forward pass that may write reused blocks;
+  `cache.cpu_offload_gib` and the bytes of one block; the manager runs the copies through it at the end
+  of each call that records some (before any forward pass can write a reused block);
 - pinned prefixes: each entry of `cache.pinned_prefixes` is a text (tokenized without added special
   tokens: write it as it starts the rendered prompt, e.g. "<|im_start|>system\\n...") or a list of token
   ids. A new pin is computed by a max_tokens=1 request; when it is freed the manager pins its full blocks.
@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from tokenfleet.runtime.config import CacheConfig
-from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier, KVTransfer
 from tokenfleet.runtime.engine.kv_cache.offload_copy import HostKVBuffers
 from tokenfleet.runtime.engine.kv_cache.pins import PinKey
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -50,12 +50,9 @@ class CachePolicyRuntime:
         while core.has_unfinished():
             core.step()
 
-    def before_forward(self) -> None:
-        """Run the tier copies recorded since the last call (offloads first-come, then loads, in order)."""
-        host = self._core.kv_manager.host
-        if host is None or self.host_buffers is None:
-            return
-        self.host_buffers.run(host.take_transfers(), self._core.runner.kv_caches)
+    def _run_transfers(self, transfers: list[KVTransfer]) -> None:
+        assert self.host_buffers is not None
+        self.host_buffers.run(transfers, self._core.runner.kv_caches)
 
     def apply(self, cache: CacheConfig) -> None:
         km = self._core.kv_manager
@@ -75,7 +72,6 @@ class CachePolicyRuntime:
                 cpu_offload_gib,
                 self._bytes_per_block,
             )
-        self.before_forward()  # pending copies name the current slots
         if num_slots < 1 or not km.enable_caching:
             if km.host is not None:
                 logger.info("KV host tier off")
@@ -85,7 +81,7 @@ class CachePolicyRuntime:
         if km.host is None or self.host_buffers is None:
             host = HostKVTier(num_slots)
             self.host_buffers = HostKVBuffers(self._core.runner.kv_caches, num_slots)
-            km.attach_host_tier(host)
+            km.attach_host_tier(host, self._run_transfers)
         elif km.host.num_slots != num_slots:
             moves = km.host.resize(num_slots)
             self.host_buffers.resize(moves, num_slots)

@@ -25,19 +25,16 @@ class Device:
     def __init__(self, num_blocks: int, host_slots: int):
         self.km = KVCacheManager(num_blocks, BS, hash_extra=hash_extra("m"))
         self.host = HostKVTier(host_slots)
-        self.km.attach_host_tier(self.host)
         self.caches = kv_caches(num_blocks)
         self.buffers = HostKVBuffers(self.caches, host_slots)
-
-    def before_forward(self) -> None:
-        self.buffers.run(self.host.take_transfers(), self.caches)
+        self.km.attach_host_tier(self.host, lambda transfers: self.buffers.run(transfers, self.caches))
 
     def run(self, rid: str, tokens: list[int]) -> tuple[int, tuple[int, ...]]:
         """Admit, copy, 'compute' the missing blocks (KV = f(token ids)), finish; (hit tokens, block ids)."""
         r = Request(rid, list(tokens), SamplingParams(max_tokens=1))
         hits, num_hit = self.km.get_computed_blocks(r)
         assert self.km.allocate_slots(r, r.num_tokens - num_hit, hits) is not None
-        self.before_forward()
+        assert self.host.take_transfers() == []  # the manager ran them already
         block_ids = self.km.get_block_ids(rid)
         for i, bid in enumerate(block_ids[num_hit // BS :], start=num_hit // BS):
             for layer, (k, v) in enumerate(self.caches):
@@ -128,3 +125,47 @@ def test_resizing_keeps_the_most_recent_entries_and_their_kv():
     assert caches[0][0][3].eq(3.0).all()
     with pytest.raises(ValueError):
         tier.resize(0)
+
+
+# ---- with the model: the host tier changes no output -----------------------------------------------------
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "books were made, sold and read across Europe. Within fifty years presses worked in hundreds of towns, "
+    "and the price of a book fell so far that students could own the texts they studied. "
+)
+
+
+def _llm(default_model, cpu_offload_gib: float):
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
+    from tokenfleet.runtime.engine.llm import LLM
+
+    # 8 blocks of 16 tokens: a 124-token request (+2 generated) needs all of them, evicting everything.
+    llm = LLM(config=RuntimeConfig(), loaded=default_model, dtype="float32", block_size=16, num_blocks=8)
+    policy = getattr(llm.engine, "cache_policy", None) or CachePolicyRuntime(llm.engine)
+    policy.apply(llm.config.cache.model_copy(update={"cpu_offload_gib": cpu_offload_gib}))
+    return llm
+
+
+def test_greedy_output_after_a_host_round_trip_matches_no_offload_and_cold(default_model):
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    ids = default_model.tokenizer.encode(TEXT * 4, add_special_tokens=False)
+    doc_a, doc_b = ids[:70], ids[70:194]
+    assert len(doc_b) == 124
+    with_host, without = _llm(default_model, 0.01), _llm(default_model, 0.0)  # ~14 host blocks
+    outs = {}
+    for name, llm in (("host", with_host), ("none", without)):
+        cold = llm.generate([doc_a], greedy)[0]
+        llm.generate([doc_b], greedy)  # evicts all of doc_a's blocks (to the host tier, if any)
+        again = llm.generate([doc_a], greedy)[0]
+        outs[name] = (cold, again)
+        km = llm.engine.kv_manager
+        assert km.num_free_blocks == km.num_blocks  # no leaked blocks
+    cold, from_host = outs["host"]
+    _, recomputed = outs["none"]
+    assert cold.num_cached_tokens == 0 and recomputed.num_cached_tokens == 0
+    assert from_host.num_cached_tokens == 64  # 4 full blocks copied back, not recomputed
+    assert from_host.token_ids == cold.token_ids == recomputed.token_ids
+    m = with_host.engine.kv_manager.metrics()
+    assert m.host_hit_blocks == 4 and m.loaded_blocks == 4 and m.offloaded_blocks >= 4

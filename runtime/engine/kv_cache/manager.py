@@ -16,15 +16,17 @@ Prefix-cache statistics count tokens once per admission: `prefix_queries` += the
 
 Cache policy (issue 9): a lookup first drops free blocks past their TTL; after the device hits it
 continues in the host tier, if one is attached (`attach_host_tier`): host hits get device blocks and a
-copy back (run by the engine before the next forward), become ordinary cached blocks and are returned
-with the device hits. Pinned prefixes (pins.py) hold references on their blocks. `apply_policy` changes
+copy back, become ordinary cached blocks and are returned with the device hits. The tier's copies run
+at the end of the manager call that caused them (`run_transfers`, batched per call): no forward pass
+runs inside a manager call, so a victim's KV is still intact when it is copied out, and every caller
+that allocates (the scheduler, the speculative decoder) is covered without a hook of its own. Pinned prefixes (pins.py) hold references on their blocks. `apply_policy` changes
 TTL, eviction policy and pin cap live; `metrics()` snapshots the counters.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenfleet.runtime.config import CacheConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import (
@@ -37,7 +39,7 @@ from tokenfleet.runtime.engine.kv_cache.block_hash import (
 from tokenfleet.runtime.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tokenfleet.runtime.engine.kv_cache.cache_metrics import KVCacheMetrics
 from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
-from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier, KVTransfer
 from tokenfleet.runtime.engine.kv_cache.pins import PinnedPrefixes
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.kv_cache.ttl import Clock
@@ -84,6 +86,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events, ttl_seconds, clock)
         self.pins = PinnedPrefixes(self.pool, max_pinned_fraction)
         self.host: HostKVTier | None = None
+        self._run_transfers: Callable[[list[KVTransfer]], None] | None = None
         self._tables: dict[str, _RequestBlocks] = {}
         self._extra_bytes: dict[str | None, bytes] = {}
         self.prefix_queries = 0
@@ -115,10 +118,22 @@ class KVCacheManager:
         self.pool.set_eviction_policy(cache.eviction)
         self.pins.set_max_fraction(cache.max_pinned_fraction)
 
-    def attach_host_tier(self, host: HostKVTier | None) -> None:
-        """Offload pressure-evicted blocks to `host` and look prefixes up there (None: detach)."""
+    def attach_host_tier(
+        self, host: HostKVTier | None, run_transfers: Callable[[list[KVTransfer]], None] | None = None
+    ) -> None:
+        """Offload pressure-evicted blocks to `host` and look prefixes up there (None: detach).
+
+        `run_transfers` performs the tier's copies; without it they wait in `host.take_transfers()`.
+        """
         self.host = host
+        self._run_transfers = run_transfers
         self.pool.on_evict = None if host is None else (lambda block, h: host.offload(block.block_id, h))
+
+    def _flush_transfers(self) -> None:
+        if self.host is not None and self._run_transfers is not None:
+            transfers = self.host.take_transfers()
+            if transfers:
+                self._run_transfers(transfers)
 
     def metrics(self) -> KVCacheMetrics:
         host = self.host
@@ -225,6 +240,7 @@ class KVCacheManager:
         # Loaded blocks become free cached blocks (the caller's allocate_slots takes them); unused go empty.
         pool.free_blocks(reversed(blocks))
         pool.free_blocks(reversed(hits))
+        self._flush_transfers()
         return blocks[:num_loaded]
 
     def allocate_slots(
@@ -253,6 +269,8 @@ class KVCacheManager:
             if num_required <= 0:
                 return ()  # the common case: no allocation at all (and no garbage for the GC)
             new_blocks = tuple(self.pool.get_new_blocks(num_required))
+            if self.host is not None:
+                self._flush_transfers()
             blocks.extend(new_blocks)
             table.block_ids += tuple(b.block_id for b in new_blocks)
             return new_blocks
@@ -281,6 +299,8 @@ class KVCacheManager:
             self.pool.touch(new_computed_blocks)
             table.blocks.extend(new_computed_blocks)
         new_blocks = tuple(self.pool.get_new_blocks(num_required)) if num_required else ()
+        if self.host is not None:
+            self._flush_transfers()
         table.blocks.extend(new_blocks)
         table.block_ids = tuple(b.block_id for b in table.blocks)
         return new_blocks
