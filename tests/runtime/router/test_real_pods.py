@@ -156,6 +156,10 @@ async def test_shared_prefixes_land_on_the_pod_holding_them(pods, real_tokenizer
             home[k] = ep
             await asyncio.sleep(0.5)  # let the pod's KV events (or the router's own record) arrive
         hits_after_first = {u: await _prefix_hits(u) for u in urls}
+        # The exact index follows every pod's KV-event stream and holds what each pod cached.
+        fleet = app[ROUTER].fleet
+        assert all(f.live for f in fleet._followers.values())
+        assert all(fleet.exact.num_blocks(ep) > 0 for ep in home.values())
         for turn in range(2):
             for k, system in enumerate(SYSTEMS):
                 status, ep, raw = await _chat(s, router_url, system, f"Question {turn}?")

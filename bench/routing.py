@@ -1,0 +1,298 @@
+"""Routing benchmark: N real CPU runtime pods behind the router, four strategies, one run, one table.
+
+    python bench/routing.py [--replicas 3] [--tenants 6] [--system-tokens 1000] [--requests 30] [--rate 0.5]
+
+Workload: `tenants` system prompts of about `system-tokens` tokens, many short user turns, Poisson arrivals.
+Each strategy gets its own fresh system prompts (so no strategy profits from the cache another one warmed)
+and the same arrival pattern. Figures per strategy:
+- prefix hit rate: the pods' own `prefix_cache_hits_total / prefix_cache_queries_total` over the run;
+- TTFT p50/p99: time to the first streamed chunk, at the client, through the router;
+- throughput: completed requests per second of wall time;
+- max/min load: most over fewest requests served per pod.
+Target (issue 7): exact prefix-affinity TTFT p50 <= 0.5x round-robin with max/min load <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import yaml
+from aiohttp import web
+from tokenfleet.runtime.router.app import ROUTER, build_app
+from tokenfleet.runtime.router.config import RouterConfig
+from tokenfleet.runtime.router.main import load_tokenizer
+
+MODEL = "smollm2-135m-instruct"
+WORDS = [
+    "policy",
+    "account",
+    "invoice",
+    "shipping",
+    "refund",
+    "warranty",
+    "customer",
+    "order",
+    "product",
+    "delivery",
+    "support",
+    "billing",
+    "address",
+    "payment",
+    "subscription",
+    "upgrade",
+    "password",
+    "security",
+    "privacy",
+    "contract",
+    "service",
+    "region",
+    "language",
+    "schedule",
+    "priority",
+    "escalation",
+    "ticket",
+    "manager",
+    "agent",
+    "response",
+    "summary",
+    "detail",
+    "example",
+]
+
+STRATEGIES = {
+    "round-robin": ({"strategy": "round-robin"}, False),
+    "least-load": ({"strategy": "least-load"}, False),
+    "prefix-approx": ({"strategy": "prefix-affinity"}, False),
+    "prefix-exact": ({"strategy": "prefix-affinity"}, True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pod(tmp: Path, port: int, num_blocks: int) -> subprocess.Popen:
+    cfg = {"model": {"model": MODEL}, "cache": {"num_blocks": num_blocks}, "server": {"port": port}}
+    path = tmp / f"pod-{port}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp / f"pod-{port}.log", "w")  # noqa: SIM115 (lives as long as the process)
+    cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+
+
+async def wait_ready(
+    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pod {url} exited ({proc.returncode}); see its log")
+        try:
+            async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"pod {url} not ready after {timeout}s")
+
+
+async def pod_counters(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+
+    def value(name: str) -> float:
+        m = re.search(rf"^tokenfleet:{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return value("prefix_cache_hits_total"), value("prefix_cache_queries_total")
+
+
+def system_prompt(rng: random.Random, tokenizer, target_tokens: int) -> str:
+    words: list[str] = []
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False)) < target_tokens:
+        words += [rng.choice(WORDS) for _ in range(50)]
+        text = "You are a support assistant. Rules: " + " ".join(words)
+    return text
+
+
+async def one_request(session, url, system, user, max_tokens, record) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        record["endpoint"] = r.headers.get("x-tokenfleet-endpoint")
+        record["status"] = r.status
+        async for _chunk in r.content.iter_any():
+            if "ttft" not in record:
+                record["ttft"] = time.perf_counter() - t0
+    record["e2e"] = time.perf_counter() - t0
+
+
+async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> dict:
+    routing, kv_events = STRATEGIES[name]
+    cfg = RouterConfig.model_validate(
+        {
+            "port": 0,
+            "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(pod_urls)],
+            "routing": routing,
+            "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": 0.2},
+        }
+    )
+    app = build_app(cfg, lambda source: tokenizer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await app[ROUTER].tokenizers_loaded()
+        if kv_events:  # the exact index needs the pods' streams live before the first request
+            fleet = app[ROUTER].fleet
+            while not all(f.live for f in fleet._followers.values()):
+                await asyncio.sleep(0.1)
+        rng = random.Random(f"{args.seed}-{name}")
+        systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in range(args.tenants)]
+        before = [await pod_counters(session, u) for u in pod_urls]
+        records: list[dict] = [{} for _ in arrivals]
+        start = time.perf_counter()
+        tasks = []
+        for rec, (at, tenant, user) in zip(records, arrivals, strict=True):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(one_request(session, url, systems[tenant], user, args.max_tokens, rec))
+            )
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+        after = [await pod_counters(session, u) for u in pod_urls]
+    finally:
+        await runner.cleanup()
+    ok = [r for r in records if r.get("status") == 200 and "ttft" in r]
+    ttfts = sorted(r["ttft"] for r in ok)
+    per_pod = Counter(r["endpoint"] for r in ok)
+    counts = [per_pod.get(u, 0) for u in pod_urls]
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return {
+        "strategy": name,
+        "ok": len(ok),
+        "requests": len(records),
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50": statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan"),
+        "throughput": len(ok) / wall,
+        "load_ratio": max(counts) / max(min(counts), 1),
+        "per_pod": counts,
+    }
+
+
+def make_arrivals(args) -> list[tuple[float, int, str]]:
+    rng = random.Random(args.seed)
+    t, out = 0.0, []
+    for i in range(args.requests):
+        t += rng.expovariate(args.rate)
+        out.append(
+            (t, rng.randrange(args.tenants), f"Question {i}: " + " ".join(rng.choices(WORDS, k=6)) + "?")
+        )
+    return out
+
+
+async def main_async(args) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="tf-bench-routing-"))
+    ports = [free_port() for _ in range(args.replicas)]
+    procs = [start_pod(tmp, p, args.num_blocks) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            print(f"starting {args.replicas} pods (logs in {tmp}) ...", file=sys.stderr)
+            tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, MODEL))
+            await asyncio.gather(
+                *(wait_ready(session, u, p, args.start_timeout) for u, p in zip(urls, procs, strict=True))
+            )
+            tokenizer = await tokenizer_task
+            arrivals = make_arrivals(args)
+            results = []
+            for name in args.strategies:
+                print(f"running {name} ...", file=sys.stderr)
+                results.append(await run_strategy(name, args, urls, tokenizer, arrivals, session))
+            return results
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def print_table(results: list[dict], args) -> None:
+    head = f"{'strategy':<15}{'ok':>7}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>8}{'max/min':>9}  per pod"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r['strategy']:<15}{r['ok']:>4}/{r['requests']:<2}{r['hit_rate']:>10.1%}{r['ttft_p50']:>9.2f}s"
+            f"{r['ttft_p99']:>9.2f}s{r['throughput']:>8.2f}{r['load_ratio']:>9.2f}  {r['per_pod']}"
+        )
+    by = {r["strategy"]: r for r in results}
+    if "round-robin" in by and "prefix-exact" in by:
+        ratio = by["prefix-exact"]["ttft_p50"] / by["round-robin"]["ttft_p50"]
+        lr = by["prefix-exact"]["load_ratio"]
+        verdict = "met" if ratio <= 0.5 and lr <= 1.5 else "NOT met"
+        print(f"\nexact prefix-affinity TTFT p50 = {ratio:.2f}x round-robin, max/min load {lr:.2f} "
+              f"(target <= 0.5x and <= 1.5: {verdict})")  # fmt: skip
+    print(f"\nsetup: {args.replicas} CPU pods of {MODEL}, {args.tenants} tenants x ~{args.system_tokens}-token system "
+          f"prompts, {args.requests} requests at {args.rate}/s Poisson, max_tokens {args.max_tokens}")  # fmt: skip
+    print("json: " + json.dumps(results))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=768, help="KV blocks per pod")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print_table(asyncio.run(main_async(args)), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
