@@ -65,6 +65,7 @@ class AsyncEngine:
         self.max_model_len = core.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._futures: set[asyncio.Future] = set()  # pending abort()/call() replies (event-loop thread)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -154,15 +155,23 @@ class AsyncEngine:
         """Abort a request; returns once the engine thread has freed its KV blocks."""
         if self._thread is None or self._dead is not None:
             return
-        done = asyncio.get_running_loop().create_future()
+        done = self._future()
         self._inbox.put(_Abort(request_id, done))
         await done
 
     async def call(self, fn):
         """Run `fn(core)` on the engine thread between steps; returns its result."""
-        done = asyncio.get_running_loop().create_future()
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        done = self._future()
         self._inbox.put(_Call(fn, done))
         return await done
+
+    def _future(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._futures.add(fut)
+        fut.add_done_callback(self._futures.discard)
+        return fut
 
     # ---- health and stats --------------------------------------------------------------------------
 
@@ -283,6 +292,9 @@ class AsyncEngine:
         def fail() -> None:
             for q in self._queues.values():
                 q.put_nowait(error)
+            for fut in list(self._futures):  # abort()/call() waiters must not hang on a dead loop
+                if not fut.done():
+                    fut.set_exception(error)
 
         with contextlib.suppress(RuntimeError):  # the event loop may already be closed
             self._loop.call_soon_threadsafe(fail)
