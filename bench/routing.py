@@ -91,9 +91,9 @@ def start_pod(tmp: Path, port: int, num_blocks: int) -> subprocess.Popen:
     cfg = {"model": {"model": MODEL}, "cache": {"num_blocks": num_blocks}, "server": {"port": port}}
     path = tmp / f"pod-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = open(tmp / f"pod-{port}.log", "w")  # noqa: SIM115 (lives as long as the process)
     cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    with open(tmp / f"pod-{port}.log", "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
 
 
 async def wait_ready(
@@ -171,7 +171,7 @@ async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> di
         await app[ROUTER].tokenizers_loaded()
         if kv_events:  # the exact index needs the pods' streams live before the first request
             fleet = app[ROUTER].fleet
-            while not all(f.live for f in fleet._followers.values()):
+            while not all(fleet.kv_events_live().values()):
                 await asyncio.sleep(0.1)
         rng = random.Random(f"{args.seed}-{name}")
         systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in range(args.tenants)]

@@ -113,6 +113,10 @@ class Fleet:
             self.metrics.ejections.labels(ep.id).inc()
             self.metrics.healthy.labels(ep.id).set(0)
 
+    def kv_events_live(self) -> dict[str, bool]:
+        """Per endpoint: is the exact index following its KV-event stream right now?"""
+        return {ep_id: f.live for ep_id, f in self._followers.items()}
+
     def available(self, ep: Endpoint) -> bool:
         return ep.health.is_available(time.monotonic())
 

@@ -46,20 +46,15 @@ class ExactPrefixIndex:
         own = self._blocks.get(endpoint_id)
         if own is None:
             return
-        for h in hashes:
-            own.discard(h)
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(endpoint_id)
-                if not holders:
-                    del self._holders[h]
+        hashes = list(hashes)
+        own.difference_update(hashes)
+        self._drop_holder(endpoint_id, hashes)
 
     def clear(self, endpoint_id: str) -> None:
         """Forget everything about an endpoint (its cache was cleared, it left, or its stream is stale)."""
-        own = self._blocks.pop(endpoint_id, set())
-        self.removed_many(endpoint_id, own)
+        self._drop_holder(endpoint_id, self._blocks.pop(endpoint_id, set()))
 
-    def removed_many(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
+    def _drop_holder(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
         for h in hashes:
             holders = self._holders.get(h)
             if holders is not None:

@@ -33,7 +33,7 @@ async def test_shared_prefixes_land_on_the_pod_holding_them(serve_app, start_rou
     async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1, serve_app(pods[2].app()) as u2:
         urls = [u0, u1, u2]
         async with start_router(backends(urls), {"strategy": "prefix-affinity"}) as (url, router):
-            await wait_until(lambda: all(f.live for f in router.fleet._followers.values()))
+            await wait_until(lambda: all(router.fleet.kv_events_live().values()))
             # The first turns arrive together: the router's in-flight counts spread them over the pods.
             for p in pods:
                 p.delay = 0.2
@@ -63,7 +63,7 @@ async def test_eviction_seen_through_events_stops_the_affinity(serve_app, start_
     async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
         urls = [u0, u1]
         async with start_router(backends(urls), {"strategy": "prefix-affinity"}) as (url, router):
-            await wait_until(lambda: all(f.live for f in router.fleet._followers.values()))
+            await wait_until(lambda: all(router.fleet.kv_events_live().values()))
             _, ep, _ = await send(url, chat(0, "w1"))
             pod = pods[urls.index(ep)]
             await wait_until(lambda: router.fleet.exact.num_blocks(ep) > 0)

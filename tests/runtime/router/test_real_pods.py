@@ -44,13 +44,14 @@ def _start_pod(tmp: Path, port: int) -> subprocess.Popen:
     }
     path = tmp / f"pod-{port}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = open(tmp / f"pod-{port}.log", "w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp,  # never the repo root: its `operator/` folder would shadow the stdlib module
-    )
+    # The child keeps its own copy of the descriptor: the parent may close the file at once.
+    with open(tmp / f"pod-{port}.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp,  # never the repo root: its `operator/` folder would shadow the stdlib module
+        )
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 400.0) -> None:
@@ -158,7 +159,7 @@ async def test_shared_prefixes_land_on_the_pod_holding_them(pods, real_tokenizer
         hits_after_first = {u: await _prefix_hits(u) for u in urls}
         # The exact index follows every pod's KV-event stream and holds what each pod cached.
         fleet = app[ROUTER].fleet
-        assert all(f.live for f in fleet._followers.values())
+        assert all(fleet.kv_events_live().values())
         assert all(fleet.exact.num_blocks(ep) > 0 for ep in home.values())
         for turn in range(2):
             for k, system in enumerate(SYSTEMS):
