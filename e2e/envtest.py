@@ -94,6 +94,11 @@ def _wait_http(
     raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
 
+class KubectlError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"kubectl {' '.join(self.cmd[2:])} failed ({self.returncode}): {self.stderr.strip()}"
+
+
 class ControlPlane:
     """etcd + kube-apiserver in a temp dir; `start()`/`stop()`, kubeconfig paths, a kubectl runner."""
 
@@ -205,7 +210,7 @@ class ControlPlane:
             timeout=60,
         )
         if check and proc.returncode != 0:
-            raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+            raise KubectlError(proc.returncode, proc.args, proc.stdout, proc.stderr)
         return proc.stdout if check else proc.stdout + proc.stderr
 
     def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:

@@ -93,8 +93,15 @@ def test_examples_reconcile_into_children_and_readiness(cluster, namespace, wait
     )
 
     # Status: Progressing until pods report ready, then Ready with readyReplicas.
-    st = wait(lambda: cluster.get("md", "smollm2", namespace).get("status") or {}, what="status")
-    assert st["phase"] == "Progressing"
+    # (Pending first if the MD was seen before its policies: apply order is kustomize's, not ours.)
+    st = wait(
+        lambda: (
+            (s := cluster.get("md", "smollm2", namespace).get("status") or {}).get("phase") == "Progressing"
+            and s
+        ),
+        what="phase Progressing",
+    )
+    assert st["readyReplicas"] == 0
     assert st["endpoint"] == f"http://smollm2.{namespace}.svc:8000"
     assert st["observedGeneration"] == md["metadata"]["generation"]
     _make_ready(cluster, namespace, "smollm2", 1)

@@ -96,8 +96,11 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
     if out.get("type") == "object" and "properties" in out:
         # Object defaults are dropped and replaced by `{}`: the API server then fills nested defaults
-        # itself, and a default never disagrees with the nested ones.
-        out["default"] = {}
+        # itself, and a default never disagrees with the nested ones. An object with required fields has
+        # no default at all (`{}` would not validate).
+        out.pop("default", None)
+        if not out.get("required"):
+            out["default"] = {}
     if out.get("type") == "array":
         out.setdefault("maxItems", MAX_ITEMS)
         if out.get("default") == []:

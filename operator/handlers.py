@@ -37,8 +37,10 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
-    # Events for warnings and errors only; success is visible in status, not as an Event per resync.
-    settings.posting.level = logging.WARNING
+    # Only explicit kopf.info/warn calls become Events (phase transitions, invalid specs), never log lines:
+    # a resync every minute must not flood `kubectl describe`.
+    settings.posting.loggers = False
+    settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 8
@@ -62,7 +64,11 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
 
     @kopf.timer(*MD, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     def md_resync(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-        reconcile_model_deployment(memo.ctx, namespace, name, logger)
+        try:
+            reconcile_model_deployment(memo.ctx, namespace, name, logger)
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            # Already in status and Events; a failing timer must keep ticking so drift is still repaired.
+            logger.debug("resync: %s", e)
 
     @kopf.on.delete(*MD, optional=True, registry=registry)  # optional: no finalizer, children go by GC
     def md_deleted(memo: kopf.Memo, namespace: str, logger: logging.Logger, **_: Any) -> None:
@@ -106,7 +112,10 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
 
     @kopf.timer(*RP, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     def rp_resync(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-        reconcile_routing_policy(memo.ctx, namespace, name, logger)
+        try:
+            reconcile_routing_policy(memo.ctx, namespace, name, logger)
+        except kopf.PermanentError as e:
+            logger.debug("resync: %s", e)
 
     @kopf.on.delete(*RP, optional=True, registry=registry)
     def rp_deleted(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:

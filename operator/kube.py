@@ -17,6 +17,8 @@ from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import GROUP, VERSION
 
 FIELD_MANAGER = "tokenfleet-operator"
+# Seconds per API request: a hung connection must fail the handler (kopf retries it), not block a worker.
+REQUEST_TIMEOUT = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,18 +60,22 @@ class Kube:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
-        data, _, _ = self.api.call_api(
-            path,
+        method, url, headers, body, _ = self.api.param_serialize(
             method,
+            path,
             query_params=[(k, v) for k, v in query.items() if v is not None],
             header_params=headers,
             body=body,
             auth_settings=["BearerToken"],
-            response_type="object",
-            _return_http_data_only=False,
-            _preload_content=True,
         )
-        return data
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=REQUEST_TIMEOUT
+        )
+        data = response.read()
+        text = data.decode() if data else ""
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(http_resp=response, body=text, data=None)
+        return json.loads(text) if text else None
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -118,7 +118,7 @@ def reconcile_model_deployment(
         _announce(body, previous, status)
         logger.info("status: %s (%s ready)", status["phase"], status.get("readyReplicas"))
     if outcome.config_error is not None:
-        # kopf posts the error as an Event too; no retry: only a spec change can fix it.
+        # No retry: only a spec change can fix it (and that triggers a reconcile).
         raise kopf.PermanentError(outcome.config_error)
     if outcome.missing_policies:
         # Creating the policy triggers a reconcile too; the retry covers a missed event.
@@ -200,6 +200,8 @@ def _write_policy_status(
     status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error)
     if status_changed(body.get("status"), status):
         ctx.kube.patch_status(kind, meta["namespace"], meta["name"], status)
+        if error:
+            kopf.warn(body, reason="InvalidSpec", message=error)
     if error:
         raise kopf.PermanentError(error)
 
