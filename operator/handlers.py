@@ -52,9 +52,9 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         configure(settings)
 
     # ---- ModelDeployment
-    @kopf.on.resume(*MD, registry=registry)
-    @kopf.on.create(*MD, registry=registry)
-    @kopf.on.update(*MD, registry=registry)
+    @kopf.on.resume(*MD, id="model-deployment", registry=registry)
+    @kopf.on.create(*MD, id="model-deployment", registry=registry)
+    @kopf.on.update(*MD, id="model-deployment", registry=registry)
     def md_changed(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         ctx: OperatorContext = memo.ctx
         try:
@@ -62,7 +62,13 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         finally:
             reconcile_routers(ctx, namespace, logger)  # it may have joined, left or moved between routers
 
-    @kopf.timer(*MD, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    @kopf.timer(
+        *MD,
+        interval=resync_seconds,
+        initial_delay=resync_seconds,
+        id="model-deployment-resync",
+        registry=registry,
+    )
     def md_resync(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         try:
             reconcile_model_deployment(memo.ctx, namespace, name, logger)
@@ -70,7 +76,9 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
             # Already in status and Events; a failing timer must keep ticking so drift is still repaired.
             logger.debug("resync: %s", e)
 
-    @kopf.on.delete(*MD, optional=True, registry=registry)  # optional: no finalizer, children go by GC
+    @kopf.on.delete(
+        *MD, optional=True, id="model-deployment-deleted", registry=registry
+    )  # optional: no finalizer, children go by GC
     def md_deleted(memo: kopf.Memo, namespace: str, logger: logging.Logger, **_: Any) -> None:
         reconcile_routers(memo.ctx, namespace, logger)
 
@@ -79,6 +87,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         "v1",
         "deployments",
         labels={"app.kubernetes.io/managed-by": MANAGED_BY, f"{GROUP}/model-deployment": kopf.PRESENT},
+        id="runtime-deployment",
         registry=registry,
     )
     def runtime_deployment_event(
@@ -90,33 +99,39 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
             logger.debug("parent not reconciled: %s", e)  # the parent's own handlers report it
 
     # ---- CachePolicy
-    @kopf.on.resume(*CP, registry=registry)
-    @kopf.on.create(*CP, registry=registry)
-    @kopf.on.update(*CP, registry=registry)
+    @kopf.on.resume(*CP, id="cache-policy", registry=registry)
+    @kopf.on.create(*CP, id="cache-policy", registry=registry)
+    @kopf.on.update(*CP, id="cache-policy", registry=registry)
     def cp_changed(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         reconcile_cache_policy(memo.ctx, namespace, name, logger)
 
-    @kopf.on.delete(*CP, optional=True, registry=registry)
+    @kopf.on.delete(*CP, optional=True, id="cache-policy-deleted", registry=registry)
     def cp_deleted(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         reconcile_dependents(memo.ctx, namespace, "cachePolicyRef", name, logger)
 
     # ---- RoutingPolicy
-    @kopf.on.resume(*RP, registry=registry)
-    @kopf.on.create(*RP, registry=registry)
-    @kopf.on.update(*RP, registry=registry)
+    @kopf.on.resume(*RP, id="routing-policy", registry=registry)
+    @kopf.on.create(*RP, id="routing-policy", registry=registry)
+    @kopf.on.update(*RP, id="routing-policy", registry=registry)
     def rp_changed(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         ctx: OperatorContext = memo.ctx
         reconcile_routing_policy(ctx, namespace, name, logger)
         # ModelDeployments waiting for this policy (PoliciesResolved=False) can proceed now.
         reconcile_dependents(ctx, namespace, "routingPolicyRef", name, logger)
 
-    @kopf.timer(*RP, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
+    @kopf.timer(
+        *RP,
+        interval=resync_seconds,
+        initial_delay=resync_seconds,
+        id="routing-policy-resync",
+        registry=registry,
+    )
     def rp_resync(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         try:
             reconcile_routing_policy(memo.ctx, namespace, name, logger)
         except kopf.PermanentError as e:
             logger.debug("resync: %s", e)
 
-    @kopf.on.delete(*RP, optional=True, registry=registry)
+    @kopf.on.delete(*RP, optional=True, id="routing-policy-deleted", registry=registry)
     def rp_deleted(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         reconcile_dependents(memo.ctx, namespace, "routingPolicyRef", name, logger)
