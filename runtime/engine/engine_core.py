@@ -18,6 +18,8 @@ from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, Reque
 from tokenfleet.runtime.engine.request import Request, RequestStatus
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
+from tokenfleet.runtime.engine.spec_decode.coordinator import SpecDecoder
+from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
 from tokenfleet.runtime.errors import CapacityError, ContextLengthExceeded
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
 
@@ -42,10 +44,19 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.model.name
         self.max_model_len = self.loaded.max_model_len
-        num_blocks = num_kv_blocks(config.cache, self.loaded, self.device, self.loaded.dtype)
+        # ---- speculative decoding (spec_decode/): the draft may load a model and need KV memory ----
+        proposer = build_proposer(config.speculative, self.loaded, self.device)
+        draft_bytes = proposer.kv_bytes_per_block(config.cache.block_size) if proposer is not None else 0
+        num_blocks = num_kv_blocks(config.cache, self.loaded, self.device, self.loaded.dtype, draft_bytes)
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.loaded.name)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, config.cache, self.device, num_blocks)
+        self.runner = ModelRunner(self.loaded, config.cache, self.device, num_blocks, proposer)
+        self.spec_decoder = (
+            SpecDecoder(config.speculative, self.runner, self.kv_manager, self.max_model_len)
+            if proposer is not None
+            else None
+        )
+        # ---- end speculative decoding ----
         self._tracked: dict[str, _Tracked] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -134,12 +145,19 @@ class EngineCore:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         result = self.runner.execute(sched, {rid: t.request for rid, t in self._tracked.items()})
+        # With speculation a request may get several tokens, and the scheduler drops those after a stop
+        # (EOS, max_tokens): what it appended is what the request produced.
+        num_before = {rid: self._tracked[rid].request.num_output_tokens for rid in result.sampled}
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
+        if self.spec_decoder is not None:
+            self.spec_decoder.record(sched, result.sampled)
+            self.spec_decoder.propose(self.scheduler.running)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        for rid, new_ids in result.sampled.items():
+        for rid in result.sampled:
             tracked = self._tracked[rid]
             req = tracked.request
+            new_ids = req.output_token_ids[num_before[rid] :]
             if req.first_token_time is None:
                 req.first_token_time = now
             self._generation_tokens_total += len(new_ids)
@@ -152,7 +170,7 @@ class EngineCore:
                 finished.add(rid)
             if rid in finished:
                 delta += tracked.detokenizer.flush()
-            lps = result.logprobs.get(rid) if tracked.want_logprobs else None
+            lps = result.logprobs.get(rid)[: len(new_ids)] if tracked.want_logprobs else None
             outputs.append(
                 self._output(
                     tracked,
@@ -215,4 +233,16 @@ class EngineCore:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, object]:
+        spec = self.spec_decoder
+        if spec is None:
+            return {}
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(spec.accepted_per_pos),
+        }

@@ -1,8 +1,14 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass and one sampling pass.
 
 It owns the device-side state: the model, the paged KV cache tensors (one K and one V tensor per layer,
-`[num_blocks, block_size, num_kv_heads, head_dim]`) and the per-request seeded generators. Everything it
-reads about requests comes from the scheduler's output and the Request objects; it never mutates them.
+`[num_blocks, block_size, num_kv_heads, head_dim]`), the per-request seeded generators and the speculative
+draft, if any. Everything it reads about requests comes from the scheduler's output and the Request
+objects; it never mutates them.
+
+Speculative verification happens in the same forward pass as everything else: a request scheduled with
+proposals feeds its last token and the k proposals (1 + k query rows over its paged context); the k + 1
+rows' logits go to the rejection sampler, which returns the accepted proposals plus one corrected or
+bonus token. Requests without proposals go through the plain sampler, unchanged.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.config import CacheConfig, ModelConfig
+from tokenfleet.runtime.engine.logprobs import compute_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
+from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
+from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
+from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
 from tokenfleet.runtime.model.loader import LoadedModel
@@ -40,11 +50,20 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype)
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def num_kv_blocks(cache: CacheConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks from an explicit count, else from the memory budget (device memory or the CPU GiB budget)."""
+def num_kv_blocks(
+    cache: CacheConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    extra_bytes_per_block: int = 0,
+) -> int:
+    """Blocks from an explicit count, else from the memory budget (device memory or the CPU GiB budget).
+
+    `extra_bytes_per_block`: what a block costs besides the target's KV (a draft model's mirrored cache).
+    """
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_block = kv_bytes_per_block(loaded, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(loaded, cache.block_size, dtype) + extra_bytes_per_block
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
@@ -70,6 +89,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         num_blocks: int,
+        proposer: Proposer | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -84,6 +104,10 @@ class ModelRunner:
             for _ in range(arch.num_layers)
         ]
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.proposer = proposer
+        if proposer is not None:
+            proposer.bind(self.kv_caches, num_blocks, self.block_size)
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
             "KV cache: %d blocks x %d tokens (%.0f MiB), attention backend %s on %s",
@@ -116,24 +140,82 @@ class ModelRunner:
         seq_specs: list[SeqSpec] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        verify_rows: list[int] = []  # k + 1 rows per request with proposals
+        verify_reqs: list[Request] = []
+        verify_drafts: list[tuple[int, ...]] = []
         for sched in output.scheduled:
-            tokens = list(sched.token_ids) + list(sched.spec_token_ids)
+            spec = sched.spec_token_ids
+            tokens = list(sched.token_ids) + list(spec) if spec else list(sched.token_ids)
             input_ids.extend(tokens)
             positions.extend(range(sched.start_pos, sched.start_pos + len(tokens)))
             seq_specs.append(SeqSpec(sched.start_pos, len(tokens), sched.block_ids))
-            if sched.sample:
+            if not sched.sample:
+                continue
+            if spec:
+                last = len(input_ids) - 1
+                verify_rows.extend(range(last - len(spec), last + 1))
+                verify_reqs.append(requests[sched.request_id])
+                verify_drafts.append(spec)
+            else:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(requests[sched.request_id])
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         meta = build_attention_metadata(seq_specs, self.block_size, self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        if not sample_reqs:
-            return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        generators = {r.request_id: g for r in sample_reqs if (g := self._generator(r)) is not None}
-        sampling_meta = SamplingMetadata.build(sample_reqs, generators, self.device)
-        result = self.sampler(logits, sampling_meta)
-        sampled = {r.request_id: [tok] for r, tok in zip(sample_reqs, result.token_ids, strict=True)}
-        logprobs = {r.request_id: [lp] for r, lp in zip(sample_reqs, result.logprobs, strict=True)}
+        if self.proposer is not None:
+            self.proposer.observe(ids_t, pos_t, meta)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            generators = {r.request_id: g for r in sample_reqs if (g := self._generator(r)) is not None}
+            sampling_meta = SamplingMetadata.build(sample_reqs, generators, self.device)
+            result = self.sampler(logits, sampling_meta)
+            for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs, strict=True):
+                sampled[r.request_id] = [tok]
+                logprobs[r.request_id] = [lp]
+        if verify_reqs:
+            self._verify(hidden, verify_rows, verify_reqs, verify_drafts, sampled, logprobs)
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        rows: list[int],
+        reqs: list[Request],
+        drafts: list[tuple[int, ...]],
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprobs | None]],
+    ) -> None:
+        """Rejection-sample the proposals of `reqs`; adds their emitted tokens (and logprobs) to the dicts."""
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
+        batch = build_verify_batch(reqs, drafts, generators, self.device)
+        emitted = self.rejection_sampler(logits, batch)
+        want = [r.sampling_params.logprobs for r in reqs]
+        lp_rows: list[int] = []
+        lp_tokens: list[int] = []
+        lp_want: list[int | None] = []
+        for r, start, tokens, k in zip(reqs, batch.row_start, emitted, want, strict=True):
+            sampled[r.request_id] = tokens
+            logprobs[r.request_id] = [None] * len(tokens)
+            if k is not None:
+                lp_rows.extend(range(start, start + len(tokens)))
+                lp_tokens.extend(tokens)
+                lp_want.extend([k] * len(tokens))
+        if lp_rows:
+            # Emitted token j was decided by row j: its logprob is under that row's raw distribution.
+            index = torch.tensor(lp_rows, device=self.device)
+            token_t = torch.tensor(lp_tokens, dtype=torch.int64, device=self.device)
+            lps = iter(compute_logprobs(logits.index_select(0, index), token_t, lp_want, max(lp_want)))
+            for r, tokens, k in zip(reqs, emitted, want, strict=True):
+                if k is not None:
+                    logprobs[r.request_id] = [next(lps) for _ in tokens]
+
+    @torch.inference_mode()
+    def propose(self, batch: list[ProposalInput]) -> list[list[int]]:
+        """The draft's proposals for the next step (the engine allocated KV slots when the draft writes KV)."""
+        if self.proposer is None or not batch:
+            return [[] for _ in batch]
+        return self.proposer.propose(batch)

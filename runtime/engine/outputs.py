@@ -68,3 +68,22 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode_* counters); all 0 when speculation is off.
+    spec_decode_num_drafts: int = 0  # request-steps verified with >= 1 proposal
+    spec_decode_num_draft_tokens: int = 0  # proposals verified
+    spec_decode_num_accepted_tokens: int = 0  # proposals accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at proposal position i
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None before the first proposal."""
+        if not self.spec_decode_num_draft_tokens:
+            return None
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verified request-step: 1 (corrected or bonus token) + accepted proposals."""
+        if not self.spec_decode_num_drafts:
+            return None
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
