@@ -23,6 +23,7 @@ from tokenfleet.operator.reconcile import (
     reconcile_model_deployment,
     reconcile_routers,
     reconcile_routing_policy,
+    refresh_cache_policies,
 )
 
 MD = (GROUP, VERSION, "modeldeployments")
@@ -60,7 +61,9 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
         try:
             reconcile_model_deployment(ctx, namespace, name, logger)
         finally:
-            reconcile_routers(ctx, namespace, logger)  # it may have joined, left or moved between routers
+            # It may have joined, left or moved between routers and cache policies.
+            reconcile_routers(ctx, namespace, logger)
+            refresh_cache_policies(ctx, namespace, logger)
 
     @kopf.timer(
         *MD,
@@ -81,6 +84,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
     )  # optional: no finalizer, children go by GC
     def md_deleted(memo: kopf.Memo, namespace: str, logger: logging.Logger, **_: Any) -> None:
         reconcile_routers(memo.ctx, namespace, logger)
+        refresh_cache_policies(memo.ctx, namespace, logger)
 
     @kopf.on.event(
         "apps",

@@ -175,7 +175,10 @@ def reconcile_dependents(
     return names
 
 
-def reconcile_cache_policy(ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger) -> None:
+def reconcile_cache_policy(
+    ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger, dependents: bool = True
+) -> None:
+    """Validate, re-render every dependent (unless `dependents` is False: a status refresh), write status."""
     body = ctx.kube.get("CachePolicy", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
@@ -184,8 +187,20 @@ def reconcile_cache_policy(ctx: OperatorContext, namespace: str, name: str, logg
         parse_cache_policy(body.get("spec"))
     except ConfigError as e:
         error = str(e)
-    used_by = reconcile_dependents(ctx, namespace, "cachePolicyRef", name, logger)
+    if dependents:
+        used_by = reconcile_dependents(ctx, namespace, "cachePolicyRef", name, logger)
+    else:
+        used_by = model_deployments_referencing(ctx, namespace, "cachePolicyRef", name)
     _write_policy_status(ctx, "CachePolicy", body, used_by, None, error)
+
+
+def refresh_cache_policies(ctx: OperatorContext, namespace: str, logger: logging.Logger) -> None:
+    """Keep every CachePolicy's `usedBy` true when ModelDeployments come, go or switch policies."""
+    for cp in ctx.kube.list("CachePolicy", namespace):
+        try:
+            reconcile_cache_policy(ctx, namespace, cp["metadata"]["name"], logger, dependents=False)
+        except kopf.PermanentError as e:
+            logger.debug("CachePolicy %s/%s: %s", namespace, cp["metadata"]["name"], e)
 
 
 def _write_policy_status(
