@@ -10,8 +10,10 @@ Also `/v1/models` (the union of the backends' lists plus route names), `/health`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -77,7 +79,7 @@ class RouterApp:
                 continue
             source = backend.tokenizer or backend.model
             try:
-                tok = await asyncio.to_thread(self._tokenizer_loader, source)
+                tok = await _in_daemon_thread(self._tokenizer_loader, source)
             except Exception as e:  # routing still works, with the approximate index only
                 log.warning(
                     "no tokenizer for %s from %r (%s): exact prefix routing is off", backend.model, source, e
@@ -139,6 +141,31 @@ def _json_error(
 
 
 ROUTER = web.AppKey("router", RouterApp)
+
+
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Run a blocking call off the loop in a daemon thread.
+
+    Not `asyncio.to_thread`: interpreter exit joins executor threads, so a SIGTERM during a slow tokenizer
+    load (importing torch takes tens of seconds on a busy node) would hold the router's shutdown hostage.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="tokenizer-load", daemon=True).start()
+    return fut
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
