@@ -163,6 +163,8 @@ class AsyncEngine:
         """Run `fn(core)` on the engine thread between steps; returns its result."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        if self._thread is None:
+            raise EngineDeadError("the engine is not running")
         done = self._future()
         self._inbox.put(_Call(fn, done))
         return await done

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
+from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
 from tokenfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, num_kv_blocks, resolve_device
@@ -24,6 +26,8 @@ from tokenfleet.runtime.errors import CapacityError, ContextLengthExceeded
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+
+_KV_EVENT_BACKLOG_MAX = 65536
 
 
 @dataclass(slots=True)
@@ -61,6 +65,13 @@ class EngineCore:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._num_steps = 0
+        # Where the block pool's stored/removed events go after each step (the server's KV-event log for
+        # the router). Until a sink is set they wait in a bounded backlog, so the blocks computed before a
+        # router could listen (pinned prefixes at start-up) are still announced.
+        self.kv_event_sink: Callable[[Sequence[object]], object] | None = None
+        self._kv_event_backlog: list[object] = []
+        # Last: computes pinned prefixes (runs internal requests through this engine).
+        self.cache_policy = CachePolicyRuntime(self)
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -127,6 +138,7 @@ class EngineCore:
             return None
         self.scheduler.abort(request_id)
         self.runner.release(request_id)
+        self._publish_kv_events()
         return self._output(tracked, [], "", None, finished=True, reason="abort")
 
     # ---- the step ------------------------------------------------------------------------------------------
@@ -184,7 +196,32 @@ class EngineCore:
         for rid in finished:
             self._tracked.pop(rid, None)
             self.runner.release(rid)
+        self._publish_kv_events()
         return outputs
+
+    def set_kv_event_sink(self, sink: Callable[[Sequence[object]], object] | None) -> None:
+        """Engine thread only. Hands the backlog to the new sink first, so nothing stored is missed."""
+        self.kv_event_sink = sink
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.kv_manager.take_events()
+        if self.kv_event_sink is None:
+            # Nobody listens (offline use): keep a bounded backlog; past the bound a listener that comes
+            # later resyncs from an incomplete picture, which costs routing quality, never correctness.
+            if len(self._kv_event_backlog) < _KV_EVENT_BACKLOG_MAX:
+                self._kv_event_backlog.extend(events)
+            return
+        if self._kv_event_backlog:
+            events = self._kv_event_backlog + events
+            self._kv_event_backlog = []
+        if events:
+            self.kv_event_sink(events)
+
+    def apply_cache_policy(self, cache: CacheConfig) -> None:
+        """Apply the live fields of a new CacheConfig (TTL, eviction, pins, host tier) between steps."""
+        self.cache_policy.apply(cache)
+        self._publish_kv_events()
 
     def _output(
         self,
@@ -233,6 +270,7 @@ class EngineCore:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_steps=self._num_steps,
+            kv_metrics=km.metrics(),
             **self._spec_stats(),
         )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenfleet.runtime.engine.kv_cache.cache_metrics import KVCacheMetrics
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
@@ -73,6 +75,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # proposals verified
     spec_decode_num_accepted_tokens: int = 0  # proposals accepted
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at proposal position i
+    # Per-tier hits, evictions by reason, pins and offload traffic (kv_cache/cache_metrics.py).
+    kv_metrics: KVCacheMetrics | None = None
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

@@ -129,7 +129,7 @@ async def serve(
             return 1
         state.engine = engine
         state.kv_events = KVEventPump(engine)
-        state.kv_events.start()
+        await state.kv_events.start()
         if config_path is not None:
             from tokenfleet.runtime.config_watch import ConfigWatcher
             from tokenfleet.runtime.server.live_config import on_change_for
