@@ -12,7 +12,7 @@ from typing import Any
 from tokenfleet.runtime.errors import ConfigError
 
 # model_type values whose checkpoints this implementation reproduces exactly.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +54,21 @@ class ModelArch:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # --- MoE architectures (Mixtral, Qwen2-MoE, OLMoE) ---
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    dense_layers: frozenset[int] = frozenset()  # layers of a MoE model that keep a dense MLP (Qwen2-MoE)
+    qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections, before RoPE
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.num_experts > 0 and layer_idx not in self.dense_layers
 
     @property
     def q_size(self) -> int:
@@ -115,6 +124,11 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
     if model_type == "qwen2" and not config.get("use_sliding_window", False):
         sliding_window = None  # Qwen2 configs carry a window they do not use
     attention_bias = bool(config.get("attention_bias", False))
+    qkv_bias = model_type == "qwen2" or attention_bias
+    if model_type == "qwen2_moe":
+        qkv_bias = bool(config.get("qkv_bias", True))
+        if not config.get("use_sliding_window", False):
+            sliding_window = None
     return ModelArch(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -129,10 +143,66 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rope_scaling=rope_scaling_from_hf(rope_params),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type == "llama" and attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=model_type in ("llama", "olmoe") and attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
+        **MOE_FIELDS.get(model_type, _no_moe)(config),
     )
+
+
+# --- MoE architectures: HF config -> the ModelArch fields the MoE layer reads (keyed by model_type) ---
+
+
+def _no_moe(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _experts(config: Mapping[str, Any], num_experts_key: str, expert_size_key: str) -> dict[str, Any]:
+    num_experts = int(config[num_experts_key])
+    top_k = int(config["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} must be in [1, {num_experts_key}={num_experts}]")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(config[expert_size_key]),
+    }
+
+
+def _mixtral(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Mixtral's experts are `intermediate_size` wide and its router always renormalises the top-k weights.
+    return {**_experts(config, "num_local_experts", "intermediate_size"), "norm_topk_prob": True}
+
+
+def _qwen2_moe(config: Mapping[str, Any]) -> dict[str, Any]:
+    num_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_mlp = set(config.get("mlp_only_layers") or ())
+    # HF rule: layer i is sparse unless listed in mlp_only_layers or (i + 1) is not a multiple of the step.
+    dense = frozenset(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+    return {
+        **_experts(config, "num_experts", "moe_intermediate_size"),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+        "dense_layers": dense,
+    }
+
+
+def _olmoe(config: Mapping[str, Any]) -> dict[str, Any]:
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    if config.get("head_dim") not in (None, hidden // heads):
+        # HF sizes OLMoE's q/k norms from hidden_size // heads, so only that head_dim is reproducible.
+        raise ConfigError(f"olmoe with head_dim {config['head_dim']} != hidden_size // heads is unsupported")
+    clip = config.get("clip_qkv")
+    return {
+        **_experts(config, "num_experts", "intermediate_size"),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "qk_norm": True,
+        "clip_qkv": float(clip) if clip is not None else None,
+    }
+
+
+MOE_FIELDS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe}

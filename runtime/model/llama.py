@@ -8,6 +8,7 @@ under HF names (`load_weights`); q/k/v and gate/up are concatenated into fused p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 from tokenfleet.runtime.errors import ConfigError
@@ -27,6 +28,23 @@ def _dense_mlp(arch: ModelArch) -> nn.Module:
 # "dense" | "moe" -> builder. The MoE layer registers itself here with one entry.
 MLP_BUILDERS: dict[str, Callable[[ModelArch], nn.Module]] = {"dense": _dense_mlp}
 
+# HF name fragments renamed before mapping: Mixtral stores its MoE block as `block_sparse_moe`.
+_RENAMES = ((".block_sparse_moe.", ".mlp."),)
+
+
+class WeightOwner(Protocol):
+    """A module that places the HF tensors under its prefix itself (the MoE block's stacked experts).
+
+    Names are relative to the module. `weight_target` returns (own parameter name, the slice of it the
+    tensor fills), or None to leave the tensor to the default mapping; `weight_shards` says how many
+    tensors fill one of its parameters.
+    """
+
+    def weight_target(self, suffix: str) -> tuple[str, torch.Tensor] | None: ...
+
+    def weight_shards(self, param: str) -> int: ...
+
+
 # HF parameter suffix -> (fused parameter suffix, shard index). Shards are stacked in index order.
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -42,8 +60,18 @@ def _num_shards(param_name: str) -> int:
     return sum(1 for fused, _ in _FUSED.values() if f".{fused}." in f".{param_name}") or 1
 
 
-def build_mlp(arch: ModelArch) -> nn.Module:
-    kind = "moe" if arch.num_experts else "dense"
+def _owner_of(name: str, owners: dict[str, WeightOwner]) -> tuple[str, WeightOwner] | None:
+    """(name relative to the innermost owning module, that module), or None when no module owns it."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        owner = owners.get(".".join(parts[:i]))
+        if owner is not None:
+            return ".".join(parts[i:]), owner
+    return None
+
+
+def build_mlp(arch: ModelArch, layer_idx: int = 0) -> nn.Module:
+    kind = "moe" if arch.is_moe_layer(layer_idx) else "dense"
     builder = MLP_BUILDERS.get(kind)
     if builder is None:
         raise ConfigError(f"no {kind} MLP implementation is registered")
@@ -60,12 +88,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.rotary = rotary  # shared by every layer: one cos/sin table
         self.backend = backend
+        # OLMoE: RMSNorm over the whole q / k projections (all heads at once) and a clamp of q, k, v.
+        self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps) if arch.qk_norm else None
+        self.clip_qkv = arch.clip_qkv
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:  # after the norms, as HF does
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -75,12 +111,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend, layer_idx: int = 0
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, rotary, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = build_mlp(arch)
+        self.mlp = build_mlp(arch, layer_idx)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -96,7 +134,7 @@ class LlamaModel(nn.Module):
         # One cos/sin table, shared by every layer's attention (non-persistent buffers: never in checkpoints).
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary, backend) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, self.rotary, backend, i) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -143,7 +181,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; every parameter must be written exactly once (fused shards per shard)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        expected = {name: _num_shards(name) for name in params}
+        owners = {prefix: m for prefix, m in self.named_modules() if hasattr(m, "weight_target")}
+        expected = {}
+        for name in params:
+            owner = _owner_of(name, owners)
+            expected[name] = owner[1].weight_shards(owner[0]) if owner else _num_shards(name)
         if self.arch.tie_word_embeddings:
             del expected["lm_head.weight"]  # the embedding, written under its own name
         seen: dict[str, int] = {}
@@ -152,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # derived from the config, never trusted from a checkpoint
             if self.arch.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # some tied checkpoints store the copy anyway
-            name, target = self._target(hf_name, params)
+            for old, new in _RENAMES:
+                hf_name = hf_name.replace(old, new)
+            name, target = self._target(hf_name, params, owners)
             if target.shape != tensor.shape:
                 raise ConfigError(
                     f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
@@ -165,8 +209,14 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
 
-    def _target(self, hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor]:
+    def _target(
+        self, hf_name: str, params: dict[str, nn.Parameter], owners: dict[str, WeightOwner]
+    ) -> tuple[str, torch.Tensor]:
         """The parameter (or the rows of a fused parameter) that the HF tensor `hf_name` fills."""
+        owner = _owner_of(hf_name, owners)
+        if owner is not None and (found := owner[1].weight_target(owner[0])) is not None:
+            prefix = hf_name[: len(hf_name) - len(owner[0])]
+            return prefix + found[0], found[1]
         for hf_part, (fused_part, shard) in _FUSED.items():
             if f".{hf_part}." not in hf_name:
                 continue
