@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model import moe  # noqa: F401 (registers MLP_BUILDERS["moe"])
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import get_attention_backend, resolve_backend_name
 from tokenfleet.runtime.model.checkpoint import Checkpoint
+from tokenfleet.runtime.model.fp8 import quantize_model_fp8
 from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
@@ -77,6 +79,14 @@ def _tracked(weights: Iterator[tuple[str, torch.Tensor]], total: int, progress: 
             progress(done, total)
 
 
+def _set_kernel_backend(model: torch.nn.Module, backend_name: str) -> None:
+    """MoE and FP8 layers use the attention backend's kernel family: Triton kernels or torch references."""
+    kernel_backend = backend_name if backend_name in ("torch", "triton") else "auto"
+    for module in model.modules():
+        if hasattr(module, "kernel_backend"):
+            module.kernel_backend = kernel_backend
+
+
 def load_model(
     model_config: ModelConfig, device: torch.device | str, progress: ProgressFn | None = None
 ) -> LoadedModel:
@@ -100,6 +110,10 @@ def load_model(
     model.model.rotary.build_tables()
     model.load_weights(_tracked(checkpoint.weights(), checkpoint.num_weights, progress))
     model.eval().requires_grad_(False)
+    if model_config.quantization == "fp8":
+        saved = quantize_model_fp8(model)
+        log.info("fp8: quantised the projections on load, %.1f MiB of weights saved", saved / 2**20)
+    _set_kernel_backend(model, backend_name)
     log.info(
         "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d",
         model_config.model, arch.model_type, arch.num_layers, device, dtype, backend_name, max_model_len,
