@@ -295,3 +295,20 @@ def _hf_named_tensors(model: LlamaForCausalLM, arch) -> Iterator[tuple[str, torc
             yield f"{p}.block_sparse_moe.experts.{e}.w1.weight", torch.randn(inter, h)
             yield f"{p}.block_sparse_moe.experts.{e}.w3.weight", torch.randn(inter, h)
             yield f"{p}.block_sparse_moe.experts.{e}.w2.weight", torch.randn(h, inter)
+
+
+def test_triton_backend_runs_the_moe_kernels(checkpoints):
+    """attention_backend="triton" takes the MoE layers onto the Triton kernels too (the interpreter on CPU:
+    fp16, as its bf16 is wrong); they agree with the torch-reference model."""
+    directory, _ = checkpoints["qwen2_moe"]
+    config = dict(model=str(directory), dtype="float16")
+    ref = load_model(ModelConfig(**config, attention_backend="torch"), torch.device("cpu"))
+    tri = load_model(ModelConfig(**config, attention_backend="triton"), torch.device("cpu"))
+    assert tri.model.model.layers[1].mlp.kernel_backend == "triton"
+    ids = list(range(3, 23))
+    spans = [(0, 16), (16, 17), (17, 20)]
+    caches = [(k.half(), v.half()) for k, v in _caches(ref.arch, 4)]
+    expected = _run(ref.model, ids, spans, caches, [2, 0, 3])
+    caches = [(k.half(), v.half()) for k, v in _caches(tri.arch, 4)]
+    got = _run(tri.model, ids, spans, caches, [2, 0, 3])
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
