@@ -133,6 +133,18 @@ def system_prompt(rng: random.Random, tokenizer, target_tokens: int) -> str:
     return text
 
 
+def _has_text(chunk: bytes) -> bool:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                choices = json.loads(line[6:]).get("choices") or [{}]
+            except ValueError:
+                continue
+            if (choices[0].get("delta") or {}).get("content"):
+                return True
+    return False
+
+
 async def one_request(session, url, system, user, max_tokens, record) -> None:
     body = {
         "model": MODEL,
@@ -145,8 +157,9 @@ async def one_request(session, url, system, user, max_tokens, record) -> None:
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         record["endpoint"] = r.headers.get("x-tokenfleet-endpoint")
         record["status"] = r.status
-        async for _chunk in r.content.iter_any():
-            if "ttft" not in record:
+        async for chunk in r.content.iter_any():
+            # TTFT = the first generated text, not the role-only chunk a chat stream opens with.
+            if "ttft" not in record and _has_text(chunk):
                 record["ttft"] = time.perf_counter() - t0
     record["e2e"] = time.perf_counter() - t0
 
