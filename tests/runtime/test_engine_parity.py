@@ -48,15 +48,18 @@ def tokenizer(loaded):
 
 
 def hf_greedy(hf_oracle, ids: list[int], max_new: int) -> list[int]:
+    """Greedy decoding through HF's own KV cache, never stopping at EOS (like ignore_eos=True)."""
+    out: list[int] = []
+    past = None
+    step = torch.tensor([ids])
     with torch.no_grad():
-        out = hf_oracle.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
+        for _ in range(max_new):
+            res = hf_oracle(input_ids=step, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            step = torch.tensor([[token]])
+    return out
 
 
 @pytest.fixture(scope="module")
