@@ -14,7 +14,9 @@ PYTEST_ARGS ?=
 
 .PHONY: venv install serve test test-fast e2e bench lint crds clean-venv
 
-$(VENV)/.complete: requirements/runtime.txt requirements/dev.txt
+# No file prerequisites: the pins are in the path (PINS_HASH), and a fresh clone's newer mtimes must not
+# rebuild an environment that already matches them.
+$(VENV)/.complete:
 	@mkdir -p $(CACHE_DIR)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
