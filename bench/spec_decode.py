@@ -11,7 +11,7 @@ regime speculation targets); `--batch` runs them together.
 
     python bench/spec_decode.py [--max-tokens 96] [--configs none ngram:2 ngram:4 self:4:8] [--batch 1]
 
-A config is `method[:k[:draft_layers_or_model]]`.
+A config is `method[:k[:extra]]`; extra is ngram_min (ngram), draft_layers (self) or the draft model path.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def parse_config(text: str) -> tuple[str, SpeculativeConfig]:
     if len(parts) > 2:
         if method == "self":
             extra["draft_layers"] = int(parts[2])
+        elif method == "ngram":
+            extra["ngram_min"] = int(parts[2])
         else:
             extra["draft_model"] = parts[2]
     return text, SpeculativeConfig(method=method, num_speculative_tokens=k, **extra)  # type: ignore[arg-type]
@@ -116,7 +118,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the built-in model")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--configs", nargs="+", default=["none", "ngram:2", "ngram:4", "self:3:12"])
+    ap.add_argument("--configs", nargs="+", default=["none", "ngram:2", "ngram:4", "ngram:4:3", "self:3:26"])
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "chat"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = ap.parse_args()
