@@ -20,7 +20,7 @@ from tokenfleet.runtime.server.protocol import (
     DeltaMessage,
     Usage,
 )
-from tokenfleet.runtime.server.request_context import RequestContext, usage_of
+from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
 from tokenfleet.runtime.server.translate import chat_params, chat_prompt, parse_request
 
 
@@ -33,7 +33,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
     params = chat_params(req)
     prompt = chat_prompt(req, engine.tokenizer)
     gen = Generation(
-        engine, ctx.state.metrics, ctx.engine_base_id, [prompt], params, req.priority, req.cache_salt
+        engine,
+        ctx.state.metrics,
+        ctx.engine_base_id,
+        [prompt],
+        params,
+        request_priority(request, req.priority, "priority" in req.model_fields_set),
+        req.cache_salt,
     )
     created = int(time.time())
     try:

@@ -11,7 +11,7 @@ from tokenfleet.runtime.server.errors import from_exception, sse_error_event
 from tokenfleet.runtime.server.generation import Generation
 from tokenfleet.runtime.server.logprobs import TokenRenderer, completion_logprobs
 from tokenfleet.runtime.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from tokenfleet.runtime.server.request_context import RequestContext, usage_of
+from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
 from tokenfleet.runtime.server.translate import completion_params, completion_prompts, parse_request
 
 
@@ -23,7 +23,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
     params = completion_params(req)
     prompts = completion_prompts(req, engine.tokenizer)
     gen = Generation(
-        engine, ctx.state.metrics, ctx.engine_base_id, prompts, params, req.priority, req.cache_salt
+        engine,
+        ctx.state.metrics,
+        ctx.engine_base_id,
+        prompts,
+        params,
+        request_priority(request, req.priority, "priority" in req.model_fields_set),
+        req.cache_salt,
     )
     created = int(time.time())
     try:

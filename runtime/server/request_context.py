@@ -73,3 +73,17 @@ def usage_of(choices: list[ChoiceState]) -> Usage:
 
 
 CONTEXT_KEY = web.RequestKey("tokenfleet.context", RequestContext)
+
+
+PRIORITY_HEADER = "x-tokenfleet-priority"  # set by the router from its priority classes
+
+
+def request_priority(request: web.Request, body_priority: int, body_sets_it: bool) -> int:
+    """The engine priority (lower = sooner): the body's `priority` when the client set it, else the
+    router's header, else 0. An unparsable header is ignored rather than failing the request."""
+    if body_sets_it:
+        return body_priority
+    try:
+        return int(request.headers.get(PRIORITY_HEADER, body_priority))
+    except ValueError:
+        return body_priority

@@ -51,6 +51,7 @@ class FakeEngine:
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.submitted: list[tuple[str, list[int], object]] = []
+        self.priorities: dict[str, int] = {}
         self.dead: str | None = None
 
     def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
@@ -61,6 +62,7 @@ class FakeEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ContextLengthExceeded("prompt too long", param="prompt")
         self.active.add(request_id)
+        self.priorities[request_id] = priority
         self.submitted.append((request_id, list(prompt_token_ids), params))
         return self._stream(request_id, list(prompt_token_ids), params)
 

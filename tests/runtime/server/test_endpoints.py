@@ -194,3 +194,13 @@ async def test_kv_events_and_load_wait_for_the_engine(client):
         resp = await client.get(path)
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "not_ready"
+
+
+async def test_priority_from_the_body_wins_over_the_routers_header(client, fake_engine):
+    headers = {"x-tokenfleet-priority": "5"}
+    body = {"model": "smollm2-135m-instruct", "prompt": "ab", "max_tokens": 1}
+    assert (await client.post("/v1/completions", json=body, headers=headers)).status == 200
+    assert (await client.post("/v1/completions", json={**body, "priority": -1}, headers=headers)).status == 200
+    bad = {"x-tokenfleet-priority": "high"}
+    assert (await client.post("/v1/completions", json=body, headers=bad)).status == 200
+    assert list(fake_engine.priorities.values()) == [5, -1, 0]
