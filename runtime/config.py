@@ -81,7 +81,7 @@ class SpeculativeConfig(_Strict):
     num_speculative_tokens: int = Field(3, ge=1, le=16)
     draft_model: str | None = None
     draft_layers: int = Field(8, ge=1, description="`self`: layers of the target used as the draft.")
-    ngram_min: int = Field(1, ge=1)
+    ngram_min: int = Field(3, ge=1, description="Shortest n-gram matched; 1-2 propose noise on open chat.")
     ngram_max: int = Field(4, ge=1)
 
 

@@ -128,6 +128,47 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter("engine_steps", "Engine steps run.", stats.num_steps)
+        # Speculative decoding (vLLM's spec_decode_* names); zero when speculation is off.
+        yield counter(
+            "spec_decode_num_drafts", "Request-steps verified with proposals.", stats.spec_decode_num_drafts
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified.", stats.spec_decode_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted.",
+            stats.spec_decode_num_accepted_tokens,
+        )
+        kv = stats.kv_metrics
+        if kv is not None:  # the cache policy's view, in blocks
+            lookups = CounterMetricFamily(
+                PREFIX + "kv_cache_lookup_blocks",
+                "Prefix blocks looked up at admission, by where they were found (device, host, miss).",
+                labels=["model_name", "tier"],
+            )
+            for tier, value in (
+                ("device", kv.device_hit_blocks),
+                ("host", kv.host_hit_blocks),
+                ("miss", kv.miss_blocks),
+            ):
+                lookups.add_metric([*labels, tier], value)
+            yield lookups
+            evictions = CounterMetricFamily(
+                PREFIX + "kv_cache_evicted_blocks",
+                "Cached blocks evicted, by reason.",
+                labels=["model_name", "reason"],
+            )
+            evictions.add_metric([*labels, "ttl"], kv.evicted_ttl_blocks)
+            evictions.add_metric([*labels, "pressure"], kv.evicted_pressure_blocks)
+            yield evictions
+            yield gauge("kv_cache_pinned_blocks", "Blocks held by pinned prefixes.", kv.pinned_blocks)
+            yield counter("kv_offload_stored_blocks", "Blocks copied device -> host.", kv.offloaded_blocks)
+            yield counter("kv_offload_loaded_blocks", "Blocks copied host -> device.", kv.loaded_blocks)
+            yield gauge("kv_offload_used_blocks", "Host-tier blocks in use.", kv.host_used_blocks)
+            yield gauge(
+                "kv_offload_total_blocks", "Host-tier capacity in blocks (0 = off).", kv.host_total_blocks
+            )
 
 
 class ServerMetrics:

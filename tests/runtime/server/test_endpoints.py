@@ -200,7 +200,34 @@ async def test_priority_from_the_body_wins_over_the_routers_header(client, fake_
     headers = {"x-tokenfleet-priority": "5"}
     body = {"model": "smollm2-135m-instruct", "prompt": "ab", "max_tokens": 1}
     assert (await client.post("/v1/completions", json=body, headers=headers)).status == 200
-    assert (await client.post("/v1/completions", json={**body, "priority": -1}, headers=headers)).status == 200
+    assert (
+        await client.post("/v1/completions", json={**body, "priority": -1}, headers=headers)
+    ).status == 200
     bad = {"x-tokenfleet-priority": "high"}
     assert (await client.post("/v1/completions", json=body, headers=bad)).status == 200
     assert list(fake_engine.priorities.values()) == [5, -1, 0]
+
+
+async def test_metrics_expose_spec_decode_and_cache_tier_counters(client, fake_engine):
+    from tokenfleet.runtime.engine.kv_cache.cache_metrics import KVCacheMetrics
+    from tokenfleet.runtime.engine.outputs import EngineStats
+
+    kv = KVCacheMetrics(
+        device_hit_blocks=7, host_hit_blocks=3, miss_blocks=2, evicted_ttl_blocks=4, evicted_pressure_blocks=5,
+        pinned_blocks=6, offloaded_blocks=8, loaded_blocks=3, host_evicted_blocks=1, host_used_blocks=9,
+        host_total_blocks=64,
+    )  # fmt: skip
+    fake_engine.stats = lambda: EngineStats(
+        spec_decode_num_drafts=2,
+        spec_decode_num_draft_tokens=8,
+        spec_decode_num_accepted_tokens=5,
+        kv_metrics=kv,
+    )
+    text = await (await client.get("/metrics")).text()
+    label = 'model_name="smollm2-135m-instruct"'
+    assert f"tokenfleet:spec_decode_num_draft_tokens_total{{{label}}} 8.0" in text
+    assert f"tokenfleet:spec_decode_num_accepted_tokens_total{{{label}}} 5.0" in text
+    assert f'tokenfleet:kv_cache_lookup_blocks_total{{{label},tier="host"}} 3.0' in text
+    assert f'tokenfleet:kv_cache_evicted_blocks_total{{{label},reason="ttl"}} 4.0' in text
+    assert f"tokenfleet:kv_cache_pinned_blocks{{{label}}} 6.0" in text
+    assert f"tokenfleet:kv_offload_total_blocks{{{label}}} 64.0" in text
