@@ -154,6 +154,21 @@ def transform_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return apply_min_p(out, meta.min_p)
 
 
+def shared_generator(
+    cache: dict[torch.device, torch.Generator], device: torch.device, seed: int | None
+) -> torch.Generator:
+    """The generator unseeded rows draw from, one per device (fixed `seed` for reproducible runs)."""
+    gen = cache.get(device)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        cache[device] = gen
+    return gen
+
+
 class Sampler:
     """Stateless apart from the shared generator used by unseeded rows (one per device)."""
 
@@ -162,15 +177,7 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._shared.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self._seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self._seed)
-            self._shared[device] = gen
-        return gen
+        return shared_generator(self._shared, device, self._seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tokenfleet.runtime.engine.sampler import transform_logits
+from tokenfleet.runtime.engine.sampler import shared_generator, transform_logits
 from tokenfleet.runtime.engine.sampling_metadata import SamplingMetadata
 
 
@@ -53,15 +53,7 @@ class RejectionSampler:
         self._shared: dict[torch.device, torch.Generator] = {}
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._shared.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self._seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self._seed)
-            self._shared[device] = gen
-        return gen
+        return shared_generator(self._shared, device, self._seed)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: VerifyBatch) -> list[list[int]]:
