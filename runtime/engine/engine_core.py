@@ -15,7 +15,7 @@ from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
 from tokenfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
-from tokenfleet.runtime.engine.model_runner import ModelRunner, num_kv_blocks, resolve_device
+from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprobs
 from tokenfleet.runtime.engine.request import Request, RequestStatus
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -51,7 +51,9 @@ class EngineCore:
         # ---- speculative decoding (spec_decode/): the draft may load a model and need KV memory ----
         proposer = build_proposer(config.speculative, self.loaded, self.device)
         draft_bytes = proposer.kv_bytes_per_block(config.cache.block_size) if proposer is not None else 0
-        num_blocks = num_kv_blocks(config.cache, self.loaded, self.device, self.loaded.dtype, draft_bytes)
+        num_blocks = num_kv_blocks(
+            config.cache, self.loaded, self.device, kv_cache_dtype(config.cache, self.loaded), draft_bytes
+        )
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.loaded.name)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded, config.cache, self.device, num_blocks, proposer)

@@ -44,6 +44,12 @@ def resolve_device(model_config: ModelConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def kv_cache_dtype(cache: CacheConfig, loaded: LoadedModel) -> torch.dtype:
+    """`auto` stores K/V in the model's dtype; `fp8_e4m3` in e4m3 with per-tensor scales (a quarter of fp32's
+    bytes: four times the blocks for the same budget)."""
+    return torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8_e4m3" else loaded.dtype
+
+
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
     arch = loaded.arch
     elem = torch.empty((), dtype=dtype).element_size()
@@ -97,7 +103,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         arch = loaded.arch
-        dtype = loaded.dtype
+        dtype = kv_cache_dtype(cache_config, loaded)
         shape = (num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -110,9 +116,10 @@ class ModelRunner:
             proposer.bind(self.kv_caches, num_blocks, self.block_size)
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.0f MiB), attention backend %s on %s",
+            "KV cache: %d blocks x %d tokens of %s (%.0f MiB), attention backend %s on %s",
             num_blocks,
             self.block_size,
+            dtype,
             kv_bytes_per_block(loaded, self.block_size, dtype) * num_blocks / 2**20,
             loaded.attention_backend,
             device,

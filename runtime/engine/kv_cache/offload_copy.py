@@ -33,6 +33,11 @@ def _runs(transfers: Sequence[KVTransfer]) -> list[tuple[bool, list[int], list[i
     return runs
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 caches are moved as bytes: index_copy_/index_select have no fp8 kernels on CPU."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 class HostKVBuffers:
     def __init__(self, kv_caches: KVCaches, num_slots: int):
         self._pin = kv_caches[0][0].device.type == "cuda"
@@ -50,7 +55,8 @@ class HostKVBuffers:
             dev_idx = torch.tensor(dev_ids, dtype=torch.long, device=device)
             host_idx = torch.tensor(host_slots, dtype=torch.long)
             for dev_pair, host_pair in zip(kv_caches, self.buffers, strict=True):
-                for dev, host in zip(dev_pair, host_pair, strict=True):
+                for dev_t, host_t in zip(dev_pair, host_pair, strict=True):
+                    dev, host = _raw(dev_t), _raw(host_t)
                     if to_host:
                         host.index_copy_(0, host_idx, dev.index_select(0, dev_idx).cpu())
                     else:
@@ -68,7 +74,7 @@ class HostKVBuffers:
             for old in pair:
                 new = self._alloc(old, num_slots)
                 if moves:
-                    new.index_copy_(0, new_idx, old.index_select(0, old_idx))
+                    _raw(new).index_copy_(0, new_idx, _raw(old).index_select(0, old_idx))
                 new_pair.append(new)
             resized.append((new_pair[0], new_pair[1]))
         self.buffers = resized

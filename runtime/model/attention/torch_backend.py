@@ -1,5 +1,6 @@
 """Reference attention in plain PyTorch over the paged KV cache (CPU serving, and the oracle for kernels).
 
+An fp8 (e4m3) cache stores K/V divided by a per-tensor scale, saturated at +-448, and is dequantised on read.
 Math in fp32 whatever the model dtype: the softmax of a long context in bf16 loses tokens. Decode rows
 (one new token) of all sequences go through one batched gather + masked SDPA; sequences with several new
 tokens (prefill chunks, speculative verification) go one by one with a causal mask shifted by the context
@@ -12,21 +13,48 @@ import torch
 import torch.nn.functional as F
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value: the cast saturates here, as the GPU's does
+
+
+def _store(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    if cache.dtype == FP8_KV_DTYPE:
+        # Quantised with a per-tensor scale (x / scale, saturating). index_copy_ has no fp8 kernel on CPU:
+        # copy the raw bytes instead.
+        quant = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+        cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, quant.view(torch.uint8)
+        )
+        return
+    cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store the step's new K/V rows at their flat slots ([num_blocks * block_size, Hkv, D] view)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    _store(k, k_cache, slot_mapping, k_scale)
+    _store(v, v_cache, slot_mapping, v_scale)
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, length: int, scale: float = 1.0
+) -> torch.Tensor:
     """[B, length, Hkv, D] fp32: the first `length` cached positions of each row of `block_tables`."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, num_blocks, block_size, Hkv, D]
+    index = block_tables[:, :num_blocks].long()
+    if cache.dtype == FP8_KV_DTYPE:  # gather raw bytes (no fp8 indexing kernel on CPU), then dequantise
+        blocks = cache.view(torch.uint8)[index].view(FP8_KV_DTYPE)
+        return blocks.flatten(1, 2)[:, :length].float() * scale
+    blocks = cache[index]  # [B, num_blocks, block_size, Hkv, D]
     return blocks.flatten(1, 2)[:, :length].float()
 
 
@@ -38,11 +66,12 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [B]
     max_seq_len: int,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys = gather_context(k_cache, block_tables, max_seq_len).transpose(1, 2)  # [B, Hkv, S, D]
-    values = gather_context(v_cache, block_tables, max_seq_len).transpose(1, 2)
+    keys = gather_context(k_cache, block_tables, max_seq_len, kv_scales[0]).transpose(1, 2)  # [B, Hkv, S, D]
+    values = gather_context(v_cache, block_tables, max_seq_len, kv_scales[1]).transpose(1, 2)
     # GQA without copying K/V: the query heads sharing a KV head act as that head's query rows.
     grouped_q = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
@@ -59,11 +88,12 @@ def sequence_attention(
     block_table: torch.Tensor,  # [max_blocks]
     seq_len: int,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     q_len, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys = gather_context(k_cache, block_table[None], seq_len)[0].transpose(0, 1)  # [Hkv, S, D]
-    values = gather_context(v_cache, block_table[None], seq_len)[0].transpose(0, 1)
+    keys = gather_context(k_cache, block_table[None], seq_len, kv_scales[0])[0].transpose(0, 1)  # [Hkv, S, D]
+    values = gather_context(v_cache, block_table[None], seq_len, kv_scales[1])[0].transpose(0, 1)
     query = q.float().transpose(0, 1)  # [Hq, q_len, D]
     if q_len == seq_len:
         # Nothing cached before this chunk: the plain causal mask, which SDPA handles without a mask tensor.
@@ -80,7 +110,14 @@ def sequence_attention(
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """`k_scale` / `v_scale`: per-tensor scales of an fp8 (e4m3) KV cache; unused for other cache dtypes."""
+
     name = "torch"
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0):
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"KV-cache scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
+        self.kv_scales = (float(k_scale), float(v_scale))
 
     def forward(
         self,
@@ -92,10 +129,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *self.kv_scales)
         if meta.is_all_decode:
             out = decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, self.kv_scales
             )
             return out.to(q.dtype)
 
@@ -109,7 +146,14 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.tensor([starts[b] for b in decode_seqs], device=q.device)
             max_len = max(meta.seq_lens_list[b] for b in decode_seqs)
             decoded = decode_attention(
-                q[rows], k_cache, v_cache, meta.block_tables[seq_idx], meta.seq_lens[seq_idx], max_len, scale
+                q[rows],
+                k_cache,
+                v_cache,
+                meta.block_tables[seq_idx],
+                meta.seq_lens[seq_idx],
+                max_len,
+                scale,
+                self.kv_scales,
             )
             out[rows] = decoded.to(q.dtype)
         for b, q_len in enumerate(meta.query_lens):
@@ -117,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             rows = slice(starts[b], starts[b + 1])
             seq_out = sequence_attention(
-                q[rows], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b], scale
+                q[rows], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b], scale, self.kv_scales
             )
             out[rows] = seq_out.to(q.dtype)
         return out
