@@ -20,10 +20,13 @@ from tokenfleet.runtime.router.kv_events import KVEventFollower
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
 from tokenfleet.runtime.router.monitor import monitor_endpoint
-from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex
+from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex, RecentRoutes
 from tokenfleet.runtime.router.priority import PriorityGate
 from tokenfleet.runtime.router.prompt_blocks import text_block_hashes, token_block_hashes
 from tokenfleet.runtime.router.scoring import Candidate, Decision, RouteQuery, make_strategy
+
+# How long the router's own routes count as "being prefilled there" before the pod's KV events must say so.
+RECENT_ROUTES_TTL_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,8 @@ class Fleet:
         self.metrics = metrics
         self.session = session
         self.endpoints = EndpointSet(config.discovery)
-        self.exact = ExactPrefixIndex()
+        self.recent = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S)
+        self.exact = ExactPrefixIndex(on_removal=self.recent.forget)
         self.approx = ApproximatePrefixIndex(config.discovery.approximate_index_blocks)
         self.strategy = make_strategy(config.routing)
         self.gate = PriorityGate()
@@ -67,6 +71,7 @@ class Fleet:
             self._followers.pop(ep.id, None)
             self.exact.clear(ep.id)
             self.approx.forget(ep.id)
+            self.recent.forget(ep.id)
             self.metrics.forget_endpoint(ep.id)
         for ep in added:
             self.metrics.healthy.labels(ep.id).set(1)
@@ -218,7 +223,10 @@ class Fleet:
             if prompt.token_ids is not None and follower is not None and follower.live and follower.position:
                 pos = follower.position
                 exact_h = hashes(pos.block_size, pos.hash_extra)
-                matches[ep.id] = self.exact.match(exact_h, [ep.id])[ep.id]
+                held = self.exact.match(exact_h, [ep.id])[ep.id]
+                if pos.block_size == default_bs:  # same block units: add what is still being prefilled there
+                    held = max(held, self.recent.match(approx_h, [ep.id])[ep.id])
+                matches[ep.id] = held
                 num_blocks = max(num_blocks, len(exact_h))
             else:
                 matches[ep.id] = self.approx.match(approx_h, [ep.id])[ep.id]
@@ -229,3 +237,4 @@ class Fleet:
         """The prompt went to this endpoint: the approximate index remembers it (exact learns from events)."""
         if pick.approx_hashes:
             self.approx.record(pick.endpoint.id, pick.approx_hashes)
+            self.recent.record(pick.endpoint.id, pick.approx_hashes)

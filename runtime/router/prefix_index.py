@@ -8,12 +8,18 @@ first miss. Both indexes answer `match(hashes, endpoint_ids) -> {endpoint_id: nu
   It is as exact as the pod's own cache, with the lag of one event poll.
 - `ApproximatePrefixIndex`: the router's own record of which prefixes it sent where, LRU-bounded. It stands
   in for pods whose event stream is unavailable; it cannot see evictions, so it only ages entries out.
+- `RecentRoutes`: what the router sent where in the last seconds. A pod announces blocks only once their KV
+  is computed, and a long prefill takes seconds (tens on CPU): requests sharing a prefix that arrive
+  meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
+  pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
+  pod reports an eviction (from then on its events alone say what it holds).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def _leading_matches(hashes: Sequence[bytes], endpoint_ids: Iterable[str], holders) -> dict[str, int]:
@@ -32,9 +38,11 @@ def _leading_matches(hashes: Sequence[bytes], endpoint_ids: Iterable[str], holde
 class ExactPrefixIndex:
     """block hash -> endpoints holding it, plus the reverse map so a `cleared` or a resync is O(own blocks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_removal: Callable[[str], None] | None = None) -> None:
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
+        # Told which endpoint lost blocks (RecentRoutes.forget: after an eviction only events count).
+        self._on_removal = on_removal
 
     def stored(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
         own = self._blocks.setdefault(endpoint_id, set())
@@ -55,6 +63,9 @@ class ExactPrefixIndex:
         self._drop_holder(endpoint_id, self._blocks.pop(endpoint_id, set()))
 
     def _drop_holder(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
+        hashes = list(hashes)
+        if hashes and self._on_removal is not None:
+            self._on_removal(endpoint_id)
         for h in hashes:
             holders = self._holders.get(h)
             if holders is not None:
@@ -109,3 +120,45 @@ class ApproximatePrefixIndex:
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
         empty: frozenset[str] = frozenset()
         return _leading_matches(hashes, endpoint_ids, lambda h: self._entries.get(h, empty))
+
+
+class RecentRoutes:
+    """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations of an approximate index,
+    the older dropped whole at each rotation, so expiry costs nothing per entry."""
+
+    def __init__(
+        self, capacity_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._capacity = capacity_blocks
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._current = ApproximatePrefixIndex(capacity_blocks)
+        self._previous = ApproximatePrefixIndex(capacity_blocks)
+        self._rotated_at = clock()
+
+    def _rotate(self) -> None:
+        now = self._clock()
+        elapsed = now - self._rotated_at
+        if elapsed < self._ttl_s:
+            return
+        fresh = ApproximatePrefixIndex(self._capacity)
+        self._previous = (
+            self._current if elapsed < 2 * self._ttl_s else ApproximatePrefixIndex(self._capacity)
+        )
+        self._current = fresh
+        self._rotated_at = now
+
+    def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
+        self._rotate()
+        self._current.record(endpoint_id, hashes)
+
+    def forget(self, endpoint_id: str) -> None:
+        self._current.forget(endpoint_id)
+        self._previous.forget(endpoint_id)
+
+    def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
+        self._rotate()
+        ids = list(endpoint_ids)
+        current = self._current.match(hashes, ids)
+        previous = self._previous.match(hashes, ids)
+        return {e: max(current[e], previous[e]) for e in ids}

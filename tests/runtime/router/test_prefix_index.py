@@ -54,3 +54,35 @@ def test_approximate_records_routes_and_evicts_least_recent():
     assert idx.match(H, ["a", "b"]) == {"a": 2, "b": 2}
     idx.forget("a")
     assert idx.match(H, ["a", "b"]) == {"a": 0, "b": 2}
+
+
+def test_recent_routes_bridge_the_event_lag_then_expire():
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    now = [0.0]
+    recent = RecentRoutes(capacity_blocks=100, ttl_s=10.0, clock=lambda: now[0])
+    recent.record("pod-a", [b"h0", b"h1", b"h2"])
+    assert recent.match([b"h0", b"h1", b"x"], ["pod-a", "pod-b"]) == {"pod-a": 2, "pod-b": 0}
+    now[0] = 15.0  # one rotation: still remembered (older generation)
+    assert recent.match([b"h0", b"h1"], ["pod-a"]) == {"pod-a": 2}
+    recent.record("pod-b", [b"h0"])
+    now[0] = 26.0  # second rotation: pod-a's route (recorded at t=0) is gone, pod-b's (t=15) remains
+    assert recent.match([b"h0", b"h1"], ["pod-a", "pod-b"]) == {"pod-a": 0, "pod-b": 1}
+    now[0] = 60.0  # idle past 2 * ttl: everything expired at once
+    assert recent.match([b"h0"], ["pod-b"]) == {"pod-b": 0}
+    recent.record("pod-a", [b"h0"])
+    recent.forget("pod-a")
+    assert recent.match([b"h0"], ["pod-a"]) == {"pod-a": 0}
+
+
+def test_an_eviction_reported_by_a_pod_ends_its_recent_routes():
+    from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
+
+    recent = RecentRoutes(capacity_blocks=100, ttl_s=30.0)
+    exact = ExactPrefixIndex(on_removal=recent.forget)
+    recent.record("pod-a", [b"r0"])
+    recent.record("pod-b", [b"r0"])
+    exact.stored("pod-a", [b"e0"])
+    assert recent.match([b"r0"], ["pod-a"]) == {"pod-a": 1}  # a store says nothing about other prefixes
+    exact.removed("pod-a", [b"e0"])
+    assert recent.match([b"r0"], ["pod-a", "pod-b"]) == {"pod-a": 0, "pod-b": 1}
