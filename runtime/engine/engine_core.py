@@ -37,7 +37,6 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     want_logprobs: bool
-    finished_time: float | None = None
 
 
 class EngineCore:
