@@ -15,7 +15,6 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from tokenfleet.runtime.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -26,7 +25,9 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    model: str = Field(DEFAULT_MODEL, description="Built-in name, a .gguf file, or a HF checkpoint directory.")
+    model: str = Field(
+        DEFAULT_MODEL, description="Built-in name, a .gguf file, or a HF checkpoint directory."
+    )
     served_name: str | None = Field(None, description="Name clients use in `model`; defaults to `model`.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU (fastest correct there), bfloat16 on CUDA."
@@ -52,7 +53,9 @@ class CacheConfig(_Strict):
     cpu_kv_cache_gib: float = Field(1.0, gt=0, description="CPU: KV cache budget in GiB.")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     cache_salt: str | None = Field(None, description="Mixed into every block hash (tenant isolation).")
-    ttl_seconds: float | None = Field(None, gt=0, description="Unreferenced cached blocks older than this go first.")
+    ttl_seconds: float | None = Field(
+        None, gt=0, description="Unreferenced cached blocks older than this go first."
+    )
     eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
     pinned_prefixes: tuple[str | tuple[int, ...], ...] = Field(
         (),
