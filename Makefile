@@ -12,7 +12,7 @@ PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: venv install serve test test-fast e2e bench lint crds clean-venv
+.PHONY: venv install envtest serve test test-fast e2e bench lint crds clean-venv
 
 # No file prerequisites: the pins are in the path (PINS_HASH), and a fresh clone's newer mtimes must not
 # rebuild an environment that already matches them.
@@ -31,18 +31,24 @@ venv: $(VENV)/.complete
 install: venv
 	@$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 
+# kube-apiserver for the e2e tests: built once from the Kubernetes Go module through the Go module proxy
+# (~10 min on 2 cores), cached in ~/.cache/tokenfleet/envtest/ (KUBEBUILDER_ASSETS wins when set). Built
+# here, before pytest, so that no per-test timeout can cut a first build short.
+envtest: venv
+	@$(BIN)/python e2e/kube_build.py
+
 serve: install
 	@echo "tokenfleet: serving $(MODEL) on http://$(HOST):$(PORT) (CPU)"
 	$(BIN)/tokenfleet serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install envtest
 	@# pytest (not `python -m pytest`): the latter puts the repo root on sys.path.
 	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../tests ../e2e $(PYTEST_ARGS)
 
 test-fast: install
 	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../tests -m "not slow and not e2e" $(PYTEST_ARGS)
 
-e2e: install
+e2e: install envtest
 	cd tests && $(BIN)/pytest --rootdir=.. -c ../pyproject.toml ../e2e $(PYTEST_ARGS)
 
 bench: install
