@@ -1,12 +1,13 @@
-"""Build (and cache) kube-apiserver from the Kubernetes Go module.
+"""Build (and cache) the Kubernetes control plane from the Kubernetes Go module.
 
-No package registry ships kube-apiserver, but the Go module proxy serves the Kubernetes source: a scratch
-module that requires ``k8s.io/kubernetes vX.Y.Z`` and replaces every ``k8s.io/*`` staging module with its
-``v0.Y.Z`` twin builds ``cmd/kube-apiserver``. The build takes ~10 minutes on 2 cores, so the binary is
-cached outside the repo and guarded by a file lock: parallel test sessions wait for one build instead of
-racing.
+No package registry ships kube-apiserver, kube-controller-manager or kube-scheduler, but the Go module
+proxy serves the Kubernetes source: a scratch module that requires ``k8s.io/kubernetes vX.Y.Z`` and
+replaces every ``k8s.io/*`` staging module with its ``v0.Y.Z`` twin builds the three commands. One
+``go build`` of all three shares the compilation (~8 minutes for the apiserver, ~2 more for the other two on
+2 cores), so the binaries are cached outside the repo and guarded by a file lock: parallel test sessions
+wait for one build instead of racing.
 
-Usable as a script: ``python e2e/kube_build.py [vX.Y.Z]`` prints the binary path.
+Usable as a script: ``python e2e/kube_build.py [vX.Y.Z]`` prints the directory holding the binaries.
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
     subprocess.run(cmd, cwd=cwd, env=env, check=True)
 
 
-def build_kube_apiserver(version: str, dest_dir: Path) -> Path:
+CONTROL_PLANE = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+
+
+def build_control_plane(version: str, dest_dir: Path) -> Path:
     go = find_go()
     src = dest_dir / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -86,40 +90,61 @@ def build_kube_apiserver(version: str, dest_dir: Path) -> Path:
         raise RuntimeError(f"no staging modules found in k8s.io/kubernetes {version} go.mod")
     (src / "go.mod").write_text(scratch_go_mod(version, staging, go_line.group(1) if go_line else "1.24"))
     env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false", GOTOOLCHAIN="local")
-    pkg = "k8s.io/kubernetes/cmd/kube-apiserver"
-    _log(f"resolving {pkg}@{version} ({len(staging)} staging modules pinned)")
-    _run([go, "get", f"{pkg}@{version}"], src, env)
-    out = dest_dir / "kube-apiserver.tmp"
+    pkgs = [f"k8s.io/kubernetes/cmd/{name}" for name in CONTROL_PLANE]
+    _log(f"resolving {', '.join(CONTROL_PLANE)} @{version} ({len(staging)} staging modules pinned)")
+    _run([go, "get", *(f"{pkg}@{version}" for pkg in pkgs)], src, env)
+    tmp = dest_dir / "bin.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     ldflags = f"-s -w -X k8s.io/component-base/version.gitVersion={version}"
-    _log("compiling kube-apiserver (about 10 minutes on 2 cores)")
-    _run([go, "build", "-trimpath", "-ldflags", ldflags, "-o", str(out), pkg], src, env)
-    final = dest_dir / "kube-apiserver"
-    out.rename(final)  # atomic: a half-written binary is never visible under the final name
-    (dest_dir / "build.json").write_text(json.dumps({"version": version, "built": time.time()}))
-    return final
+    _log("compiling the control plane (about 10 minutes on 2 cores)")
+    started = time.monotonic()
+    _run([go, "build", "-trimpath", "-ldflags", ldflags, "-o", str(tmp) + "/", *pkgs], src, env)
+    # The apiserver is renamed last: its presence is what marks the cache complete, and each rename is
+    # atomic, so a half-written binary is never visible under its final name.
+    for name in reversed(CONTROL_PLANE):
+        (tmp / name).rename(dest_dir / name)
+    tmp.rmdir()
+    build = {"version": version, "built": time.time(), "seconds": round(time.monotonic() - started)}
+    (dest_dir / "build.json").write_text(json.dumps(build))
+    return dest_dir
 
 
-def ensure_kube_apiserver(version: str | None = None) -> Path:
-    """Path of a kube-apiserver binary: KUBEBUILDER_ASSETS, else the cache, else build it (locked)."""
+def _complete(directory: Path) -> bool:
+    return all((directory / name).exists() for name in CONTROL_PLANE)
+
+
+def ensure_control_plane(version: str | None = None) -> Path:
+    """Directory holding the three binaries: KUBEBUILDER_ASSETS, else the cache, else build them (locked).
+
+    A KUBEBUILDER_ASSETS that lacks one of them is an error, not a silent fallback to the cache: the user
+    pointed at those binaries on purpose.
+    """
     assets = os.environ.get("KUBEBUILDER_ASSETS")
-    if assets and (Path(assets) / "kube-apiserver").exists():
-        return Path(assets) / "kube-apiserver"
+    if assets:
+        missing = [name for name in CONTROL_PLANE if not (Path(assets) / name).exists()]
+        if missing:
+            raise FileNotFoundError(f"KUBEBUILDER_ASSETS={assets} lacks {', '.join(missing)}")
+        return Path(assets)
     version = version or kube_version()
     dest = cache_root() / version
     dest.mkdir(parents=True, exist_ok=True)
-    binary = dest / "kube-apiserver"
-    if binary.exists():
-        return binary
+    if _complete(dest):
+        return dest
     with open(dest / ".build.lock", "w") as lock:
-        _log(f"kube-apiserver {version} not cached in {dest}; waiting for the build lock")
+        _log(f"control plane {version} not cached in {dest}; waiting for the build lock")
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists():  # another process built it while we waited
-            return binary
+        if _complete(dest):  # another process built it while we waited
+            return dest
         started = time.monotonic()
-        path = build_kube_apiserver(version, dest)
-        _log(f"built {path} in {time.monotonic() - started:.0f}s")
+        path = build_control_plane(version, dest)
+        _log(f"built {', '.join(CONTROL_PLANE)} in {path} in {time.monotonic() - started:.0f}s")
         return path
 
 
+def ensure_kube_apiserver(version: str | None = None) -> Path:
+    return ensure_control_plane(version) / "kube-apiserver"
+
+
 if __name__ == "__main__":
-    print(ensure_kube_apiserver(sys.argv[1] if len(sys.argv) > 1 else None))
+    print(ensure_control_plane(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -28,7 +28,7 @@ from tokenfleet.runtime.router.model_routes import served_models
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
 from tokenfleet.runtime.router.proxy import Outgoing, error_body, forward, request_headers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
-from tokenfleet.runtime.server.translate import Tokenizer
+from tokenfleet.runtime.openai.translate import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from aiohttp import web
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.router.app import build_app
 from tokenfleet.runtime.router.config import RouterConfig
-from tokenfleet.runtime.server.translate import Tokenizer
+from tokenfleet.runtime.openai.translate import Tokenizer
 
 
 def load_tokenizer(source: str) -> Tokenizer:

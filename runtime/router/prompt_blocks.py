@@ -1,7 +1,7 @@
 """A request body -> the prompt's token ids -> the chained block hashes a pod would compute for it.
 
 Exact matching needs exactly the pod's token ids, so the router goes through the server's own translation
-(`server.translate`: same chat-template rendering, same `add_special_tokens=False`) with the model's
+(`openai.translate`: same chat-template rendering, same `add_special_tokens=False`) with the model's
 tokenizer, and the engine's `block_hash` functions with the block size and hash extra the pod reports.
 A body the pod would reject yields None: the router forwards it anyway so the pod answers with its 400.
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from tokenfleet.runtime.engine.kv_cache.block_hash import BlockHash, block_hashes_for, with_salt
 from tokenfleet.runtime.errors import InvalidRequest
-from tokenfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenfleet.runtime.server.translate import Tokenizer, chat_prompt, completion_prompts, parse_request
+from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfleet.runtime.openai.translate import Tokenizer, chat_prompt, completion_prompts, parse_request
 
 TEXT_BLOCK_CHARS = 64
 

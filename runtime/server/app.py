@@ -20,7 +20,7 @@ from tokenfleet.runtime.server.errors import ApiError, error_response, from_exce
 from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
 from tokenfleet.runtime.server.live_config import config_endpoint
 from tokenfleet.runtime.server.metrics import CONTENT_TYPE
-from tokenfleet.runtime.server.protocol import ModelCard, ModelList
+from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError, ServerState
 

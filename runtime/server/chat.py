@@ -10,7 +10,7 @@ from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.errors import from_exception, sse_error_event
 from tokenfleet.runtime.server.generation import Generation
 from tokenfleet.runtime.server.logprobs import TokenRenderer, chat_logprobs
-from tokenfleet.runtime.server.protocol import (
+from tokenfleet.runtime.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -21,7 +21,7 @@ from tokenfleet.runtime.server.protocol import (
     Usage,
 )
 from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
-from tokenfleet.runtime.server.translate import chat_params, chat_prompt, parse_request
+from tokenfleet.runtime.openai.translate import chat_params, chat_prompt, parse_request
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

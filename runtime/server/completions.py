@@ -10,9 +10,9 @@ from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.errors import from_exception, sse_error_event
 from tokenfleet.runtime.server.generation import Generation
 from tokenfleet.runtime.server.logprobs import TokenRenderer, completion_logprobs
-from tokenfleet.runtime.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from tokenfleet.runtime.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
-from tokenfleet.runtime.server.translate import completion_params, completion_prompts, parse_request
+from tokenfleet.runtime.openai.translate import completion_params, completion_prompts, parse_request
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tokenfleet.runtime.engine.outputs import RequestOutput, TokenLogprobs
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.server.metrics import ServerMetrics
-from tokenfleet.runtime.server.translate import Prompt, choice_params
+from tokenfleet.runtime.openai.translate import Prompt, choice_params
 
 
 @dataclass(slots=True)

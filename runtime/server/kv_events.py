@@ -1,6 +1,6 @@
 """The pod's KV-event stream for the router: `GET /v1/kv-events` (long poll) and `GET /load`.
 
-The wire format and the event log live with the router (`runtime/router/kv_events_endpoint.py`); this is
+The wire format is `runtime/kv_wire.py` and the event log `kv_event_log.py`; this is
 the serving side's share. The engine thread hands the block pool's stored/removed block hashes to
 `EngineCore.set_kv_event_sink` after every step; `KVEventPump` points that sink at the log the long-poll
 endpoint reads (`KVEventLog.publish` is thread-safe), so events reach routers without polling the engine
@@ -14,7 +14,8 @@ import logging
 
 from aiohttp import web
 from tokenfleet.runtime.errors import EngineDeadError
-from tokenfleet.runtime.router.kv_events_endpoint import KVEventLog, LoadReport, kv_event_routes
+from tokenfleet.runtime.kv_wire import LoadReport
+from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes
 from tokenfleet.runtime.server.errors import unavailable
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError
 
@@ -26,7 +27,7 @@ class KVEventPump:
         kv = engine.core.kv_manager
         self.engine = engine
         self.log = KVEventLog(kv.block_size, kv.hash_extra)
-        # The router module owns the wire format; reuse its handlers bound to this pod's log.
+        # The handlers of kv_event_log.py, bound to this pod's log.
         self.handlers = {route.path: route.handler for route in kv_event_routes(self.log, self.load)}
 
     def load(self) -> LoadReport:

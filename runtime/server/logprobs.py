@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
-from tokenfleet.runtime.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from tokenfleet.runtime.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with a large negative number.
 _FLOOR = -9999.0

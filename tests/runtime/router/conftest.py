@@ -43,7 +43,8 @@ import tokenizers  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
 from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
-from tokenfleet.runtime.router.kv_events_endpoint import KVEventLog, LoadReport, kv_event_routes  # noqa: E402
+from tokenfleet.runtime.kv_wire import LoadReport  # noqa: E402
+from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes  # noqa: E402
 from tokenfleet.runtime.router.prompt_blocks import prompt_token_ids  # noqa: E402
 from tokenizers import models, pre_tokenizers  # noqa: E402
 

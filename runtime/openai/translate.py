@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.errors import InvalidRequest
-from tokenfleet.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 M = TypeVar("M", bound=BaseModel)
 
