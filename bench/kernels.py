@@ -343,7 +343,7 @@ def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
 
 
 def _register_fp8_moe() -> None:
-    """FP8 GEMM and fused-MoE sections (issue 5) live in bench/kernels_fp8_moe.py; rows come back as dicts."""
+    """FP8 GEMM and fused-MoE sections live in bench/kernels_fp8_moe.py; rows come back as dicts."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import kernels_fp8_moe
 

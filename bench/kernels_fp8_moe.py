@@ -7,7 +7,7 @@ Each takes the run's BenchContext (duck-typed: `device`, `quick`, `deadline`, `m
 them with `Row(**row)` without this module importing the script that imports it.
 
 fp8_gemm: the Triton FP8 GEMM in each scaling mode against the peers on the same shapes: torch bf16
-matmul (`peer_ms`, the 1.6x target of issue 5 is ms_bf16 / ms_fp8) and `torch._scaled_mm` (per-tensor and
+matmul (`peer_ms`, the 1.6x target is ms_bf16 / ms_fp8) and `torch._scaled_mm` (per-tensor and
 row-wise, in the note). Every row also checks the kernel against the torch reference on that device
 (bf16 output included, which the CPU interpreter cannot check) and notes the relative error.
 moe: fused_moe on the Triton path against the torch reference path (loop over experts), for Mixtral-

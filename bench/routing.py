@@ -9,7 +9,7 @@ and the same arrival pattern. Figures per strategy:
 - TTFT p50/p99: time to the first streamed chunk, at the client, through the router;
 - throughput: completed requests per second of wall time;
 - max/min load: most over fewest requests served per pod.
-Target (issue 7): exact prefix-affinity TTFT p50 <= 0.5x round-robin with max/min load <= 1.5.
+Target: exact prefix-affinity TTFT p50 <= 0.5x round-robin with max/min load <= 1.5.
 """
 
 from __future__ import annotations

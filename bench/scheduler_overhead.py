@@ -2,7 +2,7 @@
 
 The model is replaced by random token ids, so the time measured is all bookkeeping the engine pays on
 top of the forward pass each step: scheduling, block allocation, prefix-cache hashing and caching of
-blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step (issue 2).
+blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step.
 
     python bench/scheduler_overhead.py [--seqs 256] [--steps 300] [--block-size 16]
 """

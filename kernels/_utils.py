@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 # dtypes the attention kernels compute in. bf16 runs on GPUs only: the interpreter's bf16 arithmetic works
-# on raw bits and is wrong (shared/ARCHITECTURE.md §7).
+# on raw bits and is wrong (upstream lists bf16 as unsupported there).
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The FP8 KV-cache format: e4m3 without infinities (Triton's float8e4nv), the one Hopper converts natively.
 FP8_DTYPE = torch.float8_e4m3fn

@@ -1,6 +1,6 @@
 """Prometheus metrics of one server, in a per-app CollectorRegistry (no process-global state).
 
-Names follow vLLM's under the `tokenfleet:` prefix (ARCHITECTURE.md §5) so dashboards, HPA/KEDA adapters
+Names follow vLLM's under the `tokenfleet:` prefix so dashboards, HPA/KEDA adapters
 and Gateway API Inference Extension endpoint pickers work unchanged. Gauges and cumulative counters are
 read from `engine.stats()` at scrape time by a custom collector: the engine owns those numbers and
 copying them on every step would cost the hot loop. Latency histograms are observed by the server from

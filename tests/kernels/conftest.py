@@ -1,7 +1,7 @@
 """Kernel test setup: an honest fix for the Triton interpreter's fp32 -> fp8 cast.
 
 The interpreter converts floats to fp8 bit by bit and drops the rounding carry into the exponent and does
-not saturate (ARCHITECTURE.md §7; open upstream), so a kernel that quantises in-kernel would produce codes
+not saturate (a fix is open upstream), so a kernel that quantises in-kernel would produce codes
 no GPU produces. The `fp8_cast` fixture replaces only that conversion, for the duration of one test, with
 torch's round-to-nearest-even conversion after saturation to ±448 — what `cvt.rn.satfinite` does on
 Hopper/Ada. The kernels under test are untouched; on a GPU (no interpreter) the fixture does nothing.

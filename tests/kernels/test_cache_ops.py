@@ -1,6 +1,6 @@
 """KV-cache write by slot mapping: bit-exact against the PyTorch reference, padding slots skipped.
 
-FP8: the interpreter's fp32 -> fp8 conversion is wrong (ARCHITECTURE.md §7), so the fp8 test uses the
+FP8: the interpreter's fp32 -> fp8 conversion is wrong (no carry, no saturation), so the fp8 test uses the
 `fp8_cast` fixture (tests/kernels/conftest.py), which replaces only that conversion with torch's
 round-to-nearest-even after saturation — what the GPU's cvt.rn.satfinite does. On a GPU it does nothing.
 """

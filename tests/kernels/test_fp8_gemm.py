@@ -2,7 +2,7 @@
 
 On CPU these run under the Triton interpreter. Tests that quantise inside a kernel use the `fp8_cast`
 fixture (tests/kernels/conftest.py), which gives the interpreter the GPU's saturating round-to-nearest-even
-fp32 -> e4m3 conversion; its own conversion is wrong (ARCHITECTURE.md §7). bf16 outputs are not checked
+fp32 -> e4m3 conversion; its own drops the rounding carry and does not saturate. bf16 outputs are not checked
 here because the interpreter's bf16 arithmetic is wrong; fp16 and fp32 outputs are, and the benchmark
 checks bf16 against the reference on the GPU.
 """

@@ -8,7 +8,7 @@ A free block is in exactly one of two places:
 Every operation is O(1) per block (O(log n) under LFU). The pool knows nothing of requests;
 `KVCacheManager` does.
 
-Cache policy (issue 9): free cached blocks past their TTL are evicted before the policy is asked
+Cache policy: free cached blocks past their TTL are evicted before the policy is asked
 (`evict_expired` sweeps them eagerly, reason "ttl"); a pressure eviction (reason "pressure") first hands
 the block to `on_evict` so a host tier can copy its KV out before the block is reused. The policy and
 the TTL can change live (`set_eviction_policy`, `set_ttl`).

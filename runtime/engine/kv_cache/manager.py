@@ -14,7 +14,7 @@ never rehashing) when the manager needs it: at a prefix lookup and when blocks g
 Prefix-cache statistics count tokens once per admission: `prefix_queries` += the request's tokens and
 `prefix_hits` += the tokens served from the cache, when the request gets its first blocks.
 
-Cache policy (issue 9): a lookup first drops free blocks past their TTL; after the device hits it
+Cache policy: a lookup first drops free blocks past their TTL; after the device hits it
 continues in the host tier, if one is attached (`attach_host_tier`): host hits get device blocks and a
 copy back, become ordinary cached blocks and are returned with the device hits. The tier's copies run
 at the end of the manager call that caused them (`run_transfers`, batched per call): no forward pass
