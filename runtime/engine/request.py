@@ -55,6 +55,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Block hashes of the full blocks of all_token_ids, filled in incrementally by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
+    # structured_output.state.GrammarState when the output is constrained (kept in step with the outputs).
+    grammar: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -1,8 +1,8 @@
 """Sampler: a batch of logits -> one token per row (+ logprobs), vectorised over the batch.
 
-Order of transforms (as in vLLM): penalties -> min_tokens bans -> temperature -> top-k -> top-p -> min-p ->
-draw. Greedy rows take the argmax of the transformed logits, which equals the argmax of the penalised logits:
-their temperature is 1 and every truncation keeps the most likely token.
+Order of transforms (as in vLLM): grammar bitmask -> penalties -> min_tokens bans -> temperature -> top-k ->
+top-p -> min-p -> draw. Greedy rows take the argmax of the transformed logits, which equals the argmax of the
+penalised logits: their temperature is 1 and every truncation keeps the most likely token.
 
 Random rows use the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability
 exactly p_i, and needs no cumulative sum or per-row multinomial call. A seeded request draws its q from its
@@ -17,6 +17,7 @@ import torch
 from tokenfleet.runtime.engine.logprobs import compute_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.sampling_metadata import PenaltyMetadata, SamplingMetadata
+from tokenfleet.runtime.engine.structured_output.state import apply_token_bitmask
 
 __all__ = [
     "Sampler",
@@ -138,6 +139,9 @@ def transform_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     decoding can verify against exactly the distribution the sampler draws from.
     """
     out = logits
+    if meta.grammar_bitmask is not None and meta.grammar_rows is not None:
+        # First, so every later transform (and greedy argmax) only ever sees grammatical tokens.
+        out = apply_token_bitmask(out, meta.grammar_rows, meta.grammar_bitmask)
     if meta.penalties is not None:
         out = apply_penalties(out, meta.penalties)
     if meta.banned_rows is not None and meta.banned_token_ids is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.engine.request import Request
+from tokenfleet.runtime.engine.structured_output.state import grammar_bitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,10 @@ class SamplingMetadata:
     # Per-row number of top alternatives wanted (None = no logprobs for that row).
     num_logprobs: tuple[int | None, ...]
     max_num_logprobs: int | None  # None when no row asks for logprobs
+    # Constrained rows: grammar_rows [M] int64 index the logits rows, grammar_bitmask [M, ceil(V/32)] int32
+    # holds their allowed next tokens (bit t of word w: token 32w + t). None when no row is constrained.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -89,6 +94,7 @@ class SamplingMetadata:
                 min_p = floats([p.min_p for p in params])
 
         banned_rows, banned_ids = _min_tokens_bans(requests, device)
+        grammar_rows, bitmask = _grammar(requests, device)
         num_logprobs = tuple(p.logprobs for p in params)
         wanted = [k for k in num_logprobs if k is not None]
         return SamplingMetadata(
@@ -106,7 +112,25 @@ class SamplingMetadata:
             generators=tuple(generators.get(r.request_id) for r in requests),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=bitmask,
         )
+
+
+def _grammar(
+    requests: Sequence[Request], device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each constrained row's allowed next tokens, after exactly that row's output tokens (a verification
+    row's view includes the drafts before it, so the drafts are checked against the grammar too)."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None, None
+    states = [(requests[i].grammar, requests[i].output_token_ids) for i in rows]
+    bitmask = grammar_bitmask(states, states[0][0].vocab_size)
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        bitmask.to(device, non_blocking=True),
+    )
 
 
 def _min_tokens_bans(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
 from tokenfleet.runtime.errors import InvalidRequest
 
 
@@ -26,6 +27,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = sampled token's logprob + top-k alternatives
     skip_special_tokens: bool = True
+    # Constrained decoding (JSON schema, regex, choice, grammar, tool calls); None = free text.
+    structured_output: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

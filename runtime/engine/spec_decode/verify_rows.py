@@ -23,6 +23,7 @@ def _depends_on_outputs(request: Request) -> bool:
         or p.frequency_penalty != 0.0
         or p.presence_penalty != 0.0
         or request.num_output_tokens < p.min_tokens
+        or request.grammar is not None  # row i's allowed tokens follow d_1..d_i
     )
 
 
@@ -39,6 +40,7 @@ def verification_rows(request: Request, draft_token_ids: Sequence[int]) -> list[
                 sampling_params=request.sampling_params,
                 eos_token_ids=request.eos_token_ids,
                 output_token_ids=request.output_token_ids + list(draft_token_ids[:i]),
+                grammar=request.grammar,
             )
         )
     return rows

@@ -1,0 +1,6 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, EBNF, structural tags) enforced with xgrammar
+token bitmasks in the sampler. `spec` is plain data; `compiler` and `state` need xgrammar."""
+
+from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
+
+__all__ = ["GrammarSpec"]

@@ -1,0 +1,98 @@
+"""GrammarState: one request's position in its grammar, kept equal to a token list by rolling back.
+
+The matcher is not advanced by a separate hook after each step: whoever needs a bitmask hands over the
+token ids the row continues (`fill(bitmask, row, token_ids)`), and the state first makes its accepted
+tokens equal to them — accepting what is new, rolling back what diverged. That one rule covers
+
+- plain decoding: the committed outputs grow by one token per step;
+- recompute preemption: output tokens are kept when the KV is freed, so the matcher is already in step
+  when the request resumes (nothing to replay, nothing lost);
+- speculative decoding: verification row i continues outputs + d_1..d_i, so filling rows 0..k accepts the
+  drafts one by one; a draft the grammar refuses leaves the following rows unconstrained — they are never
+  used, because the refused draft has probability 0 under the masked row before it and is rejected.
+  Next step the committed outputs (accepted drafts + one new token) diverge from the drafts the matcher
+  took, and the rejected tail is rolled back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    __slots__ = ("_matcher", "_warned", "accepted", "vocab_size")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
+        # max_rollback_tokens=-1: unlimited, so any number of rejected drafts can be taken back.
+        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self.accepted: list[int] = []
+        self.vocab_size = vocab_size
+        self._warned = False
+
+    def sync(self, token_ids: Sequence[int]) -> bool:
+        """Make the accepted tokens equal `token_ids`; False when one of them is not grammatical (the state
+        then stands after the longest grammatical prefix)."""
+        accepted = self.accepted
+        n = len(accepted)
+        if len(token_ids) >= n and list(token_ids[:n]) == accepted:
+            common = n
+        else:
+            common = 0
+            for a, b in zip(accepted, token_ids, strict=False):
+                if a != b:
+                    break
+                common += 1
+            self._matcher.rollback(n - common)
+            del accepted[common:]
+        for tok in token_ids[common:]:
+            if not self._matcher.accept_token(tok):
+                return False
+            accepted.append(tok)
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> bool:
+        """Write the allowed next tokens after `token_ids` into `bitmask[row]` (left all-allowed and False
+        returned when `token_ids` themselves break the grammar)."""
+        if self.sync(token_ids):
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+            return True
+        return False
+
+    def check_committed(self, token_ids: Sequence[int]) -> None:
+        """Committed tokens must be grammatical; if not (e.g. a min_tokens ban left no allowed token),
+        the request continues unconstrained rather than failing, and the reason is logged once."""
+        if not self.sync(token_ids) and not self._warned:
+            self._warned = True
+            logger.warning("a committed token broke the request's grammar; continuing unconstrained")
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def grammar_bitmask(rows: Sequence[tuple[GrammarState, Sequence[int]]], vocab_size: int) -> torch.Tensor:
+    """[len(rows), ceil(V / 32)] int32 on the CPU: bit b of word w allows token 32 * w + b."""
+    bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    for row, (state, token_ids) in enumerate(rows):
+        state.fill(bitmask, row, token_ids)
+    return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Out of place: logits[rows[j], t] = -inf where bit t of bitmask[j] is clear. Plain torch, so the same
+    code runs on CPU and CUDA (xgrammar's own kernels need a compiler on the CUDA side)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    vocab = logits.shape[-1]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
+    sub = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, sub)
