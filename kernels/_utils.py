@@ -1,4 +1,4 @@
-"""Argument checks and small helpers shared by the kernel launchers.
+"""The kernel toolkit: argument checks and small helpers shared by the kernel launchers.
 
 Launchers validate everything a kernel silently assumes (dtype, rank, unit last-dim stride, device) and
 raise ValueError / TypeError naming the offending argument: a wrong stride or dtype inside a Triton kernel
@@ -8,23 +8,27 @@ does not fail, it reads garbage.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
+from triton import knobs
 
 # dtypes the attention kernels compute in. bf16 runs on GPUs only: the interpreter's bf16 arithmetic works
 # on raw bits and is wrong (upstream lists bf16 as unsupported there).
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The FP8 KV-cache format: e4m3 without infinities (Triton's float8e4nv), the one Hopper converts natively.
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def interpreter_active() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (decided when kernels are decorated)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its CPU interpreter, where cost is per program iteration (launchers
+    then pick few, large tiles) and CPU tensors are accepted.
+
+    Asks Triton itself, so `TRITON_INTERPRET` means what it means to the installed Triton (1/true/on in any
+    case; 3.7 also yes/y), never "anything but 0". Triton takes the decision when the kernels are
+    decorated: set the variable before importing them.
+    """
+    return bool(knobs.runtime.interpret)
 
 
 def next_power_of_2(n: int) -> int:
@@ -112,6 +116,87 @@ def fp8_scales(
             f"k_scale/v_scale are only meaningful with an fp8 KV cache, cache dtype is {cache.dtype}"
         )
     return cache, cache
+
+
+@dataclass(frozen=True, slots=True)
+class PagedArgs:
+    """The paged-cache arguments of one attention launch, validated."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], q's dtype or fp8
+    v_cache: torch.Tensor  # same shape, dtype and strides as k_cache
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_ids: torch.Tensor  # int32 [num_served]: the sequences this launch serves
+    out: torch.Tensor  # [T, Hq, D], q's dtype
+    k_scale: torch.Tensor  # float32 [1] with an fp8 cache, else a placeholder the kernel never reads
+    v_scale: torch.Tensor
+
+
+def check_paged_args(
+    q: torch.Tensor,
+    k_cache: object,
+    v_cache: object,
+    block_tables: object,
+    seq_lens: object,
+    query_start_loc: object,
+    *,
+    num_kv_heads: int,
+    seq_ids: object | None,
+    out: object | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    same_device: Sequence[tuple[str, torch.Tensor]] = (),
+) -> PagedArgs:
+    """What the decode and prefill launchers both assume of a (validated) q [T, Hq, D] and the paged cache.
+
+    `seq_ids` defaults to every sequence and `out` to a new tensor like q; `same_device` names further
+    tensors that must sit on q's device.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of the kv heads ({num_kv_heads})")
+    k_cache, v_cache = check_kv_cache_pair(k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise TypeError(f"k_cache has dtype {k_cache.dtype}: expected {q.dtype} (the q dtype) or fp8 e4m3")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    seq_lens = check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    query_start_loc = check_tensor(
+        "query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), shape=(num_seqs + 1,)
+    )
+    block_tables = check_tensor(
+        "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), shape=(num_seqs, None)
+    )
+    if seq_ids is None:
+        seq_ids = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
+    seq_ids = check_tensor("seq_ids", seq_ids, ndim=1, dtypes=(torch.int32,))
+    if out is None:
+        out = torch.empty_like(q)
+    out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), shape=tuple(q.shape))
+    for name, t in (
+        *same_device,
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("seq_ids", seq_ids),
+        ("out", out),
+    ):
+        check_device(name, t, q.device)
+    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
+    return PagedArgs(
+        k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids, out, k_scale, v_scale
+    )
+
+
+def check_tile(name: str, size: int) -> int:
+    """A key/query tile that feeds tl.dot: a power of two, at least 16 (the dot's minimum)."""
+    if size < 16 or size & (size - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {size}")
+    return size
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -12,8 +12,6 @@ import triton
 import triton.language as tl
 from tokenfleet.kernels._utils import (
     COMPUTE_DTYPES,
-    FP8_DTYPE,
-    FP8_MAX,
     cdiv,
     check_device,
     check_kv_cache_pair,
@@ -22,6 +20,7 @@ from tokenfleet.kernels._utils import (
     interpreter_active,
     next_power_of_2,
 )
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, FP8_MAX, to_fp8
 
 # A global read inside @triton.jit must be a constexpr.
 FP8_MAX_VALUE = tl.constexpr(FP8_MAX)
@@ -145,11 +144,6 @@ def write_kv_cache(
     )
 
 
-def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale saturated to the e4m3 range and rounded to nearest-even (what the GPU's cvt.rn.satfinite does)."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
 def write_kv_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -167,8 +161,8 @@ def write_kv_cache_ref(
         block_id, offset = divmod(slot, block_size)
         if k_cache.dtype == FP8_DTYPE:
             assert k_scale is not None and v_scale is not None
-            k_cache[block_id, offset] = quantize_fp8_ref(key[t], k_scale)
-            v_cache[block_id, offset] = quantize_fp8_ref(value[t], v_scale)
+            k_cache[block_id, offset] = to_fp8(key[t], k_scale)
+            v_cache[block_id, offset] = to_fp8(value[t], v_scale)
         else:
             k_cache[block_id, offset] = key[t]
             v_cache[block_id, offset] = value[t]

@@ -18,18 +18,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from tokenfleet.kernels._utils import interpreter_active
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, to_fp8
 from tokenfleet.kernels.fp8_quant import (
     ACTIVATION_GROUPS,
     BLOCK,
-    FP8_DTYPE,
-    FP8_MAX,
     WEIGHT_GROUPS,
     dequantize_fp8,
-    interpreting,
     quantize_activation_fp8,
     quantize_fp8_ref,
 )
-from tokenfleet.runtime.errors import InvalidRequest
 
 SCALINGS = ("per_tensor", "per_channel", "block")
 # Activation quantisation that pairs with each weight scaling in fp8_linear.
@@ -132,7 +130,7 @@ def pick_config(m: int, n: int, scaling: str) -> GemmConfig:
     interpreter accepts a single configuration only. BLOCK_K stays 128 so block scales change at most
     once per K step and the fp8 dot always has K >= 32.
     """
-    if interpreting():
+    if interpreter_active():
         # Few, large programs: the interpreter's cost is per program iteration, not per element.
         return GemmConfig(
             min(64, max(16, triton.next_power_of_2(m))),
@@ -154,8 +152,10 @@ def pick_config(m: int, n: int, scaling: str) -> GemmConfig:
 
 def _check_scales(scaling: str, a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int, k: int) -> None:
     for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if s.dtype != torch.float32 or s.dim() != 2:
-            raise InvalidRequest(f"{name} must be a 2-D fp32 tensor, got {s.dtype} {tuple(s.shape)}", name)
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be a fp32 tensor, got {s.dtype}")
+        if s.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(s.shape)}")
     kb = triton.cdiv(k, BLOCK)
     allowed = {
         "per_tensor": ({(1, 1)}, {(1, 1)}),
@@ -164,24 +164,24 @@ def _check_scales(scaling: str, a_scale: torch.Tensor, b_scale: torch.Tensor, m:
     }[scaling]
     for name, s, ok in (("a_scale", a_scale, allowed[0]), ("b_scale", b_scale, allowed[1])):
         if tuple(s.shape) not in ok:
-            raise InvalidRequest(
-                f"{scaling} scaling needs {name} of shape {' or '.join(map(str, sorted(ok)))}, got {tuple(s.shape)}",
-                name,
+            raise ValueError(
+                f"{name} must have shape {' or '.join(map(str, sorted(ok)))} for {scaling} scaling, "
+                f"got {tuple(s.shape)}"
             )
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     for name, t in (("a", a), ("b", b)):
         if t.dtype != FP8_DTYPE:
-            raise InvalidRequest(f"{name} must be {FP8_DTYPE}, got {t.dtype}", name)
+            raise TypeError(f"{name} must be {FP8_DTYPE}, got {t.dtype}")
         if t.dim() != 2:
-            raise InvalidRequest(f"{name} must be 2-D, got shape {tuple(t.shape)}", name)
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
         if t.shape[1] > 1 and t.stride(1) != 1:
-            raise InvalidRequest(f"{name} must be contiguous along K (stride {t.stride()})", name)
+            raise ValueError(f"{name} must be contiguous along K (stride {t.stride()})")
     if a.shape[1] != b.shape[1]:
-        raise InvalidRequest(f"K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)} (b is [N, K])", "b")
+        raise ValueError(f"b {tuple(b.shape)} must be [N, K] with the K of a {tuple(a.shape)}")
     if a.device != b.device:
-        raise InvalidRequest(f"a on {a.device} but b on {b.device}", "b")
+        raise ValueError(f"b is on {b.device}, a on {a.device}: they must share a device")
 
 
 def fp8_gemm(
@@ -195,17 +195,15 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """Triton FP8 GEMM: returns (a·s_a)(b·s_b)ᵀ + bias as [M, N] `out_dtype`."""
     if scaling not in SCALINGS:
-        raise InvalidRequest(f"unknown scaling {scaling!r}; expected one of {SCALINGS}", "scaling")
+        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
     if out_dtype not in OUT_DTYPES:
-        raise InvalidRequest(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}", "out_dtype")
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     _check_operands(a, b)
     m, k = a.shape
     n = b.shape[0]
     _check_scales(scaling, a_scale, b_scale, m, n, k)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_floating_point()):
-        raise InvalidRequest(
-            f"bias must be a float [N={n}] vector, got {bias.dtype} {tuple(bias.shape)}", "bias"
-        )
+        raise ValueError(f"bias must be a float [N={n}] vector, got {bias.dtype} {tuple(bias.shape)}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
@@ -237,7 +235,7 @@ def fp8_gemm_ref(
 ) -> torch.Tensor:
     """Torch reference: dequantise both operands to fp32, matmul, add bias, cast."""
     if scaling not in SCALINGS:
-        raise InvalidRequest(f"unknown scaling {scaling!r}; expected one of {SCALINGS}", "scaling")
+        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
     _check_operands(a, b)
     _check_scales(scaling, a_scale, b_scale, a.shape[0], b.shape[0], a.shape[1])
     if scaling == "block":
@@ -261,7 +259,7 @@ def _linear_triton(x2d, w, w_scale, scaling, bias, input_scale):
 def _linear_torch(x2d, w, w_scale, scaling, bias, input_scale):
     if input_scale is not None:
         x_scale = input_scale.float().reshape(1, 1)
-        x_q = (x2d.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        x_q = to_fp8(x2d, x_scale)
     else:
         x_q, x_scale = quantize_fp8_ref(x2d, ACTIVATION_GROUPS[ACTIVATION_MODE[scaling]])
     return fp8_gemm_ref(x_q, x_scale, w, w_scale, scaling, bias, out_dtype=x2d.dtype)
@@ -286,15 +284,13 @@ def fp8_linear(
     torch path (CPU) and the Triton path (CUDA) agree up to fp32 summation order.
     """
     if scaling not in SCALINGS:
-        raise InvalidRequest(f"unknown scaling {scaling!r}; expected one of {SCALINGS}", "scaling")
+        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend not in LINEAR_BACKENDS:
-        raise InvalidRequest(
-            f"unknown backend {backend!r}; expected {sorted(LINEAR_BACKENDS)} or 'auto'", "backend"
-        )
+        raise ValueError(f"backend {backend!r} is unknown; expected {sorted(LINEAR_BACKENDS)} or 'auto'")
     if x.shape[-1] != w.shape[1]:
-        raise InvalidRequest(f"x has {x.shape[-1]} features but the weight expects {w.shape[1]}", "x")
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {w.shape[1]}")
     x2d = x.reshape(-1, x.shape[-1])
     y = LINEAR_BACKENDS[backend](x2d, w, w_scale, scaling, bias, input_scale)
     return y.reshape(*x.shape[:-1], w.shape[0])

@@ -17,15 +17,13 @@ the torch reference produce bit-identical codes.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
-from tokenfleet.runtime.errors import InvalidRequest
+from tokenfleet.kernels._utils import interpreter_active
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, FP8_MAX, to_fp8
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 # An all-zero group would give scale 0 and 0/0 = NaN codes; this floor keeps the codes 0 and the scale finite.
 MIN_AMAX = 1e-12
 BLOCK = 128
@@ -41,11 +39,6 @@ ACTIVATION_GROUPS: dict[str, GroupShape] = {
     "per_token": (1, -1),
     "per_group": (1, BLOCK),
 }
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1, where launch cost is per program: launchers pick few, large tiles."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_group(shape: tuple[int, int], group: GroupShape) -> GroupShape:
@@ -70,7 +63,7 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], group: GroupShape)
 def quantize_fp8_ref(x: torch.Tensor, group: GroupShape) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: quantise a 2-D tensor group-wise; returns (codes fp8 [M, K], scale fp32 2-D)."""
     if x.dim() != 2:
-        raise InvalidRequest(f"quantize_fp8_ref expects a 2-D tensor, got shape {tuple(x.shape)}", param="x")
+        raise ValueError(f"x must be a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
     gr, gc = resolve_group((rows, cols), group)
     sr, sc = scale_shape((rows, cols), group)
@@ -79,7 +72,7 @@ def quantize_fp8_ref(x: torch.Tensor, group: GroupShape) -> tuple[torch.Tensor, 
     padded[:rows, :cols] = xf.abs()
     amax = padded.view(sr, gr, sc, gc).amax(dim=(1, 3))
     scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
-    q = (xf / expand_scale(scale, (rows, cols), group)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = to_fp8(xf, expand_scale(scale, (rows, cols), group))
     return q, scale
 
 
@@ -94,9 +87,7 @@ def quantize_weight_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch
     Runs once per weight, on whatever device the weight is on, so it is plain torch (no kernel needed).
     """
     if mode not in WEIGHT_GROUPS:
-        raise InvalidRequest(
-            f"unknown FP8 weight mode {mode!r}; expected one of {sorted(WEIGHT_GROUPS)}", "mode"
-        )
+        raise ValueError(f"mode {mode!r} is not an FP8 weight mode; expected one of {sorted(WEIGHT_GROUPS)}")
     return quantize_fp8_ref(w, WEIGHT_GROUPS[mode])
 
 
@@ -168,11 +159,11 @@ def _quant_fp8_kernel(
 
 def _check_activation(x: torch.Tensor) -> None:
     if x.dim() != 2:
-        raise InvalidRequest(f"activation must be 2-D [tokens, features], got {tuple(x.shape)}", param="x")
+        raise ValueError(f"x (activation) must be 2-D [tokens, features], got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise InvalidRequest(f"activation dtype must be fp32/fp16/bf16, got {x.dtype}", param="x")
+        raise TypeError(f"x (activation) dtype must be fp32/fp16/bf16, got {x.dtype}")
     if x.shape[1] > 1 and x.stride(1) != 1:
-        raise InvalidRequest("activation must be contiguous along its last dimension", param="x")
+        raise ValueError(f"x (activation) must be contiguous along its last dimension, strides {x.stride()}")
 
 
 def quantize_activation_fp8(
@@ -185,11 +176,9 @@ def quantize_activation_fp8(
     """
     _check_activation(x)
     if mode not in ACTIVATION_GROUPS:
-        raise InvalidRequest(
-            f"unknown activation mode {mode!r}; expected {sorted(ACTIVATION_GROUPS)}", "mode"
-        )
+        raise ValueError(f"mode {mode!r} is not an activation mode; expected {sorted(ACTIVATION_GROUPS)}")
     if static_scale is not None and mode != "per_tensor":
-        raise InvalidRequest("a static activation scale is per-tensor only", param="static_scale")
+        raise ValueError(f"static_scale is per-tensor only, got mode {mode!r}")
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     block_k = min(BLOCK, triton.next_power_of_2(max(k, 16)))
@@ -203,7 +192,7 @@ def quantize_activation_fp8(
         else:
             scale = static_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1)
         # With the scale known, every row is independent: treat the tensor as one group of K columns.
-        block_m = 64 if interpreting() else 16
+        block_m = 64 if interpreter_active() else 16
         if m and k:
             grid = (triton.cdiv(m, block_m), 1)
             _quant_fp8_kernel[grid](
@@ -215,7 +204,7 @@ def quantize_activation_fp8(
     num_groups = triton.cdiv(k, group_size) if k else 1
     scale = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
     # Small row blocks spread decode-sized batches over more SMs; the interpreter prefers few programs.
-    block_m = 64 if interpreting() else (4 if m <= 64 else 16)
+    block_m = 64 if interpreter_active() else (4 if m <= 64 else 16)
     if m and k:
         grid = (triton.cdiv(m, block_m), num_groups)
         _quant_fp8_kernel[grid](

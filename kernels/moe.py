@@ -18,16 +18,11 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from tokenfleet.kernels.fp8_quant import (
-    ACTIVATION_GROUPS,
-    FP8_DTYPE,
-    interpreting,
-    quantize_activation_fp8,
-    quantize_fp8_ref,
-)
+from tokenfleet.kernels._utils import interpreter_active
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
+from tokenfleet.kernels.fp8_quant import ACTIVATION_GROUPS, quantize_activation_fp8, quantize_fp8_ref
 from tokenfleet.kernels.moe_align import MoEAlignment, moe_align_block_size
 from tokenfleet.kernels.moe_gating import moe_gating, moe_gating_ref
-from tokenfleet.runtime.errors import InvalidRequest
 
 EXPERT_FP8_MODES = ("per_channel", "per_tensor")
 
@@ -116,7 +111,7 @@ class MoEGemmConfig:
 def pick_moe_config(num_assignments: int, num_experts: int, n: int, k: int, fp8: bool) -> MoEGemmConfig:
     """Row block sized to the expected rows per expert: small blocks waste less padding at decode."""
     block_k = min(128, max(32, triton.next_power_of_2(k)))
-    if interpreting():
+    if interpreter_active():
         return MoEGemmConfig(16, min(64, max(16, triton.next_power_of_2(n))), block_k, 4, 1)
     rows_per_expert = num_assignments / num_experts
     block_m = 16 if rows_per_expert <= 16 else (32 if rows_per_expert <= 64 else 64)
@@ -145,37 +140,36 @@ def _launch_gemm(
 
 
 def _check_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
-    if hidden.dim() != 2 or hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise InvalidRequest(
-            f"hidden must be a float [T, H] tensor, got {hidden.dtype} {tuple(hidden.shape)}", "hidden"
-        )
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"hidden must be a fp16/bf16/fp32 tensor, got {hidden.dtype}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if w13.dim() != 3 or w2.dim() != 3:
-        raise InvalidRequest("w13 must be [E, 2I, H] and w2 [E, H, I]", "w13")
+        raise ValueError(
+            f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} / {tuple(w2.shape)}"
+        )
     e, two_i, h = w13.shape
     if two_i % 2 or h != hidden.shape[1] or tuple(w2.shape) != (e, h, two_i // 2):
-        raise InvalidRequest(
-            f"expert shapes disagree: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}",
-            "w13",
+        raise ValueError(
+            f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and hidden {tuple(hidden.shape)} disagree: "
+            "expected w13 [E, 2I, H], w2 [E, H, I], hidden [T, H]"
         )
     fp8 = w13.dtype == FP8_DTYPE
     if w2.dtype != w13.dtype or (not fp8 and w13.dtype != hidden.dtype):
-        raise InvalidRequest(
-            f"expert dtypes {w13.dtype}/{w2.dtype} do not match hidden {hidden.dtype}", "w13"
-        )
+        raise TypeError(f"w13/w2 dtypes {w13.dtype}/{w2.dtype} do not match hidden {hidden.dtype}")
     for name, w, s in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
         if not fp8:
             if s is not None:
-                raise InvalidRequest(f"{name} given for non-FP8 experts", name)
+                raise ValueError(f"{name} is given for non-FP8 experts")
             continue
         if s is None or s.dtype != torch.float32 or tuple(s.shape) not in ((e, w.shape[1]), (e, 1)):
-            raise InvalidRequest(f"FP8 experts need a fp32 {name} of shape [E, N] or [E, 1]", name)
+            raise ValueError(f"{name} must be a fp32 [E, N] or [E, 1] tensor for FP8 experts")
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
-            raise InvalidRequest(f"{name} must be contiguous along its last dimension", name)
+            raise ValueError(f"{name} must be contiguous along its last dimension, strides {t.stride()}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-        raise InvalidRequest(
-            f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [T, top_k]",
-            "topk_ids",
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [T, top_k]"
         )
 
 
@@ -257,9 +251,9 @@ def fused_experts_ref(
 def quantize_experts_fp8(w: torch.Tensor, mode: str = "per_channel") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise stacked expert weights [E, N, K] -> (e4m3 [E, N, K], scale fp32 [E, N] or [E, 1])."""
     if w.dim() != 3:
-        raise InvalidRequest(f"expert weights must be [E, N, K], got {tuple(w.shape)}", "w")
+        raise ValueError(f"w (expert weights) must be [E, N, K], got {tuple(w.shape)}")
     if mode not in EXPERT_FP8_MODES:
-        raise InvalidRequest(f"unknown expert FP8 mode {mode!r}; expected {EXPERT_FP8_MODES}", "mode")
+        raise ValueError(f"mode {mode!r} is not an expert FP8 mode; expected {EXPERT_FP8_MODES}")
     e, n, k = w.shape
     if mode == "per_channel":
         q, s = quantize_fp8_ref(w.reshape(e * n, k), (1, -1))
@@ -291,13 +285,10 @@ def fused_moe(
     if backend == "auto":
         backend = "triton" if hidden.is_cuda else "torch"
     if backend not in EXPERT_BACKENDS:
-        raise InvalidRequest(
-            f"unknown backend {backend!r}; expected {sorted(EXPERT_BACKENDS)} or 'auto'", "backend"
-        )
+        raise ValueError(f"backend {backend!r} is unknown; expected {sorted(EXPERT_BACKENDS)} or 'auto'")
     if router_logits.shape[0] != hidden.shape[0] or router_logits.shape[-1] != w13.shape[0]:
-        raise InvalidRequest(
-            f"router_logits {tuple(router_logits.shape)} must be [T={hidden.shape[0]}, E={w13.shape[0]}]",
-            "router_logits",
+        raise ValueError(
+            f"router_logits {tuple(router_logits.shape)} must be [T={hidden.shape[0]}, E={w13.shape[0]}]"
         )
     topk_weights, topk_ids = GATING_BACKENDS[backend](router_logits, top_k, renormalize, scoring)
     return EXPERT_BACKENDS[backend](hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tokenfleet.runtime.errors import InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +31,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     Within an expert, assignments keep ascending (token, slot) order, so the layout is deterministic.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise InvalidRequest(f"topk_ids must be an int [T, top_k] tensor, got {topk_ids.dtype}", "topk_ids")
+        raise TypeError(
+            f"topk_ids must be an int32/int64 [T, top_k] tensor, got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
     if block_m < 1 or num_experts < 1:
-        raise InvalidRequest(f"block_m={block_m} and num_experts={num_experts} must be >= 1", "block_m")
+        raise ValueError(f"block_m={block_m} and num_experts={num_experts} must be >= 1")
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_assignments = flat.numel()

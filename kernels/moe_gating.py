@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from tokenfleet.kernels.fp8_quant import interpreting
-from tokenfleet.runtime.errors import InvalidRequest
+from tokenfleet.kernels._utils import interpreter_active
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -71,15 +70,14 @@ def _moe_gating_kernel(
 
 def _check(router_logits: torch.Tensor, top_k: int, scoring: str) -> None:
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise InvalidRequest(
+        raise TypeError(
             f"router_logits must be a float [tokens, experts] tensor, got {router_logits.dtype} "
-            f"{tuple(router_logits.shape)}",
-            "router_logits",
+            f"{tuple(router_logits.shape)}"
         )
     if not 1 <= top_k <= router_logits.shape[1]:
-        raise InvalidRequest(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[1]}]", "top_k")
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[1]}]")
     if scoring not in SCORINGS:
-        raise InvalidRequest(f"unknown scoring {scoring!r}; expected one of {SCORINGS}", "scoring")
+        raise ValueError(f"scoring {scoring!r} is unknown; expected one of {SCORINGS}")
 
 
 def moe_gating(
@@ -95,7 +93,7 @@ def moe_gating(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     block_e = triton.next_power_of_2(e)
     # One row per warp-sized slice of the tile on GPU; the interpreter prefers a single program.
-    block_t = min(triton.next_power_of_2(t), 64 if interpreting() else max(1, 4096 // block_e))
+    block_t = min(triton.next_power_of_2(t), 64 if interpreter_active() else max(1, 4096 // block_e))
     _moe_gating_kernel[(triton.cdiv(t, block_t),)](
         logits, weights, ids, t, e, logits.stride(0), weights.stride(0), ids.stride(0),
         TOP_K=top_k, SOFTMAX=scoring == "softmax", RENORMALIZE=renormalize,

@@ -20,18 +20,17 @@ import triton
 import triton.language as tl
 from tokenfleet.kernels._utils import (
     COMPUTE_DTYPES,
-    FP8_DTYPE,
     causal_attention_ref,
     cdiv,
-    check_device,
-    check_kv_cache_pair,
+    check_paged_args,
     check_tensor,
+    check_tile,
     dot_precision,
-    fp8_scales,
     gather_kv_ref,
     interpreter_active,
     next_power_of_2,
 )
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Rows of one program: query heads per kv head x query tokens per sequence. Past this, use prefill_attention.
@@ -238,45 +237,27 @@ def paged_decode_attention(
             f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {k_cache!r:.80}"
         )
     num_kv_heads = k_cache.shape[2]
-    k_cache, v_cache = check_kv_cache_pair(k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
-        raise TypeError(f"k_cache has dtype {k_cache.dtype}: expected {q.dtype} (the q dtype) or fp8 e4m3")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_cache kv heads ({num_kv_heads})")
+    args = check_paged_args(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_kv_heads=num_kv_heads,
+        seq_ids=seq_ids,
+        out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     queries_per_kv = num_q_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    seq_lens = check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
-    query_start_loc = check_tensor(
-        "query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), shape=(num_seqs + 1,)
-    )
-    block_tables = check_tensor(
-        "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), shape=(num_seqs, None)
-    )
-    if seq_ids is None:
-        seq_ids = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
-    seq_ids = check_tensor("seq_ids", seq_ids, ndim=1, dtypes=(torch.int32,))
-    if out is None:
-        out = torch.empty_like(q)
-    out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), shape=tuple(q.shape))
-    for name, t in (
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-        ("seq_ids", seq_ids),
-        ("out", out),
-    ):
-        check_device(name, t, q.device)
     if max_query_len < 1 or queries_per_kv * max_query_len > MAX_DECODE_ROWS:
         raise ValueError(
             f"max_query_len={max_query_len} with {queries_per_kv} q heads per kv head exceeds the decode kernel's "
             f"{MAX_DECODE_ROWS} rows per program: use prefill_attention for these sequences"
         )
-    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
-    num_served = seq_ids.shape[0]
+    k_cache, v_cache, out = args.k_cache, args.v_cache, args.out
+    num_served = args.seq_ids.shape[0]
     if num_served == 0 or num_tokens == 0:
         return out
 
@@ -284,8 +265,7 @@ def paged_decode_attention(
     if block_n is None:
         # Wider key tiles keep more bytes in flight on a GPU; the interpreter pays per loop iteration.
         block_n = max(block_size, 32 if interpreter_active() else 64)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's minimum), got {block_n}")
+    check_tile("block_n", block_n)
     if num_splits is None:
         num_splits = default_num_splits(num_served, num_kv_heads, max_seq_len, q.device)
     if num_splits < 1:
@@ -305,12 +285,12 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        seq_ids,
-        k_scale,
-        v_scale,
+        args.block_tables,
+        args.seq_lens,
+        args.query_start_loc,
+        args.seq_ids,
+        args.k_scale,
+        args.v_scale,
         out,
         part_out,
         part_lse,
@@ -321,7 +301,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        block_tables.stride(0),
+        args.block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         QUERIES_PER_KV=queries_per_kv,
@@ -341,8 +321,8 @@ def paged_decode_attention(
         _split_reduce_kernel[(num_served, num_q_heads)](
             part_out,
             part_lse,
-            query_start_loc,
-            seq_ids,
+            args.query_start_loc,
+            args.seq_ids,
             out,
             max_query_len,
             out.stride(0),

@@ -18,18 +18,17 @@ import triton
 import triton.language as tl
 from tokenfleet.kernels._utils import (
     COMPUTE_DTYPES,
-    FP8_DTYPE,
     causal_attention_ref,
     cdiv,
-    check_device,
-    check_kv_cache_pair,
+    check_paged_args,
     check_tensor,
+    check_tile,
     dot_precision,
-    fp8_scales,
     gather_kv_ref,
     interpreter_active,
     next_power_of_2,
 )
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -225,63 +224,43 @@ def prefill_attention(
     k = check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
     num_kv_heads = k.shape[1]
     v = check_tensor("v", v, ndim=3, dtypes=(q.dtype,), shape=tuple(k.shape))
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k heads ({num_kv_heads})")
-    k_cache, v_cache = check_kv_cache_pair(k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
-        raise TypeError(f"k_cache has dtype {k_cache.dtype}: expected {q.dtype} (the q dtype) or fp8 e4m3")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
-    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    seq_lens = check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
-    query_start_loc = check_tensor(
-        "query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), shape=(num_seqs + 1,)
-    )
-    block_tables = check_tensor(
-        "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), shape=(num_seqs, None)
-    )
-    if seq_ids is None:
-        seq_ids = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
-    seq_ids = check_tensor("seq_ids", seq_ids, ndim=1, dtypes=(torch.int32,))
-    if out is None:
-        out = torch.empty_like(q)
-    out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), shape=tuple(q.shape))
-    for name, t in (
-        ("k", k),
-        ("v", v),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-        ("seq_ids", seq_ids),
-        ("out", out),
-    ):
-        check_device(name, t, q.device)
-    k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
-    if seq_ids.shape[0] == 0 or num_tokens == 0 or max_query_len < 1:
-        return out
-
-    d_m, d_n, d_warps, d_stages = _default_tiles(head_dim)
-    block_m, block_n = block_m or d_m, block_n or d_n
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's minimum), got {size}")
-    if block_m % block_n:
-        raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
-    grid = (seq_ids.shape[0], num_q_heads, cdiv(max_query_len, block_m))
-    _prefill_kernel[grid](
+    args = check_paged_args(
         q,
-        k,
-        v,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
         query_start_loc,
-        seq_ids,
-        k_scale,
-        v_scale,
+        num_kv_heads=num_kv_heads,
+        seq_ids=seq_ids,
+        out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        same_device=(("k", k), ("v", v)),
+    )
+    out = args.out
+    if args.seq_ids.shape[0] == 0 or num_tokens == 0 or max_query_len < 1:
+        return out
+
+    d_m, d_n, d_warps, d_stages = _default_tiles(head_dim)
+    block_m, block_n = block_m or d_m, block_n or d_n
+    check_tile("block_m", block_m)
+    check_tile("block_n", block_n)
+    if block_m % block_n:
+        raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
+    grid = (args.seq_ids.shape[0], num_q_heads, cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q,
+        k,
+        v,
+        args.k_cache,
+        args.v_cache,
+        args.block_tables,
+        args.seq_lens,
+        args.query_start_loc,
+        args.seq_ids,
+        args.k_scale,
+        args.v_scale,
         out,
         scale,
         q.stride(0),
@@ -290,19 +269,19 @@ def prefill_attention(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
+        args.k_cache.stride(0),
+        args.k_cache.stride(1),
+        args.k_cache.stride(2),
+        args.block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         QUERIES_PER_KV=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=args.k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        FP8=k_cache.dtype == FP8_DTYPE,
+        FP8=args.k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or d_warps,
         num_stages=num_stages or d_stages,

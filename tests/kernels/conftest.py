@@ -9,18 +9,16 @@ Hopper/Ada. The kernels under test are untouched; on a GPU (no interpreter) the 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
-
-FP8_E4M3_MAX = 448.0
+from tokenfleet.kernels._utils import interpreter_active
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 
 
 @pytest.fixture
 def fp8_cast(monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreter_active():
         return
     import triton.language as tl
     from triton.runtime import interpreter
@@ -31,8 +29,8 @@ def fp8_cast(monkeypatch: pytest.MonkeyPatch) -> None:
         src_ty = src.dtype.scalar
         if dst_type.scalar != tl.float8e4nv or src_ty not in (tl.float32, tl.float16):
             return original(self, src, dst_type, rounding_mode)
-        data = np.clip(src.data.astype(np.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        codes = torch.from_numpy(np.ascontiguousarray(data)).to(torch.float8_e4m3fn).view(torch.uint8)
+        data = np.clip(src.data.astype(np.float32), -FP8_MAX, FP8_MAX)
+        codes = torch.from_numpy(np.ascontiguousarray(data)).to(FP8_DTYPE).view(torch.uint8)
         return interpreter.TensorHandle(codes.numpy().reshape(src.data.shape), dst_type.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.kernels._utils import FP8_DTYPE
-from tokenfleet.kernels.cache_ops import quantize_fp8_ref, write_kv_cache, write_kv_cache_ref
+from tokenfleet.kernels.cache_ops import write_kv_cache, write_kv_cache_ref
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, to_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -75,7 +75,7 @@ def test_fp8_write_rounds_and_saturates_like_torch(fp8_cast):
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     # Saturation, not NaN: e4m3fn's largest finite value, 448.
     assert k_cache[5, 0, 0, :2].float().tolist() == [448.0, -448.0]
-    assert torch.equal(quantize_fp8_ref(key[1], k_scale).view(torch.uint8), k_cache[0, 3].view(torch.uint8))
+    assert torch.equal(to_fp8(key[1], k_scale).view(torch.uint8), k_cache[0, 3].view(torch.uint8))
 
 
 def test_int64_slots_beyond_2_pow_31_elements():

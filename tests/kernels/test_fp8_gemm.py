@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenfleet.kernels.fp8_format import FP8_DTYPE, FP8_MAX, to_fp8
 from tokenfleet.kernels.fp8_gemm import ACTIVATION_MODE, SCALINGS, fp8_gemm, fp8_gemm_ref, fp8_linear
 from tokenfleet.kernels.fp8_quant import (
     ACTIVATION_GROUPS,
-    FP8_DTYPE,
-    FP8_MAX,
     WEIGHT_GROUPS,
     dequantize_fp8,
     expand_scale,
@@ -23,7 +22,6 @@ from tokenfleet.kernels.fp8_quant import (
     quantize_fp8_ref,
     quantize_weight_fp8,
 )
-from tokenfleet.runtime.errors import InvalidRequest
 
 # (M, N, K): M = 1 (decode), odd M, N and K that are not multiples of the tiles nor of the 128 scale block.
 SHAPES = [(1, 80, 200), (37, 130, 300), (70, 48, 128)]
@@ -104,7 +102,7 @@ def test_per_token_scales_with_per_tensor_activation_broadcast():
     _, _, _, _, w_q, w_scale = _quantised_operands(9, 64, 96, "per_channel")
     a = torch.randn(9, 96)
     a_scale = torch.tensor([[0.02]])
-    a_q = (a / a_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    a_q = to_fp8(a, a_scale)
     out = fp8_gemm(a_q, a_scale, w_q, w_scale, "per_channel", out_dtype=torch.float32)
     ref = fp8_gemm_ref(a_q, a_scale, w_q, w_scale, "per_channel", out_dtype=torch.float32)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
@@ -134,21 +132,29 @@ def test_empty_batch_returns_empty_output():
     assert out.shape == (0, 32)
 
 
-def test_launcher_rejects_bad_inputs():
+def test_launcher_rejects_bad_inputs_naming_them():
     _, _, a_q, a_scale, w_q, w_scale = _quantised_operands(4, 32, 64, "per_channel")
+    # argument -> (error type, call): wrong types and dtypes are TypeErrors, wrong values ValueErrors, and
+    # the message starts with the argument's name.
     cases = {
-        "a": lambda: fp8_gemm(a_q.float(), a_scale, w_q, w_scale, "per_channel"),
-        "b": lambda: fp8_gemm(a_q, a_scale, w_q[:, :32], w_scale, "per_channel"),
-        "b_scale": lambda: fp8_gemm(a_q, a_scale, w_q, w_scale[:5], "per_channel"),
-        "a_scale": lambda: fp8_gemm(a_q, torch.ones(4, 3), w_q, torch.ones(1, 1), "block"),
-        "out_dtype": lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_channel", out_dtype=torch.int8),
-        "scaling": lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_row"),
-        "bias": lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_channel", bias=torch.zeros(31)),
-        "x": lambda: quantize_activation_fp8(torch.zeros(4, 8, dtype=torch.int32), "per_token"),
+        "a": (TypeError, lambda: fp8_gemm(a_q.float(), a_scale, w_q, w_scale, "per_channel")),
+        "b": (ValueError, lambda: fp8_gemm(a_q, a_scale, w_q[:, :32], w_scale, "per_channel")),
+        "b_scale": (ValueError, lambda: fp8_gemm(a_q, a_scale, w_q, w_scale[:5], "per_channel")),
+        "a_scale": (ValueError, lambda: fp8_gemm(a_q, torch.ones(4, 3), w_q, torch.ones(1, 1), "block")),
+        "out_dtype": (
+            TypeError,
+            lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_channel", out_dtype=torch.int8),
+        ),
+        "scaling": (ValueError, lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_row")),
+        "bias": (
+            ValueError,
+            lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, "per_channel", bias=torch.zeros(31)),
+        ),
+        "x": (TypeError, lambda: quantize_activation_fp8(torch.zeros(4, 8, dtype=torch.int32), "per_token")),
+        "mode": (ValueError, lambda: quantize_weight_fp8(w_q.float(), "per_row")),
     }
-    for param, call in cases.items():
-        with pytest.raises(InvalidRequest) as info:
+    for param, (error, call) in cases.items():
+        with pytest.raises(error, match=rf"^{param}\b"):
             call()
-        assert info.value.param == param, param
-    with pytest.raises(InvalidRequest, match="contiguous along K"):
+    with pytest.raises(ValueError, match="contiguous along K"):
         fp8_gemm(a_q, a_scale, w_q.t().contiguous().t(), w_scale, "per_channel")

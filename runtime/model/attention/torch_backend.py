@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tokenfleet.kernels.fp8_format import FP8_DTYPE as FP8_KV_DTYPE
+from tokenfleet.kernels.fp8_format import FP8_MAX
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3 value: the cast saturates here, as the GPU's does
 
 
 def _store(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
