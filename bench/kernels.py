@@ -1,89 +1,21 @@
 """Kernel benchmark: achieved GB/s and TFLOP/s as fractions of this GPU's peaks, measured in the same run.
 
-    python bench/kernels.py [--quick] [--sections decode,prefill] [--out DIR] [--budget SECONDS]
+    python bench/kernels.py [--quick] [--sections decode,prefill,fp8_gemm,moe] [--out DIR] [--budget SECONDS]
 
-The roofline references are measured first, on the same device and in the same process: copy bandwidth
-(a large device-to-device tensor copy, bytes read + written) and the bf16 matmul peak (torch.matmul of
-8192^3). Each row then reports the kernel's time, its achieved GB/s (decode: memory-bound, all K/V bytes
-read) or TFLOP/s (prefill: compute-bound, causal FLOPs), the fraction of the measured peak, and the same
-figures for the peer: torch's scaled_dot_product_attention over contiguous K/V of the same shapes.
-
-Sections live in a registry: another benchmark joins with one line, e.g.
-    from fp8_gemm_bench import bench_fp8_gemm;  SECTIONS["fp8_gemm"] = bench_fp8_gemm
-where the function takes a `BenchContext` and returns a list of `Row`s.
+The harness (roofline references, registry, table, files) is bench/kernel_harness.py. This file holds the
+attention sections and is the entry point; bench/kernels_fp8_moe.py adds the FP8 GEMM and fused-MoE
+sections. Each attention row reports the kernel's time, its achieved GB/s (decode: memory-bound, all K/V
+bytes read) or TFLOP/s (prefill: compute-bound, causal FLOPs), the fraction of the measured peak, and the
+same figures for the peer: torch's scaled_dot_product_attention over contiguous K/V of the same shapes.
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import json
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
-
-
-@dataclass(frozen=True, slots=True)
-class BenchContext:
-    device: torch.device
-    dtype: torch.dtype
-    quick: bool
-    copy_gbps: float  # measured device copy bandwidth (read + write bytes per second)
-    matmul_tflops: float  # measured bf16 dense matmul peak
-    deadline: float  # time.monotonic() after which sections stop adding rows
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    section: str
-    case: str
-    params: dict = field(default_factory=dict)
-    ms: float | None = None
-    gbps: float | None = None
-    tflops: float | None = None
-    frac_of_peak: float | None = None  # of copy_gbps (memory-bound rows) or matmul_tflops (compute-bound)
-    peer_ms: float | None = None
-    peer_frac_of_peak: float | None = None
-    note: str = ""
-
-
-Section = Callable[[BenchContext], list[Row]]
-SECTIONS: dict[str, Section] = {}
-
-
-def section(name: str) -> Callable[[Section], Section]:
-    def register(fn: Section) -> Section:
-        SECTIONS[name] = fn
-        return fn
-
-    return register
-
-
-def time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of `fn` (Triton's do_bench: warm-up, L2 flush between runs, CUDA events)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def measure_copy_gbps(device: torch.device) -> float:
-    src = torch.empty(512 * 2**20, dtype=torch.uint8, device=device).random_()  # 512 MiB: far beyond L2
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
-
-
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = time_ms(lambda: torch.matmul(a, b))
-    return 2 * n**3 / ms / 1e9
-
+from kernel_harness import BenchContext, Row, run, section, time_ms
 
 LAYOUTS = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # (q heads, kv heads, head dim) of one attention layer
 KV_BUDGET_BYTES = 12 * 2**30  # per tensor set; larger cases are listed as skipped
@@ -112,7 +44,7 @@ def _decode_row(ctx: BenchContext, layout: str, batch: int, context: int) -> Row
     params = {"layout": layout, "batch": batch, "context": context, "hq": hq, "hkv": hkv, "d": d}
     case = f"{layout} b{batch} ctx{context}"
     kv_bytes = 2 * batch * context * hkv * d * ctx.dtype.itemsize
-    if kv_bytes > KV_BUDGET_BYTES or time.monotonic() > ctx.deadline:
+    if kv_bytes > KV_BUDGET_BYTES or ctx.out_of_time():
         return Row("decode", case, params, note="skipped")
     q, k_cache, v_cache, block_tables, seq_lens, qsl = _decode_inputs(ctx, batch, context, hq, hkv, d)
     ms = time_ms(
@@ -170,7 +102,7 @@ def _decode_tile_sweep(ctx: BenchContext) -> list[Row]:
     rows = []
     for block_n in (16, 32, 64, 128):
         for num_splits in (1, 2, 4, 8):
-            if time.monotonic() > ctx.deadline:
+            if ctx.out_of_time():
                 return rows
             kernel = partial(
                 paged_decode_attention,
@@ -230,7 +162,7 @@ def _prefill_row(ctx: BenchContext, layout: str, tokens: int, prefix: int) -> Ro
     hq, hkv, d = LAYOUTS[layout]
     params = {"layout": layout, "tokens": tokens, "prefix": prefix, "hq": hq, "hkv": hkv, "d": d}
     case = f"{layout} {tokens} tok" + (f" +{prefix} cached" if prefix else "")
-    if time.monotonic() > ctx.deadline:
+    if ctx.out_of_time():
         return Row("prefill", case, params, note="skipped")
     q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl = _prefill_inputs(ctx, tokens, prefix, hq, hkv, d)
     ms = time_ms(
@@ -301,7 +233,7 @@ def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
     ]
     rows = []
     for block_m, block_n, warps, stages in configs:
-        if time.monotonic() > ctx.deadline:
+        if ctx.out_of_time():
             break
         try:
             kernel = partial(
@@ -342,96 +274,10 @@ def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
     return rows
 
 
-def _register_fp8_moe() -> None:
-    """FP8 GEMM and fused-MoE sections live in bench/kernels_fp8_moe.py; rows come back as dicts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import kernels_fp8_moe
-
-    for name, fn in kernels_fp8_moe.SECTIONS.items():
-        SECTIONS[name] = lambda ctx, fn=fn: [Row(**row) for row in fn(ctx)]
-
-
-_register_fp8_moe()
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def print_table(rows: list[Row]) -> None:
-    print(
-        f"{'section':<14}{'case':<30}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}{'of peak':>9}{'peer ms':>9}{'peer pk':>9}  note"
-    )
-    for r in rows:
-        print(
-            f"{r.section:<14}{r.case:<30}{_fmt(r.ms, '.3f'):>9}{_fmt(r.gbps, '.0f'):>9}{_fmt(r.tflops, '.1f'):>9}"
-            f"{_fmt(r.frac_of_peak, '.1%'):>9}{_fmt(r.peer_ms, '.3f'):>9}{_fmt(r.peer_frac_of_peak, '.1%'):>9}  {r.note}"
-        )
-
-
-def write_results(out_dir: Path, ctx: BenchContext, rows: list[Row]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    header = {
-        "device": torch.cuda.get_device_name(ctx.device),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "copy_gbps": ctx.copy_gbps,
-        "bf16_matmul_tflops": ctx.matmul_tflops,
-    }
-    (out_dir / "kernels_bench.json").write_text(
-        json.dumps({**header, "rows": [asdict(r) for r in rows]}, indent=1)
-    )
-    with (out_dir / "kernels_bench.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        names = [
-            "section",
-            "case",
-            "ms",
-            "gbps",
-            "tflops",
-            "frac_of_peak",
-            "peer_ms",
-            "peer_frac_of_peak",
-            "note",
-        ]
-        writer.writerow([*names, "params"])
-        for r in rows:
-            writer.writerow([getattr(r, n) for n in names] + [json.dumps(r.params)])
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few shapes per section (about a minute)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {sorted(SECTIONS)}")
-    parser.add_argument("--out", type=Path, help="directory for kernels_bench.json / .csv")
-    parser.add_argument("--budget", type=float, default=600.0, help="seconds; later rows are marked skipped")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "bench/kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). "
-            "On CPU the kernels' correctness is covered by tests/kernels under TRITON_INTERPRET=1.",
-            file=sys.stderr,
-        )
-        return 2
-    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
-    start = time.monotonic()
-    device = torch.device("cuda")
-    copy_gbps = measure_copy_gbps(device)
-    matmul_tflops = measure_matmul_tflops(device, torch.bfloat16)
-    print(
-        f"{torch.cuda.get_device_name(device)}: copy {copy_gbps:.0f} GB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s"
-    )
-    ctx = BenchContext(device, torch.bfloat16, args.quick, copy_gbps, matmul_tflops, start + args.budget)
-    rows: list[Row] = []
-    for name in args.sections.split(","):
-        rows += SECTIONS[name](ctx)
-        torch.cuda.empty_cache()
-    print_table(rows)
-    if args.out:
-        write_results(args.out, ctx, rows)
-    return 0
+    import kernels_fp8_moe  # noqa: F401  (registers the fp8_gemm and moe sections, after these two)
+
+    return run(__doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,4 @@
-"""Benchmark sections for the FP8 GEMM and fused-MoE kernels, registered by bench/kernels.py.
-
-    SECTIONS = {"fp8_gemm": bench_fp8_gemm, "moe": bench_moe}
-
-Each takes the run's BenchContext (duck-typed: `device`, `quick`, `deadline`, `matmul_tflops`,
-`copy_gbps`) and returns rows as dicts with bench/kernels.py's `Row` field names, so the registry can wrap
-them with `Row(**row)` without this module importing the script that imports it.
+"""FP8 GEMM and fused-MoE sections of the kernel benchmark (run them with bench/kernels.py).
 
 fp8_gemm: the Triton FP8 GEMM in each scaling mode against the peers on the same shapes: torch bf16
 matmul (`peer_ms`, the 1.6x target is ms_bf16 / ms_fp8) and `torch._scaled_mm` (per-tensor and
@@ -16,33 +10,15 @@ and OLMoE-like expert shapes, fp16/bf16 and FP8 experts.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
+from kernel_harness import BenchContext, Row, rel_err, section, time_ms
 
 LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # (experts, top_k, hidden, intermediate): Mixtral-8x7B and OLMoE-1B-7B / Qwen-MoE-like layers.
 MOE_LAYERS = {"mixtral": (8, 2, 4096, 14336), "olmoe": (64, 8, 2048, 1024)}
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def _row(section: str, case: str, params: dict, **fields) -> dict:
-    row = {"section": section, "case": case, "params": params, "ms": None, "gbps": None, "tflops": None}
-    row |= {"frac_of_peak": None, "peer_ms": None, "peer_frac_of_peak": None, "note": ""}
-    return row | fields
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
-
-
-def _scaled_mm_ms(a_q, a_scale, w_q, w_scale, time_ms) -> tuple[float | None, float | None]:
+def _scaled_mm_ms(a_q, a_scale, w_q, w_scale) -> tuple[float | None, float | None]:
     """torch._scaled_mm per-tensor and row-wise (None where this torch/GPU does not support it)."""
     out = []
     for sa, sb in ((a_scale[:1, :1], w_scale[:1, :1]), (a_scale, w_scale.t())):
@@ -56,7 +32,7 @@ def _scaled_mm_ms(a_q, a_scale, w_q, w_scale, time_ms) -> tuple[float | None, fl
     return out[0], out[1]
 
 
-def fp8_gemm_rows(ctx, shapes: list[tuple[str, int, int, int]], time_ms=_time_ms) -> list[dict]:
+def fp8_gemm_rows(ctx: BenchContext, shapes: list[tuple[str, int, int, int]]) -> list[Row]:
     from tokenfleet.kernels.fp8_gemm import ACTIVATION_MODE, SCALINGS, fp8_gemm, fp8_gemm_ref
     from tokenfleet.kernels.fp8_quant import quantize_activation_fp8, quantize_weight_fp8
 
@@ -64,8 +40,8 @@ def fp8_gemm_rows(ctx, shapes: list[tuple[str, int, int, int]], time_ms=_time_ms
     for name, m, n, k in shapes:
         params = {"m": m, "n": n, "k": k}
         case = f"{name} M{m} N{n} K{k}"
-        if time.monotonic() > ctx.deadline:
-            rows.append(_row("fp8_gemm", case, params, note="skipped"))
+        if ctx.out_of_time():
+            rows.append(Row("fp8_gemm", case, params, note="skipped"))
             continue
         x = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=ctx.device, dtype=torch.bfloat16) / k**0.5
@@ -75,19 +51,19 @@ def fp8_gemm_rows(ctx, shapes: list[tuple[str, int, int, int]], time_ms=_time_ms
             w_q, w_scale = quantize_weight_fp8(w, scaling)
             a_q, a_scale = quantize_activation_fp8(x, ACTIVATION_MODE[scaling])
             out = fp8_gemm(a_q, a_scale, w_q, w_scale, scaling, out_dtype=torch.bfloat16)
-            err = _rel_err(out, fp8_gemm_ref(a_q, a_scale, w_q, w_scale, scaling, out_dtype=torch.float32))
+            err = rel_err(out, fp8_gemm_ref(a_q, a_scale, w_q, w_scale, scaling, out_dtype=torch.float32))
             ms = time_ms(lambda: fp8_gemm(a_q, a_scale, w_q, w_scale, scaling, out_dtype=torch.bfloat16))  # noqa: B023
             quant_ms = time_ms(lambda: quantize_activation_fp8(x, ACTIVATION_MODE[scaling]))  # noqa: B023
             note = f"x{bf16_ms / ms:.2f} vs bf16; act-quant {quant_ms:.3f} ms; rel err vs ref {err:.1e}"
             if scaling == "per_channel":
-                pt_ms, rw_ms = _scaled_mm_ms(a_q, a_scale, w_q, w_scale, time_ms)
+                pt_ms, rw_ms = _scaled_mm_ms(a_q, a_scale, w_q, w_scale)
                 note += "; _scaled_mm " + ", ".join(
                     f"{label} {v:.3f} ms" if v is not None else f"{label} n/a"
                     for label, v in (("tensor", pt_ms), ("rowwise", rw_ms))
                 )
             tflops = flops / ms / 1e9
             rows.append(
-                _row(
+                Row(
                     "fp8_gemm", f"{case} {scaling}", params | {"scaling": scaling}, ms=ms, tflops=tflops,
                     frac_of_peak=tflops / ctx.matmul_tflops, peer_ms=bf16_ms,
                     peer_frac_of_peak=flops / bf16_ms / 1e9 / ctx.matmul_tflops, note=note,
@@ -96,7 +72,8 @@ def fp8_gemm_rows(ctx, shapes: list[tuple[str, int, int, int]], time_ms=_time_ms
     return rows
 
 
-def bench_fp8_gemm(ctx) -> list[dict]:
+@section("fp8_gemm")
+def bench_fp8_gemm(ctx: BenchContext) -> list[Row]:
     ms = (1, 128, 4096) if ctx.quick else (1, 16, 64, 128, 512, 1024, 4096, 8192)
     linears = ("o", "gate_up") if ctx.quick else tuple(LLAMA_8B_LINEARS)
     shapes = [(lin, m, *LLAMA_8B_LINEARS[lin]) for lin in linears for m in ms]
@@ -104,18 +81,18 @@ def bench_fp8_gemm(ctx) -> list[dict]:
     return fp8_gemm_rows(ctx, shapes)
 
 
-def moe_rows(ctx, cases: list[tuple[str, int, bool]], layers=MOE_LAYERS, time_ms=_time_ms) -> list[dict]:
+def moe_rows(ctx: BenchContext, cases: list[tuple[str, int, bool]]) -> list[Row]:
     from tokenfleet.kernels.moe import fused_moe, quantize_experts_fp8
 
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float16
     rows = []
     weights: dict[tuple[str, bool], tuple] = {}
     for layer, tokens, fp8 in cases:
-        e, top_k, h, inter = layers[layer]
+        e, top_k, h, inter = MOE_LAYERS[layer]
         params = {"layer": layer, "tokens": tokens, "experts": e, "top_k": top_k, "hidden": h, "inter": inter}
         case = f"{layer} E{e} top{top_k} T{tokens} {'fp8' if fp8 else str(dtype)[6:]}"
-        if time.monotonic() > ctx.deadline:
-            rows.append(_row("moe", case, params, note="skipped"))
+        if ctx.out_of_time():
+            rows.append(Row("moe", case, params, note="skipped"))
             continue
         if (layer, fp8) not in weights:
             weights.clear()  # one layer's experts at a time: Mixtral's are ~2.8 GB in bf16
@@ -131,7 +108,7 @@ def moe_rows(ctx, cases: list[tuple[str, int, bool]], layers=MOE_LAYERS, time_ms
         hidden = torch.randn(tokens, h, device=ctx.device, dtype=dtype)
         logits = torch.randn(tokens, e, device=ctx.device, dtype=torch.float32)
         run = lambda backend: fused_moe(hidden, w13, w2, logits, top_k, True, **scales, backend=backend)  # noqa: B023, E731
-        err = _rel_err(run("triton"), run("torch"))
+        err = rel_err(run("triton"), run("torch"))
         ms = time_ms(lambda: run("triton"))  # noqa: B023
         peer_ms = time_ms(lambda: run("torch"))  # noqa: B023
         flops = 2.0 * tokens * top_k * 3 * h * inter
@@ -139,7 +116,7 @@ def moe_rows(ctx, cases: list[tuple[str, int, bool]], layers=MOE_LAYERS, time_ms
         hit = min(e, tokens * top_k)
         weight_bytes = hit * 3 * h * inter * w13.element_size()
         rows.append(
-            _row(
+            Row(
                 "moe", case, params | {"fp8": fp8}, ms=ms, tflops=flops / ms / 1e9, gbps=weight_bytes / ms / 1e6,
                 frac_of_peak=(weight_bytes / ms / 1e6 / ctx.copy_gbps) if tokens * top_k <= e
                 else flops / ms / 1e9 / ctx.matmul_tflops,
@@ -149,11 +126,9 @@ def moe_rows(ctx, cases: list[tuple[str, int, bool]], layers=MOE_LAYERS, time_ms
     return rows
 
 
-def bench_moe(ctx) -> list[dict]:
+@section("moe")
+def bench_moe(ctx: BenchContext) -> list[Row]:
     tokens = (1, 256, 4096) if ctx.quick else (1, 16, 64, 256, 1024, 4096)
     cases = [(layer, t, False) for layer in MOE_LAYERS for t in tokens]
     cases += [(layer, t, True) for layer in MOE_LAYERS for t in tokens]
     return moe_rows(ctx, cases)
-
-
-SECTIONS = {"fp8_gemm": bench_fp8_gemm, "moe": bench_moe}
