@@ -15,7 +15,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.config_file import load_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -107,11 +107,7 @@ class RuntimeConfig(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> RuntimeConfig:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-            return cls.model_validate(data)
-        except (OSError, yaml.YAMLError, ValueError) as e:
-            raise ConfigError(f"invalid runtime config {path}: {e}") from e
+        return load_config(cls, path, "runtime config")
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=True)

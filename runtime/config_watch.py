@@ -11,6 +11,10 @@ then `diff_config` splits the changes by `LIVE_FIELDS`. Live changes become the 
 and go to `on_change(old_effective, new_effective)` (sync or async); restart-only changes are refused
 with a log line and kept as `pending_restart` for `/v1/config`, so the operator (or a person) can roll
 the pod. The effective config keeps the running values of every restart-only field.
+
+The watcher is schema-agnostic: the pod watches a `RuntimeConfig` with `LIVE_FIELDS`, the router a
+`RouterConfig` with its own live set. A live field names a leaf or a whole subtree ("routing" covers
+"routing.weights.prefix").
 """
 
 from __future__ import annotations
@@ -21,26 +25,36 @@ import hashlib
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
+from tokenfleet.runtime.config_file import parse_config
 from tokenfleet.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[RuntimeConfig, RuntimeConfig], Awaitable[None] | None]
+OnChange = Callable[[Any, Any], Awaitable[None] | None]
+
+
+class _Absent:
+    """A leaf that one side of a diff lacks (a key of a free-form map, e.g. a rate-limit tier)."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT: Any = _Absent()
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigChange:
     path: str  # dotted, e.g. "cache.ttl_seconds"
     old: Any
-    new: Any
+    new: Any  # ABSENT when the file dropped the key
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -54,36 +68,55 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def is_live(path: str, live_fields: Set[str]) -> bool:
+    """Is the dotted `path` a live field, or inside a live subtree?"""
+    return any(path == f or path.startswith(f + ".") for f in live_fields)
+
+
 def diff_config(
-    old: RuntimeConfig, new: RuntimeConfig
+    old: BaseModel, new: BaseModel, live_fields: Set[str] = LIVE_FIELDS
 ) -> tuple[tuple[ConfigChange, ...], tuple[ConfigChange, ...]]:
     """(live changes, restart-only changes) from `old` to `new`, in field order."""
     before, after = _leaves(old.model_dump(mode="json")), _leaves(new.model_dump(mode="json"))
     live: list[ConfigChange] = []
     restart: list[ConfigChange] = []
-    for path, value in after.items():
-        if before.get(path) != value:
-            (live if path in LIVE_FIELDS else restart).append(ConfigChange(path, before.get(path), value))
+    for path in {**before, **after}:
+        if before.get(path) != after.get(path):
+            change = ConfigChange(path, before.get(path, ABSENT), after.get(path, ABSENT))
+            (live if is_live(path, live_fields) else restart).append(change)
     return tuple(live), tuple(restart)
 
 
-def with_changes(config: RuntimeConfig, changes: tuple[ConfigChange, ...]) -> RuntimeConfig:
+def with_changes(config: BaseModel, changes: tuple[ConfigChange, ...]) -> Any:
     """`config` with the given (dotted-path) changes applied, validated again."""
     tree = config.model_dump(mode="json")
     for change in changes:
         *parents, leaf = change.path.split(".")
         node = tree
         for key in parents:
-            node = node[key]
-        node[leaf] = change.new
-    return RuntimeConfig.model_validate(tree)
+            node = node.setdefault(key, {})
+        if change.new is ABSENT:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = change.new
+    return type(config).model_validate(_prune(tree))
 
 
-def _parse(text: str, path: Path) -> RuntimeConfig:
-    try:
-        return RuntimeConfig.model_validate(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, ValidationError, ValueError) as e:
-        raise ConfigError(f"invalid runtime config {path}: {e}") from e
+def _json(value: Any) -> Any:
+    return None if value is ABSENT else value
+
+
+def _prune(tree: dict[str, Any]) -> dict[str, Any]:
+    """Drop empty maps: a tier whose leaves were all removed must vanish, not stay as an empty entry (an
+    empty map holds no leaves, so dropping one the file kept falls back to the field's empty default)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = _prune(value)
+            if not value:
+                continue
+        out[key] = value
+    return out
 
 
 class ConfigWatcher:
@@ -91,17 +124,23 @@ class ConfigWatcher:
         self,
         path: str | Path,
         on_change: OnChange,
-        initial: RuntimeConfig | None = None,
+        initial: BaseModel | None = None,
         interval_s: float = 1.0,
+        schema: type[BaseModel] = RuntimeConfig,
+        live_fields: Set[str] = LIVE_FIELDS,
+        what: str = "runtime config",
     ):
         self.path = Path(path)
         self.on_change = on_change
         self.interval_s = interval_s
+        self.schema = schema
+        self.live_fields = live_fields
+        self.what = what
         self._stat_key: tuple[str, int, int] | None = None
         text = self.path.read_text()
         self._content_hash = hashlib.sha256(text.encode()).hexdigest()
         self._stat_key = self._stat()
-        self.effective = initial if initial is not None else _parse(text, self.path)
+        self.effective: Any = initial if initial is not None else parse_config(schema, text, self.path, what)
         self.pending_restart: tuple[ConfigChange, ...] = ()
         self.last_error: str | None = None
         self.num_reloads = 0
@@ -129,13 +168,13 @@ class ConfigWatcher:
             return False
         self._content_hash = digest
         try:
-            new = _parse(text, self.path)
+            new = parse_config(self.schema, text, self.path, self.what)
         except ConfigError as e:
             self.last_error = str(e)
             logger.error("config reload ignored, the running config stays: %s", e)
             return False
         # Restart-only changes are measured against what runs, so reverting the file clears them.
-        live, restart = diff_config(self.effective, new)
+        live, restart = diff_config(self.effective, new, self.live_fields)
         self.pending_restart = restart
         for c in restart:
             logger.warning("config reload: %s %r -> %r needs a restart; not applied", c.path, c.old, c.new)
@@ -163,7 +202,7 @@ class ConfigWatcher:
         return {
             "effective": self.effective.model_dump(mode="json"),
             "pending_restart": [
-                {"path": c.path, "running": c.old, "file": c.new} for c in self.pending_restart
+                {"path": c.path, "running": _json(c.old), "file": _json(c.new)} for c in self.pending_restart
             ],
             "restart_required": bool(self.pending_restart),
             "reloads": self.num_reloads,

@@ -4,14 +4,20 @@ Wire format (JSON, one object per response; long poll):
 
     GET /v1/kv-events?since=SEQ&epoch=EPOCH&wait=SECONDS
     -> {"epoch": str, "seq": int, "reset": bool, "block_size": int, "hash_extra": [str | int | null, ...],
-        "events": [{"type": "stored" | "removed" | "cleared", "block_hashes": [hex, ...]}, ...]}
+        "events": [{"type": "stored" | "removed" | "cleared" | "scheduled", "block_hashes": [hex, ...]}, ...]}
 
 `seq` counts published batches. The reply holds every batch after `since` (waiting up to `wait` seconds,
 at most 10, when there is none yet). When the router cannot be brought up to date incrementally — it is
 new (no `since`), `since` fell out of the retained window (a gap), or `epoch` differs (the pod restarted and
 its seq started over) — the reply is a resync: `reset: true` and the events are one `cleared` followed by
 one `stored` with every block hash the pod holds now. The log tracks that set itself from the events it
-publishes, so a resync never touches the engine's block pool from the HTTP thread.
+publishes, so a resync never touches the engine's block pool from the HTTP thread. A router that starts
+(or restarts) therefore has a warm index after its first poll.
+
+`scheduled` is not a cache change: the pod started computing a prompt whose full blocks have these
+hashes (sent when the request is first scheduled, before the forward pass). Every router following the
+pod learns it within one poll, so requests sharing that prefix follow it to this pod while its prefill
+runs, whichever router replica they reach; `stored` confirms the blocks once their KV is written.
 
     GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float}
 
@@ -27,13 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EVENT_TYPES = ("stored", "removed", "cleared")
+EVENT_TYPES = ("stored", "removed", "cleared", "scheduled")
 MAX_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class KVEvent:
-    type: str  # stored | removed | cleared
+    type: str  # stored | removed | cleared | scheduled
     block_hashes: tuple[bytes, ...] = ()
 
     def to_json(self) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
 from tokenfleet.runtime.engine.detokenizer import IncrementalDetokenizer
+from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprobs
@@ -153,10 +154,15 @@ class EngineCore:
             return []
         self._num_steps += 1
         now = time.monotonic()
+        announced = []
         for s in sched.scheduled:
             req = self._tracked[s.request_id].request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                if req.block_hashes:
+                    announced.append(PrefillScheduled(tuple(req.block_hashes)))
+        if announced and self.kv_event_sink is not None:
+            self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
         result = self.runner.execute(sched, {rid: t.request for rid, t in self._tracked.items()})
         # With speculation a request may get several tokens, and the scheduler drops those after a stop
         # (EOS, max_tokens): what it appended is what the request produced.

@@ -1,10 +1,17 @@
 """The router's HTTP face: an OpenAI-compatible aiohttp app in front of the fleet.
 
 Per generation request: auth (API key -> tier) -> parse -> model targets (404 when nothing serves the model)
--> tokenize the prompt as the pod will -> rate limit (429 + Retry-After) -> priority admission (the request
-waits in the router while every candidate is at its in-flight limit) -> `proxy.forward`.
-Also `/v1/models` (the union of the backends' lists plus route names), `/health` (the router itself is up),
-`/ready` (some endpoint takes traffic), `/metrics`.
+-> tokenize the prompt as the pod will -> rate limit (429 + Retry-After) -> priority (a class name or the
+key's tier -> the one priority number, lower = sooner) -> the queue (the request waits in the router while
+no candidate endpoint can take it: all loading, ejected or at their in-flight limit; 503 + Retry-After or
+429 when its deadline passes) -> `proxy.forward`.
+Also `/v1/models` (the union of the backends' lists plus route names), `/v1/config` (the config in effect,
+what a file change would need a restart for, the generation applied), `/health` (the router itself is
+up), `/ready` (some endpoint takes traffic), `/metrics`.
+
+With a config file, the router watches it (a ConfigMap update swaps it in place) and applies the live
+fields at once (`RouterConfig` LIVE_FIELDS): policy, backends, keys. Endpoints of unchanged backends keep
+their prefix index; requests in flight keep the route they have.
 """
 
 from __future__ import annotations
@@ -16,19 +23,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from tokenfleet.runtime.errors import Overloaded
-from tokenfleet.runtime.router.config import RouterConfig
+from tokenfleet.runtime.config_watch import ConfigWatcher
+from tokenfleet.runtime.openai.translate import Tokenizer
+from tokenfleet.runtime.router.api_keys import KeyTiers
+from tokenfleet.runtime.router.config import LIVE_FIELDS, RESTART_FIELDS, Backend, RouterConfig
 from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import served_models
+from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
 from tokenfleet.runtime.router.proxy import Outgoing, error_body, forward, request_headers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
-from tokenfleet.runtime.openai.translate import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +46,32 @@ TokenizerLoader = Callable[[str], Tokenizer | None]
 
 
 class RouterApp:
-    """State of one router process; created on app startup (it needs the running loop)."""
+    """State of one router process; started on app startup (it needs the running loop)."""
 
-    def __init__(self, config: RouterConfig, tokenizer_loader: TokenizerLoader | None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer_loader: TokenizerLoader | None,
+        config_path: str | Path | None = None,
+    ) -> None:
         self.config = config
+        self.config_path = Path(config_path) if config_path is not None else None
         self.metrics = RouterMetrics()
         self.limiter = RateLimiter(config.routing.rate_limits)
-        self.key_tiers = config.key_tiers()
-        self.classes = {c.name: c.priority for c in config.routing.priority_classes}
-        self.tier_priority = {t: c.priority for c in config.routing.priority_classes for t in c.tiers}
+        self.keys = KeyTiers(config.api_keys, config.api_key_file)
+        self._set_classes(config)
         self._tokenizer_loader = tokenizer_loader
         self.tokenizers: dict[str, Tokenizer | None] = {}
         self.fleet: Fleet | None = None
+        self.watcher: ConfigWatcher | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._watches: list[EndpointSliceWatch] = []
+        self._watches: dict[str, EndpointSliceWatch] = {}
         self._tokenizer_task: asyncio.Task | None = None
+        self.metrics.config_generation.set(config.generation if config.generation is not None else -1)
+
+    def _set_classes(self, config: RouterConfig) -> None:
+        self.classes = {c.name: c.priority for c in config.routing.priority_classes}
+        self.tier_priority = {t: c.priority for c in config.routing.priority_classes for t in c.tiers}
 
     async def start(self) -> None:
         # No connection cap: the router's own in-flight limits bound the load; a pool cap would queue blindly.
@@ -59,19 +80,67 @@ class RouterApp:
         self.fleet = Fleet(self.config, self.metrics, self._session)
         # Tokenizers load in the background (seconds: a checkpoint's metadata, torch imported): the router
         # serves at once with the approximate index and turns exact as each model's tokenizer arrives.
-        self._tokenizer_task = asyncio.create_task(self._load_tokenizers())
-        loop = asyncio.get_running_loop()
+        self._tokenizer_task = asyncio.create_task(self._load_tokenizers(None))
         for backend in self.config.backends:
-            if self.config.discovery.mode == "static":
-                self.fleet.sync_backend(backend, static_urls(backend))
-            else:
-                watch = EndpointSliceWatch(
-                    backend, self.config.discovery.namespace, self.fleet.sync_backend, loop
-                )
-                watch.start()
-                self._watches.append(watch)
+            self._start_backend(backend)
+        if self.config_path is not None:
+            # The watcher compares against the file as read (command-line overrides are restart-only).
+            self.watcher = ConfigWatcher(
+                self.config_path,
+                self.apply_config,
+                schema=RouterConfig,
+                live_fields=LIVE_FIELDS,
+                what="router config",
+            )
+            self.watcher.start()
 
-    async def _load_tokenizers(self) -> None:
+    def _start_backend(self, backend: Backend) -> None:
+        assert self.fleet is not None
+        if self.config.discovery.mode == "static":
+            self.fleet.sync_backend(backend, static_urls(backend))
+        else:
+            watch = EndpointSliceWatch(
+                backend, self.config.discovery.namespace, self.fleet.sync_backend, asyncio.get_running_loop()
+            )
+            watch.start()
+            self._watches[backend.name] = watch
+
+    def _stop_backend(self, backend: Backend) -> None:
+        assert self.fleet is not None
+        watch = self._watches.pop(backend.name, None)
+        if watch is not None:
+            watch.stop()
+        self.fleet.remove_backend(backend)
+
+    def apply_config(self, old: RouterConfig, new: RouterConfig) -> None:
+        """A live config change (the watcher's callback): policy, backends and keys, without a restart.
+
+        Raises (and changes nothing) when the new key file cannot be read: the watcher keeps the old config.
+        """
+        assert self.fleet is not None
+        new = new.model_copy(update={f: getattr(self.config, f) for f in RESTART_FIELDS})
+        self.keys.update(new.api_keys, new.api_key_file)
+        previous, self.config = self.config, new
+        self.limiter.set_limits(new.routing.rate_limits)
+        self._set_classes(new)
+        self.fleet.apply(new)
+        before = {b.name: b for b in previous.backends}
+        after = {b.name: b for b in new.backends}
+        for name, backend in before.items():
+            if after.get(name) != backend:
+                self._stop_backend(backend)
+        for name, backend in after.items():
+            if before.get(name) != backend:
+                self._start_backend(backend)
+        if any(b.model not in self.tokenizers for b in new.backends):
+            self._tokenizer_task = asyncio.create_task(self._load_tokenizers(self._tokenizer_task))
+        self.metrics.config_generation.set(new.generation if new.generation is not None else -1)
+        self.metrics.config_reloads.inc()
+        log.info("router config applied live (generation %s)", new.generation)
+
+    async def _load_tokenizers(self, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
         if self._tokenizer_loader is None:
             return
         for backend in self.config.backends:
@@ -93,10 +162,12 @@ class RouterApp:
             await asyncio.shield(self._tokenizer_task)
 
     async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
         if self._tokenizer_task is not None:
             self._tokenizer_task.cancel()
             await asyncio.gather(self._tokenizer_task, return_exceptions=True)
-        for w in self._watches:
+        for w in self._watches.values():
             w.stop()
         if self.fleet is not None:
             await self.fleet.close()
@@ -109,15 +180,17 @@ class RouterApp:
         """(rate-limit key, tier); raises 401 when keys are configured and the request has no valid one."""
         auth = request.headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        if self.key_tiers:
-            if token is None or token not in self.key_tiers:
+        if self.keys.enabled:
+            tier = self.keys.tier_of(token)
+            if token is None or tier is None:
                 raise _json_error(
                     401, "invalid or missing API key", "authentication_error", "invalid_api_key"
                 )
-            return token, self.key_tiers[token]
+            return token, tier
         return (f"key:{token}" if token else f"addr:{request.remote}"), "default"
 
     def priority(self, request: web.Request, tier: str) -> int:
+        """The request's priority number (lower = sooner): the one place a class name becomes a number."""
         name = request.headers.get(self.config.routing.priority_header)
         if name is not None:
             if name not in self.classes:
@@ -127,12 +200,38 @@ class RouterApp:
             return self.classes[name]
         return self.tier_priority.get(tier, 0)
 
+    def config_snapshot(self) -> dict:
+        """What `/v1/config` shows; API keys are counted, never shown."""
+        if self.watcher is not None:
+            snap = self.watcher.snapshot()
+        else:
+            snap = {"pending_restart": [], "restart_required": False, "reloads": 0, "last_error": None}
+        effective = self.config.model_dump(mode="json")
+        effective["api_keys"] = f"<{len(self.config.api_keys)} keys>"
+        for change in snap["pending_restart"]:
+            if change["path"] == "api_keys":
+                change["running"] = change["file"] = "<redacted>"
+        return {
+            **snap,
+            "effective": effective,
+            "generation": self.config.generation,
+            "config_file": str(self.config_path) if self.config_path is not None else None,
+            "live_fields": sorted(LIVE_FIELDS),
+            "restart_fields": list(RESTART_FIELDS),
+        }
+
 
 def _json_error(
     status: int, message: str, type_: str, code: str | None = None, headers=None
 ) -> web.HTTPException:
     exc_type = web.HTTPException
-    for cls in (web.HTTPBadRequest, web.HTTPUnauthorized, web.HTTPNotFound, web.HTTPTooManyRequests):
+    for cls in (
+        web.HTTPBadRequest,
+        web.HTTPUnauthorized,
+        web.HTTPNotFound,
+        web.HTTPTooManyRequests,
+        web.HTTPServiceUnavailable,
+    ):
         if cls.status_code == status:
             exc_type = cls
     return exc_type(
@@ -206,28 +305,34 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         )  # fmt: skip
 
     priority = router.priority(request, tier)
-    if not fleet.healthy_endpoints(targets):
-        router.metrics.requests.labels(model, "503").inc()
-        body503 = error_body(
-            f"no healthy endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint"
-        )
-        return web.json_response(body503, status=503, headers={"Retry-After": "1"})
-    router.metrics.queue_waiting.inc()
+    routing = router.config.routing
     try:
+        # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
         await fleet.gate.wait_for(
-            lambda: fleet.has_capacity(targets), priority, router.config.routing.queue_timeout_seconds
+            lambda: fleet.has_capacity(fleet.targets(model)), priority, routing.queue_timeout_seconds, model
         )
-    except Overloaded as e:
+    except QueueFull as e:
         router.metrics.requests.labels(model, "429").inc()
         raise _json_error(
-            429,
-            str(e),
-            "rate_limit_error",
-            "overloaded",
+            429, str(e), "rate_limit_error", "overloaded",
             headers={"Retry-After": retry_after_header(e.retry_after)},
-        ) from e
-    finally:
-        router.metrics.queue_waiting.dec()
+        ) from e  # fmt: skip
+    except QueueTimeout as e:
+        targets = fleet.targets(model)
+        if fleet.healthy_endpoints(targets):  # endpoints were up but all at their in-flight limit
+            router.metrics.requests.labels(model, "429").inc()
+            raise _json_error(
+                429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",
+                headers={"Retry-After": retry_after_header(e.retry_after)},
+            ) from e  # fmt: skip
+        router.metrics.requests.labels(model, "503").inc()
+        raise _json_error(
+            503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
+            headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
+        ) from e  # fmt: skip
+    targets = fleet.targets(model)
+    if not targets:
+        raise _json_error(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
     out = Outgoing(
         path=request.path,
@@ -239,7 +344,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         session_key=request.headers.get(router.config.routing.session_header)
         or _str_or_none(payload.get("user")),
     )
-    resp, outcome = await forward(request, fleet, out, router.config.routing.retries)
+    resp, outcome = await forward(request, fleet, out, routing.retries)
     router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
     router.metrics.requests.labels(model, str(outcome.status)).inc()
     return resp
@@ -284,19 +389,40 @@ async def handle_ready(request: web.Request) -> web.Response:
     fleet = request.app[ROUTER].fleet
     eps = list(fleet.endpoints.by_id.values()) if fleet else []
     up = [ep.id for ep in eps if fleet is not None and fleet.available(ep)]
+    pending = fleet.gate.waiting_by_key() if fleet is not None else {}
     return web.json_response(
-        {"ready": bool(up), "endpoints": len(eps), "available": len(up)}, status=200 if up else 503
+        {"ready": bool(up), "endpoints": len(eps), "available": len(up), "pending": pending},
+        status=200 if up else 503,
     )
 
 
+async def handle_config(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    router.identity(request)
+    return web.json_response(router.config_snapshot())
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
-    metrics = request.app[ROUTER].metrics
+    router = request.app[ROUTER]
+    metrics = router.metrics
+    if router.fleet is not None:  # gauges of the queue, read now (a model whose queue emptied shows 0)
+        gate = router.fleet.gate
+        for model in {*served_models(router.config.routing, router.config.backends), *gate.waiting_by_key()}:
+            metrics.pending.labels(model).set(gate.num_waiting(model))
+        metrics.queue_waiting.set(gate.num_waiting())
+    if router.watcher is not None:
+        metrics.config_restart_pending.set(1 if router.watcher.pending_restart else 0)
     return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
 
 
-def build_app(config: RouterConfig, tokenizer_loader: TokenizerLoader | None = None) -> web.Application:
+def build_app(
+    config: RouterConfig,
+    tokenizer_loader: TokenizerLoader | None = None,
+    config_path: str | Path | None = None,
+) -> web.Application:
+    """The router app; with `config_path` it follows that file's changes live."""
     app = web.Application(client_max_size=config.max_body_bytes)
-    router = RouterApp(config, tokenizer_loader)
+    router = RouterApp(config, tokenizer_loader, config_path)
     app[ROUTER] = router
 
     async def lifecycle(app: web.Application):
@@ -310,6 +436,7 @@ def build_app(config: RouterConfig, tokenizer_loader: TokenizerLoader | None = N
             web.post("/v1/completions", handle_generate),
             web.post("/v1/chat/completions", handle_generate),
             web.get("/v1/models", handle_models),
+            web.get("/v1/config", handle_config),
             web.get("/health", handle_health),
             web.get("/ready", handle_ready),
             web.get("/metrics", handle_metrics),

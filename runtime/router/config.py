@@ -4,6 +4,16 @@ The operator writes this file into the router's ConfigMap: a `routing:` dict tha
 (camelCase, as in the CRD) plus `backends: [{name, model, url}]`, one per ModelDeployment the policy routes.
 Both spellings (camelCase and snake_case) are accepted so hand-written files for local use stay readable.
 Unknown keys are rejected: a typo in a routing policy must fail loudly, not route silently by defaults.
+
+Priority has one meaning everywhere — RoutingPolicy classes, the request body's `priority`, the
+`x-tokenfleet-priority` header and the engine: a LOWER number is served sooner and preempted later (vLLM's
+convention; 0 is the default, negative numbers go ahead of it). The router translates in one place only,
+a class name (or an API key's tier) -> that number (`RouterApp.priority`), and forwards it unchanged.
+
+The router re-reads this file when it changes (a ConfigMap update): `LIVE_FIELDS` apply at once, without
+a restart, keeping the prefix index and in-flight streams; the rest (`RESTART_FIELDS`) needs a new router
+process and is reported as pending at `/v1/config`. The operator hashes only the restart-only part into the
+router pods' template, so editing a RoutingPolicy no longer rolls its routers.
 """
 
 from __future__ import annotations
@@ -12,9 +22,9 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from tokenfleet.runtime.config_file import load_config
 from tokenfleet.runtime.errors import ConfigError
 
 Strategy = Literal["round-robin", "least-load", "prefix-affinity", "session-affinity"]
@@ -33,10 +43,24 @@ class Weights(_Spec):
 
 
 class Balance(_Spec):
-    """Hot-spot guard: when both thresholds are passed, load alone decides (SGLang-style)."""
+    """Hot-spot guards, both on: a bound on the work each endpoint is sent, and SGLang's queue rule.
+
+    Work bound: among the last `window` routing decisions, an endpoint that was sent more than
+    `max_ratio` x (the least-served candidate's count + 1) is not eligible. It acts on every request, also
+    while queues are short, so affinity cannot skew the work pods get by more than about that ratio.
+    Queue rule: when max load - min load > `absolute` AND max load > `relative` * min load, load alone
+    decides (it needs queues to build up before it acts).
+    """
 
     absolute: int = Field(8, ge=0, description="max load - min load above this ...")
     relative: float = Field(1.5, ge=1.0, description="... and max load above relative * min load.")
+    max_ratio: float | None = Field(
+        1.4,
+        ge=1.0,
+        description="Most recent requests an endpoint may be sent, relative to the least-served candidate "
+        "(+1); null = affinity unbounded.",
+    )
+    window: int = Field(256, ge=8, description="Recent routing decisions the work bound counts.")
 
 
 class ModelRoute(_Spec):
@@ -51,8 +75,19 @@ class ModelRoute(_Spec):
 
 class PriorityClass(_Spec):
     name: str
-    priority: int = Field(0, description="Higher is served first when the router queues under load.")
+    priority: int = Field(
+        0,
+        description="Lower is served sooner and preempted later, in the router's queue and on the pod "
+        "(the request body's `priority` has the same meaning); 0 is the default.",
+    )
     tiers: tuple[str, ...] = Field((), description="API key tiers that get this class by default.")
+
+
+class SecretKeyRef(_Spec):
+    """A key of a Secret in the resource's namespace, mounted as a file (updates reach it live)."""
+
+    name: str = Field(min_length=1, description="The Secret's name.")
+    key: str = Field("keys", min_length=1, description="Its entry holding the API keys, one per line.")
 
 
 class Limit(_Spec):
@@ -93,7 +128,17 @@ class RoutingSpec(_Spec):
     max_in_flight_per_endpoint: int = Field(
         32, ge=1, description="Beyond this on every candidate, requests queue in the router by priority."
     )
-    queue_timeout_seconds: float = Field(30.0, gt=0, description="Longest wait in that queue, then 429.")
+    queue_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Longest wait in the router's queue: 429 when endpoints are at their limits, 503 with "
+        "Retry-After when none is ready (all loading or ejected).",
+    )
+    max_queued: int = Field(1024, ge=0, description="Requests the router holds at once; beyond it, 429.")
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="API keys (`KEY` or `KEY:TIER` per line) the routers require; rotation applies live.",
+    )
 
     @model_validator(mode="after")
     def _check_names(self) -> RoutingSpec:
@@ -150,8 +195,13 @@ class RouterConfig(_Spec):
     backends: tuple[Backend, ...] = ()
     discovery: Discovery = Discovery()
     api_keys: tuple[str, ...] = Field((), description="`KEY` or `KEY:TIER`; empty and no file = no auth.")
-    api_key_file: str | None = Field(None, description="Same format, one per line (a mounted Secret).")
+    api_key_file: str | None = Field(
+        None, description="Same format, one per line (a mounted Secret); re-read when it changes."
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    generation: int | None = Field(
+        None, description="The RoutingPolicy generation this file renders (reported at /v1/config)."
+    )
 
     @model_validator(mode="after")
     def _check_backends(self) -> RouterConfig:
@@ -167,11 +217,7 @@ class RouterConfig(_Spec):
 
     @classmethod
     def load(cls, path: str | Path) -> RouterConfig:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-            return cls.model_validate(data)
-        except (OSError, yaml.YAMLError, ValueError) as e:
-            raise ConfigError(f"invalid router config {path}: {e}") from e
+        return load_config(cls, path, "router config")
 
     def key_tiers(self) -> dict[str, str]:
         """API key -> tier ("default" when none is given)."""
@@ -181,11 +227,32 @@ class RouterConfig(_Spec):
                 lines += Path(self.api_key_file).read_text().splitlines()
             except OSError as e:
                 raise ConfigError(f"cannot read api_key_file {self.api_key_file}: {e}") from e
-        tiers: dict[str, str] = {}
-        for raw in lines:
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, _, tier = line.partition(":")
-            tiers[key.strip()] = tier.strip() or "default"
-        return tiers
+        return parse_key_lines(lines)
+
+
+def parse_key_lines(lines) -> dict[str, str]:
+    """`KEY` or `KEY:TIER` lines (blank lines and `#` comments skipped) -> {key: tier}."""
+    tiers: dict[str, str] = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, tier = line.partition(":")
+        tiers[key.strip()] = tier.strip() or "default"
+    return tiers
+
+
+# What a running router applies on a config change (dotted snake_case paths; a name covers its subtree).
+# `routing.router` (replica count) is the operator's business, so a change to it needs nothing here.
+LIVE_FIELDS: frozenset[str] = frozenset({"routing", "backends", "api_keys", "api_key_file", "generation"})
+# Everything else: the listening socket, discovery (probe tasks and watches are built at start), limits
+# of the HTTP server. Listed for `/v1/config` and the operator's pod-template hash.
+RESTART_FIELDS: tuple[str, ...] = tuple(
+    sorted(name for name in RouterConfig.model_fields if name not in LIVE_FIELDS)
+)
+
+
+def restart_only(config: RouterConfig) -> dict:
+    """The restart-only part of `config` (snake_case JSON), e.g. to hash into a pod template."""
+    data = config.model_dump(mode="json")
+    return {k: v for k, v in data.items() if k in RESTART_FIELDS}

@@ -1,9 +1,15 @@
 """The fleet: every endpoint the router knows, what it knows about them, and the routing decision.
 
 Owns the endpoint set, the exact and approximate prefix indexes, one monitor task and one KV-event follower
-per endpoint, and the strategy. Everything here runs on the event loop; discovery threads hop onto it.
-`pick()` is the decision: model targets (primary, then fallbacks) -> healthy untried endpoints -> prefix
-match per endpoint -> strategy.
+per endpoint, the strategy and the queue. Everything here runs on the event loop; discovery threads hop
+onto it. `pick()` is the decision: model targets (primary, then fallbacks) -> available untried endpoints
+-> prefix match per endpoint -> strategy. `apply()` takes a new config live: endpoints of unchanged
+backends, their prefix indexes and the strategy's history stay.
+
+What a pod is computing right now is known two ways, so requests sharing a prefix follow the first one
+while its prefill runs (before the pod's `stored` events exist): the pod's own `scheduled` events (every
+router following the pod sees them, so active-active replicas agree) and this router's recent routes
+(which cover the moments before the pod schedules the request).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
+from tokenfleet.runtime.router.health import Probe
 from tokenfleet.runtime.router.kv_events import KVEventFollower
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
@@ -54,16 +61,42 @@ class Fleet:
         self.session = session
         self.endpoints = EndpointSet(config.discovery)
         self.recent = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S)
-        self.exact = ExactPrefixIndex(on_removal=self.recent.forget)
+        # Blocks pods announced as being prefilled (`scheduled` events), keyed like the exact index.
+        self.scheduled = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S)
+        self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self.approx = ApproximatePrefixIndex(config.discovery.approximate_index_blocks)
         self.strategy = make_strategy(config.routing)
-        self.gate = PriorityGate()
+        self.gate = PriorityGate(config.routing.max_queued)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
+
+    def _evicted(self, endpoint_id: str) -> None:
+        """The pod reported an eviction: from now on its events alone say what it holds."""
+        self.recent.forget(endpoint_id)
+        self.scheduled.forget(endpoint_id)
+
+    # --- live policy --------------------------------------------------------------------------------
+
+    def apply(self, config: RouterConfig) -> None:
+        """A new config's live part: routing policy and the backend list (the caller syncs discovery)."""
+        self.config = config
+        self.strategy = make_strategy(config.routing, self.strategy)
+        self.gate.max_queued = config.routing.max_queued
+        self.gate.release()  # limits may have grown, or routes changed
 
     # --- membership ---------------------------------------------------------------------------------
 
     def sync_backend(self, backend: Backend, urls: Sequence[str]) -> None:
+        """Discovery's view of one backend. Ignored for a backend the config no longer names the same
+        way (a watch that was just stopped may still deliver one last update)."""
+        if backend not in self.config.backends:
+            return
+        self._sync(backend, urls)
+
+    def remove_backend(self, backend: Backend) -> None:
+        self._sync(backend, ())
+
+    def _sync(self, backend: Backend, urls: Sequence[str]) -> None:
         added, removed = self.endpoints.sync(backend, urls)
         for ep in removed:
             for task in self._tasks.pop(ep.id, []):
@@ -72,9 +105,10 @@ class Fleet:
             self.exact.clear(ep.id)
             self.approx.forget(ep.id)
             self.recent.forget(ep.id)
+            self.scheduled.forget(ep.id)
             self.metrics.forget_endpoint(ep.id)
         for ep in added:
-            self.metrics.healthy.labels(ep.id).set(1)
+            self.metrics.healthy.labels(ep.id).set(0)  # until a probe says it serves
             self.metrics.in_flight.labels(ep.id).set(0)
             d = self.config.discovery
             tasks = [
@@ -85,7 +119,7 @@ class Fleet:
                 )
             ]
             if d.kv_events:
-                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact)
+                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact, self.scheduled)
                 self._followers[ep.id] = follower
                 tasks.append(asyncio.create_task(follower.run()))
             self._tasks[ep.id] = tasks
@@ -101,22 +135,25 @@ class Fleet:
 
     # --- health -------------------------------------------------------------------------------------
 
-    def _probe_result(self, ep: Endpoint, ok: bool) -> None:
+    def _probe_result(self, ep: Endpoint, outcome: Probe) -> None:
         if ep.id in self.endpoints.by_id:
-            self.report(ep, ok)
+            self._record(ep, outcome)
             follower = self._followers.get(ep.id)
             self.metrics.events_live.labels(ep.id).set(1 if follower is not None and follower.live else 0)
 
     def report(self, ep: Endpoint, ok: bool) -> None:
-        """Passive and active outcomes both land here."""
+        """A request's outcome (passive health)."""
+        self._record(ep, Probe.OK if ok else Probe.FAILED)
+
+    def _record(self, ep: Endpoint, outcome: Probe) -> None:
         now = time.monotonic()
-        if ok:
-            if ep.health.record_success(now):
-                self.metrics.healthy.labels(ep.id).set(1)
-                self.gate.release()
-        elif ep.health.record_failure(now):
+        was_ejected = ep.health.ejected_until is not None
+        if ep.health.record(outcome, now):
+            self.gate.release()  # it takes traffic now: waiting requests may go
+        if ep.health.ejected_until is not None and not was_ejected:
             self.metrics.ejections.labels(ep.id).inc()
-            self.metrics.healthy.labels(ep.id).set(0)
+        if ep.id in self.endpoints.by_id:
+            self.metrics.healthy.labels(ep.id).set(1 if ep.health.is_available(now) else 0)
 
     def kv_events_live(self) -> dict[str, bool]:
         """Per endpoint: is the exact index following its KV-event stream right now?"""
@@ -138,8 +175,20 @@ class Fleet:
         self.gate.release()
 
     def has_capacity(self, targets: Sequence[RouteTarget]) -> bool:
+        """Can one of `targets`' endpoints take a request now (available, below the in-flight limit)?"""
         limit = self.config.routing.max_in_flight_per_endpoint
         return any(ep.in_flight < limit for ep in self.healthy_endpoints(targets))
+
+    def retry_after(self, targets: Sequence[RouteTarget]) -> float:
+        """Seconds a refused client should wait: until the first ejection ends, else a probe interval."""
+        now = time.monotonic()
+        ends = [
+            ep.health.ejected_until - now
+            for t in targets
+            for ep in self.endpoints.of_backends(t.backends)
+            if ep.health.ejected_until is not None
+        ]
+        return max(min(ends, default=1.0), 1.0)
 
     # --- the decision -------------------------------------------------------------------------------
 
@@ -224,6 +273,7 @@ class Fleet:
                 pos = follower.position
                 exact_h = hashes(pos.block_size, pos.hash_extra)
                 held = self.exact.match(exact_h, [ep.id])[ep.id]
+                held = max(held, self.scheduled.match(exact_h, [ep.id])[ep.id])
                 if pos.block_size == default_bs:  # same block units: add what is still being prefilled there
                     held = max(held, self.recent.match(approx_h, [ep.id])[ep.id])
                 matches[ep.id] = held

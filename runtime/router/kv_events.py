@@ -2,7 +2,10 @@
 
 `apply_reply` is the pure part (tested on its own); `KVEventFollower` long-polls a pod. When the stream fails,
 the pod's exact entries are dropped (they would go stale silently) and `live` turns False, so routing falls
-back to the approximate index for that pod until a resync succeeds.
+back to the approximate index for that pod until a resync succeeds. A new follower (a router that just
+started) gets the pod's whole cached set in its first reply, so its index is warm after one round trip.
+`scheduled` events (blocks a pod started to prefill) go to a short-lived index of their own: they say
+"being computed there", not "held there", and expire unless `stored` events confirm them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
-from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex
+from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,9 @@ class StreamPosition:
     hash_extra: tuple[str | int | None, ...]
 
 
-def apply_reply(index: ExactPrefixIndex, endpoint_id: str, reply: dict) -> StreamPosition:
+def apply_reply(
+    index: ExactPrefixIndex, endpoint_id: str, reply: dict, scheduled: RecentRoutes | None = None
+) -> StreamPosition:
     """Apply one `/v1/kv-events` reply; raises ValueError on a malformed one (the caller resyncs)."""
     try:
         events = reply["events"]
@@ -44,6 +49,9 @@ def apply_reply(index: ExactPrefixIndex, endpoint_id: str, reply: dict) -> Strea
             index.removed(endpoint_id, hashes)
         elif kind == "cleared":
             index.clear(endpoint_id)
+        elif kind == "scheduled":
+            if scheduled is not None and hashes:
+                scheduled.record(endpoint_id, hashes)
         else:
             raise ValueError(f"unknown kv event type {kind!r}")
     return position
@@ -58,6 +66,7 @@ class KVEventFollower:
         base_url: str,
         endpoint_id: str,
         index: ExactPrefixIndex,
+        scheduled: RecentRoutes | None = None,
         wait_seconds: float = 2.0,
         retry_seconds: float = 1.0,
     ) -> None:
@@ -65,6 +74,7 @@ class KVEventFollower:
         self._url = base_url.rstrip("/") + "/v1/kv-events"
         self.endpoint_id = endpoint_id
         self._index = index
+        self._scheduled = scheduled
         self._wait = wait_seconds
         self._retry = retry_seconds
         self.position: StreamPosition | None = None
@@ -79,7 +89,7 @@ class KVEventFollower:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status)
             reply = await resp.json()
-        self.position = apply_reply(self._index, self.endpoint_id, reply)
+        self.position = apply_reply(self._index, self.endpoint_id, reply, self._scheduled)
         self.live = True
 
     def _drop(self) -> None:

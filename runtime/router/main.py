@@ -8,10 +8,11 @@ import logging
 import sys
 
 from aiohttp import web
+from tokenfleet.runtime.config_file import with_overrides
 from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.openai.translate import Tokenizer
 from tokenfleet.runtime.router.app import build_app
 from tokenfleet.runtime.router.config import RouterConfig
-from tokenfleet.runtime.openai.translate import Tokenizer
 
 
 def load_tokenizer(source: str) -> Tokenizer:
@@ -41,18 +42,18 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = RouterConfig.load(args.config)
+        config = with_overrides(
+            RouterConfig.load(args.config), {"host": args.host, "port": args.port}, "router config"
+        )
     except ConfigError as e:
         print(f"tokenfleet route: {e}", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        config = config.model_copy(update=overrides)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(build_app(config, load_tokenizer), host=config.host, port=config.port, print=None)
+    app = build_app(config, load_tokenizer, config_path=args.config)
+    web.run_app(app, host=config.host, port=config.port, print=None)
     return 0

@@ -59,6 +59,27 @@ class RouterMetrics:
         self.queue_waiting = Gauge(
             PREFIX + "queue_waiting", "Requests waiting for capacity in the router.", registry=r
         )
+        # The demand signal for scaling, from zero too: requests held because no endpoint of the model
+        # could take them (none ready, all ejected or at their limit).
+        self.pending = Gauge(
+            PREFIX + "pending_requests",
+            "Requests held in the router's queue, by requested model.",
+            ["model"],
+            registry=r,
+        )
+        self.config_generation = Gauge(
+            PREFIX + "config_generation",
+            "The RoutingPolicy generation of the config in effect (-1: none given).",
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            PREFIX + "config_reloads", "Config file changes applied live.", registry=r
+        )
+        self.config_restart_pending = Gauge(
+            PREFIX + "config_restart_pending",
+            "1 when the config file has changes that need a router restart.",
+            registry=r,
+        )
 
     def forget_endpoint(self, endpoint: str) -> None:
         for g in (self.in_flight, self.healthy, self.events_live):

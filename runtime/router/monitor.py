@@ -1,8 +1,13 @@
-"""Active checks of one endpoint: its load figures (`GET /load`) often, its health (`GET /health`) less often.
+"""Active checks of one endpoint: its load figures (`GET /load`) often, its readiness less often.
 
-A failed probe counts like a failed request (see health.py); a pod that answers /health with a non-200
-(engine dead or stuck) is ejected even though its HTTP server is up. A pod without `/load` (404) is not
-unhealthy: it just contributes no load figures, and the router's own in-flight count stands in.
+Each tick reads `/load`; every `health_every` ticks, and on every tick while the endpoint is out of
+rotation, it also asks `/ready` (a pod without `/ready` is asked `/health`). Outcomes (health.py):
+- OK: `/load` answered (404 too: a pod without it contributes no figures, the router's in-flight count
+  stands in) and readiness, when asked, said 200;
+- NOT_READY: the pod says it is loading or draining (503 on `/load`, or `/ready` 503 with any status but
+  "unhealthy"), or nothing listens yet on an endpoint that never served (its process is starting);
+- FAILED: anything else — 5xx, timeouts, a dead engine ("unhealthy"), a refused connection from a pod
+  that was serving.
 """
 
 from __future__ import annotations
@@ -13,29 +18,57 @@ from collections.abc import Callable
 
 import aiohttp
 from tokenfleet.runtime.router.endpoints import Endpoint
+from tokenfleet.runtime.router.health import Probe
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
-async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> bool:
-    """Refresh `ep`'s load figures; False when the pod could not be reached or answered 5xx."""
+async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
+    """Refresh `ep`'s load figures."""
     async with session.get(ep.url + "/load", timeout=PROBE_TIMEOUT) as resp:
         if resp.status == 404:
-            return True
+            return Probe.OK
+        if resp.status == 503:
+            return Probe.NOT_READY
         if resp.status != 200:
-            return False
+            return Probe.FAILED
         data = await resp.json()
     ep.num_running = int(data.get("num_running", 0))
     ep.num_waiting = int(data.get("num_waiting", 0))
     ep.kv_cache_usage = float(data.get("kv_cache_usage", 0.0))
-    return True
+    return Probe.OK
 
 
-async def probe_health(session: aiohttp.ClientSession, ep: Endpoint) -> bool:
+async def probe_ready(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
+    async with session.get(ep.url + "/ready", timeout=PROBE_TIMEOUT) as resp:
+        if resp.status == 200:
+            return Probe.OK
+        if resp.status == 503:
+            try:
+                status = (await resp.json()).get("status")
+            except (aiohttp.ContentTypeError, ValueError, AttributeError):
+                status = None
+            return Probe.FAILED if status == "unhealthy" else Probe.NOT_READY
+        if resp.status != 404:
+            return Probe.FAILED
     async with session.get(ep.url + "/health", timeout=PROBE_TIMEOUT) as resp:
-        return resp.status == 200
+        return Probe.OK if resp.status == 200 else Probe.FAILED
+
+
+async def probe_once(session: aiohttp.ClientSession, ep: Endpoint, check_ready: bool) -> Probe:
+    try:
+        outcome = await probe_load(session, ep)
+        if outcome is Probe.OK and check_ready:
+            outcome = await probe_ready(session, ep)
+        return outcome
+    except aiohttp.ClientConnectorError as e:
+        log.debug("probe of %s: cannot connect: %s", ep.url, e)
+        return Probe.FAILED if ep.health.ever_ready else Probe.NOT_READY
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        log.debug("probe of %s failed: %s", ep.url, e)
+        return Probe.FAILED
 
 
 async def monitor_endpoint(
@@ -43,19 +76,12 @@ async def monitor_endpoint(
     ep: Endpoint,
     interval: float,
     health_every: int,
-    on_result: Callable[[Endpoint, bool], None],
+    on_result: Callable[[Endpoint, Probe], None],
 ) -> None:
-    """Probe until cancelled; `on_result(ep, ok)` applies each outcome (health state, metrics, waiters)."""
+    """Probe until cancelled; `on_result(ep, outcome)` applies each outcome (health, metrics, waiters)."""
     tick = 0
     while True:
-        ok = True
-        try:
-            ok = await probe_load(session, ep)
-            if ok and (tick % health_every == 0 or not ep.health.is_available(0.0)):
-                ok = await probe_health(session, ep)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            log.debug("probe of %s failed: %s", ep.url, e)
-            ok = False
-        on_result(ep, ok)
+        check_ready = tick % health_every == 0 or not ep.health.is_available(0.0)
+        on_result(ep, await probe_once(session, ep, check_ready))
         tick += 1
         await asyncio.sleep(interval)

@@ -82,6 +82,9 @@ def sse_error(message: str) -> bytes:
 
 
 def request_headers(incoming, priority: int) -> dict[str, str]:
+    """Headers for the pod. `x-tokenfleet-priority` carries the request's priority number unchanged: it
+    means on the pod what it means here (lower = sooner, preempted later), and the pod uses it when the
+    body sets no `priority` of its own."""
     headers = {k: incoming[k] for k in _FORWARD_REQUEST if k in incoming}
     headers["x-tokenfleet-priority"] = str(priority)
     return headers

@@ -46,6 +46,10 @@ class RateLimiter:
         self._buckets: dict[tuple[str, str], Bucket] = {}
         self._max_keys = max_keys
 
+    def set_limits(self, limits: RateLimits) -> None:
+        """New limits (a live policy change): buckets whose per-minute rate changed start over full."""
+        self._limits = limits
+
     def limit_for(self, tier: str) -> Limit:
         return self._limits.tiers.get(tier, self._limits)
 

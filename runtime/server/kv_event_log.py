@@ -15,12 +15,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from aiohttp import web
-from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tokenfleet.runtime.engine.kv_cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    PrefillScheduled,
+)
 from tokenfleet.runtime.kv_wire import EVENT_TYPES, MAX_WAIT_SECONDS, KVEvent, LoadReport
 
 
-def normalize_event(event: KVEvent | BlockStored | BlockRemoved | AllBlocksCleared) -> KVEvent:
-    """The block pool's events (`BlockPool.take_events()`) as wire events."""
+def normalize_event(
+    event: KVEvent | BlockStored | BlockRemoved | AllBlocksCleared | PrefillScheduled,
+) -> KVEvent:
+    """The engine's events (the block pool's, and prefills being scheduled) as wire events."""
     if isinstance(event, KVEvent):
         if event.type not in EVENT_TYPES:
             raise ValueError(f"unknown KV event type {event.type!r}")
@@ -31,6 +38,8 @@ def normalize_event(event: KVEvent | BlockStored | BlockRemoved | AllBlocksClear
         return KVEvent("removed", tuple(event.block_hashes))
     if isinstance(event, AllBlocksCleared):
         return KVEvent("cleared")
+    if isinstance(event, PrefillScheduled):
+        return KVEvent("scheduled", tuple(event.block_hashes))
     raise TypeError(f"not a KV event: {event!r}")
 
 
@@ -63,8 +72,9 @@ class KVEventLog:
                     self._cached.update(e.block_hashes)
                 elif e.type == "removed":
                     self._cached.difference_update(e.block_hashes)
-                else:
+                elif e.type == "cleared":
                     self._cached.clear()
+                # "scheduled" changes nothing cached: it only tells followers what is being computed
             self._seq += 1
             self._batches.append((self._seq, batch))
             waiters, self._waiters = self._waiters, []

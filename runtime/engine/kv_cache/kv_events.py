@@ -32,4 +32,14 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True)
+class PrefillScheduled:
+    """A request was scheduled for the first time: its prompt's full blocks are being computed here.
+
+    Not a cache change (the pool emits `BlockStored` once the KV is written); it lets routers send
+    requests sharing this prefix here while the prefill runs, before those blocks are stored."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | PrefillScheduled

@@ -168,12 +168,13 @@ def make_pod(tokenizer):
 
 @pytest.fixture
 def start_router(serve_app, tokenizer):
-    """`async with start_router(backends, routing=..., discovery=...) as (url, router_state)`."""
+    """`async with start_router(backends, routing=..., discovery=...) as (url, router_state)`; by default
+    waits (up to 2 s) until every endpoint has answered a probe as serving."""
     from tokenfleet.runtime.router.app import ROUTER, build_app
     from tokenfleet.runtime.router.config import RouterConfig
 
     @contextlib.asynccontextmanager
-    async def start(backends, routing=None, discovery=None, **extra):
+    async def start(backends, routing=None, discovery=None, config_path=None, wait_ready=True, **extra):
         cfg = RouterConfig.model_validate(
             {
                 "backends": backends,
@@ -182,10 +183,18 @@ def start_router(serve_app, tokenizer):
                 **extra,
             }
         )
-        app = build_app(cfg, lambda source: tokenizer)
+        app = build_app(cfg, lambda source: tokenizer, config_path=config_path)
         async with serve_app(app) as url:
-            await app[ROUTER].tokenizers_loaded()
-            yield url, app[ROUTER]
+            router = app[ROUTER]
+            await router.tokenizers_loaded()
+            if wait_ready:  # the first probes: endpoints take traffic only once one says they serve
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 2.0
+                while loop.time() < deadline and not all(
+                    router.fleet.available(ep) for ep in router.fleet.endpoints.by_id.values()
+                ):
+                    await asyncio.sleep(0.01)
+            yield url, router
 
     return start
 

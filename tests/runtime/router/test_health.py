@@ -1,15 +1,38 @@
-"""Passive/active health: ejection after consecutive failures, back-off, re-admission."""
+"""Endpoint health: not ready is not failing; ejection after consecutive failures, back-off, re-admission."""
 
 from __future__ import annotations
 
 from tokenfleet.runtime.router.config import Discovery
-from tokenfleet.runtime.router.health import HealthState
+from tokenfleet.runtime.router.health import HealthState, Probe
 
 POLICY = Discovery(failure_threshold=3, ejection_seconds=5.0, max_ejection_seconds=60.0)
 
 
-def test_ejected_after_threshold_consecutive_failures_only():
+def serving() -> HealthState:
     h = HealthState(POLICY)
+    assert h.record_success(0.0)
+    return h
+
+
+def test_an_endpoint_takes_traffic_only_once_a_probe_says_it_serves():
+    h = HealthState(POLICY)
+    assert not h.is_available(0.0)
+    assert h.record(Probe.OK, 0.1) is True  # became available: waiting requests are woken
+    assert h.is_available(0.1)
+    assert h.record(Probe.OK, 0.2) is False  # already was
+
+
+def test_a_loading_pod_is_not_ready_never_ejected_and_joins_on_the_first_good_probe():
+    h = HealthState(POLICY)
+    for i in range(20):  # a long model load: many "loading" answers
+        h.record(Probe.NOT_READY, i * 0.5)
+    assert h.ejected_until is None and h.num_ejections == 0 and not h.is_available(10.0)
+    assert h.record(Probe.OK, 10.5)
+    assert h.is_available(10.5)
+
+
+def test_ejected_after_threshold_consecutive_failures_only():
+    h = serving()
     assert not h.record_failure(0.0)
     assert not h.record_failure(0.1)
     h.record_success(0.2)  # the run is broken
@@ -19,18 +42,23 @@ def test_ejected_after_threshold_consecutive_failures_only():
     assert not h.is_available(0.5)
 
 
-def test_readmitted_only_after_the_period_and_a_success():
-    h = HealthState(POLICY)
-    for t in (0.0, 0.1, 0.2):
+def test_a_successful_probe_cuts_the_ejection_short():
+    h = serving()
+    for t in (1.0, 1.1, 1.2):
         h.record_failure(t)
-    assert not h.record_success(3.0)  # too early: still ejected
     assert not h.is_available(3.0)
-    assert h.record_success(5.3)
-    assert h.is_available(5.3)
+    assert h.record(Probe.OK, 3.0)  # well before the 5 s period ends
+    assert h.is_available(3.0)
+
+
+def test_draining_takes_an_endpoint_out_without_a_failure():
+    h = serving()
+    h.record(Probe.NOT_READY, 1.0)
+    assert not h.is_available(1.0) and h.consecutive_failures == 0 and h.ejected_until is None
 
 
 def test_reejection_backs_off_exponentially_up_to_the_cap():
-    h = HealthState(POLICY)
+    h = serving()
     now, periods = 0.0, []
     for _ in range(6):
         for _ in range(3):
@@ -42,7 +70,7 @@ def test_reejection_backs_off_exponentially_up_to_the_cap():
 
 
 def test_failed_probe_while_ejected_extends_without_counting_a_new_ejection():
-    h = HealthState(POLICY)
+    h = serving()
     for t in (0.0, 0.0, 0.0):
         h.record_failure(t)
     h.record_failure(6.0)  # the period passed but the pod is still down

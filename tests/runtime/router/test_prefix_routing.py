@@ -62,7 +62,9 @@ async def test_eviction_seen_through_events_stops_the_affinity(serve_app, start_
     pods = [make_pod() for _ in range(2)]
     async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
         urls = [u0, u1]
-        async with start_router(backends(urls), {"strategy": "prefix-affinity"}) as (url, router):
+        # Affinity unbounded: this is about what the index knows, not about spreading load.
+        routing = {"strategy": "prefix-affinity", "balance": {"maxRatio": None}}
+        async with start_router(backends(urls), routing) as (url, router):
             await wait_until(lambda: all(router.fleet.kv_events_live().values()))
             _, ep, _ = await send(url, chat(0, "w1"))
             pod = pods[urls.index(ep)]
@@ -97,7 +99,7 @@ async def test_without_events_the_approximate_index_keeps_affinity(serve_app, st
     pods = [make_pod() for _ in range(3)]
     async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1, serve_app(pods[2].app()) as u2:
         urls = [u0, u1, u2]
-        routing = {"strategy": "prefix-affinity"}
+        routing = {"strategy": "prefix-affinity", "balance": {"maxRatio": None}}
         async with start_router(backends(urls), routing, discovery={"kvEvents": False}) as (url, _):
             _, home, _ = await send(url, chat(1, "w5"))
             for turn in range(3):

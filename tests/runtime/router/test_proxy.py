@@ -59,14 +59,16 @@ async def test_retries_connect_failures_and_5xx_before_the_first_byte(
     bad.fail_status = 503
     async with contextlib.AsyncExitStack() as stack:
         good_url = await stack.enter_async_context(serve_app(good.app(), good_port))
-        bad_url = f"http://127.0.0.1:{bad_port}"
-        if failure == "5xx":
-            await stack.enter_async_context(serve_app(bad.app(), bad_port))
+        bad_stack = await stack.enter_async_context(contextlib.AsyncExitStack())
+        bad_url = await bad_stack.enter_async_context(serve_app(bad.app(), bad_port))
         backends = [backend("bad", bad_url), backend("good", good_url)]
         routing = {"strategy": "round-robin", "retries": {"maxAttempts": 3}}
         url, router = await stack.enter_async_context(
             start_router(backends, routing, discovery={"probeIntervalSeconds": 30})
         )
+        assert all(router.fleet.available(ep) for ep in router.fleet.endpoints.by_id.values())
+        if failure == "connect":
+            await bad_stack.aclose()  # the pod dies after its probe said it serves
         status, headers, body = await post(url, completion())
         assert status == 200, body
         assert headers["x-tokenfleet-endpoint"] == good_url
@@ -193,26 +195,31 @@ async def test_active_health_ejects_and_readmits(serve_app, start_router, make_p
             assert f'tokenfleet:router_endpoint_healthy{{endpoint="{ua}"}} 1.0' in text
 
 
-async def test_no_healthy_endpoint_is_a_fast_503(serve_app, start_router, closed_port_url, wait_until):
-    async with start_router([backend("a", closed_port_url)], discovery={"failureThreshold": 1}) as (
-        url,
-        router,
-    ):
-        await wait_until(
-            lambda: not any(router.fleet.available(e) for e in router.fleet.endpoints.by_id.values())
-        )
-        status, headers, _ = await asyncio.wait_for(post(url, completion()), 2.0)
+async def test_no_ready_endpoint_holds_the_request_then_503_with_retry_after(
+    serve_app, start_router, closed_port_url
+):
+    routing = {"queueTimeoutSeconds": 0.5}
+    async with start_router([backend("a", closed_port_url)], routing, wait_ready=False) as (url, router):
+        task = asyncio.create_task(post(url, completion()))
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            assert 'tokenfleet:router_pending_requests{model="m"} 1.0' in await r.text()
+        assert not task.done()  # held, not refused
+        status, headers, body = await asyncio.wait_for(task, 3.0)
         assert status == 503 and headers["Retry-After"] == "1"
+        assert json.loads(body)["error"]["code"] == "no_healthy_endpoint"
+        assert router.fleet.gate.num_waiting() == 0
         async with aiohttp.ClientSession() as s, s.get(url + "/ready") as r:
             assert r.status == 503
 
 
-async def test_higher_priority_waiters_go_first(serve_app, start_router, make_pod, wait_until):
+async def test_lower_priority_numbers_wait_less(serve_app, start_router, make_pod, wait_until):
     pod = make_pod()
     pod.delay = 0.3
     routing = {
         "maxInFlightPerEndpoint": 1,
-        "priorityClasses": [{"name": "batch", "priority": -5}, {"name": "interactive", "priority": 5}],
+        # Lower is sooner, in the router's queue as on the pod.
+        "priorityClasses": [{"name": "batch", "priority": 5}, {"name": "interactive", "priority": -5}],
     }
     async with (
         serve_app(pod.app()) as pod_url,
@@ -226,7 +233,9 @@ async def test_higher_priority_waiters_go_first(serve_app, start_router, make_po
         results = await asyncio.gather(first, low, high)
         assert [r[0] for r in results] == [200, 200, 200]
         assert [r["payload"]["prompt"] for r in pod.requests] == ["w0", "w2", "w1"]
-        assert pod.requests[1]["headers"]["x-tokenfleet-priority"] == "5"
+        # The pod gets the same number, with the same meaning.
+        assert pod.requests[1]["headers"]["x-tokenfleet-priority"] == "-5"
+        assert pod.requests[2]["headers"]["x-tokenfleet-priority"] == "5"
         status, _, _ = await post(url, completion(), {"x-priority-class": "vip"})
         assert status == 400
 
