@@ -299,6 +299,8 @@ def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}],
         "resources": _resources(spec),
         "volumeMounts": mounts,
+        # A crash's last log lines become lastState.terminated.message (and so the ModelDeployment's status).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": csc,
         **_probes(gpu),
     }

@@ -38,6 +38,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("v1", "configmaps"),
+    "Pod": Kind("v1", "pods"),
     "Service": Kind("v1", "services"),
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Deployment": Kind("apps/v1", "deployments"),
@@ -87,6 +88,9 @@ class Kube:
 
     def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:
         return list(self._call("GET", KINDS[kind].path(namespace)).get("items", []))
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self._call("GET", KINDS[kind].path(namespace), labelSelector=label_selector)["items"]
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply `obj` (which names its namespace); returns the object as stored."""

@@ -111,8 +111,10 @@ def reconcile_model_deployment(
             )
     # Read the Deployment right before writing status so a concurrent reconcile cannot leave a staler view.
     deployment = ctx.kube.get("Deployment", namespace, name) if outcome.config_error is None else None
+    # The pods say why a rollout does not progress (a crash loop, an unschedulable pod).
+    pods = ctx.kube.list("Pod", namespace, selector_string(name)) if deployment is not None else []
     previous = body.get("status") or {}
-    status = model_deployment_status(outcome, deployment, generation, previous, ctx.now())
+    status = model_deployment_status(outcome, deployment, generation, previous, ctx.now(), pods)
     if status_changed(previous, status):
         ctx.kube.patch_status("ModelDeployment", namespace, name, status)
         _announce(body, previous, status)

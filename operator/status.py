@@ -65,12 +65,42 @@ def rollout_state(deployment: dict[str, Any] | None, desired: int) -> tuple[str,
     return "Progressing", replicas, ready, f"{ready}/{desired} replicas ready, rollout in progress"
 
 
+# Container states that keep a pod from ever becoming ready on its own: worth naming in the status.
+_STUCK = frozenset({"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+                    "ErrImagePull", "ImagePullBackOff", "InvalidImageName"})  # fmt: skip
+_MESSAGE_CHARS = 600
+
+
+def pod_trouble(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) for the first pod (by name) that is stuck: a container in CrashLoopBackOff or
+    another stuck state (with its last termination message), or a pod the scheduler cannot place (with the
+    scheduler's reason). None when every pod is merely on its way."""
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _STUCK:
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                said = (last.get("message") or waiting.get("message") or "").strip()[-_MESSAGE_CHARS:]
+                code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
+                return waiting[
+                    "reason"
+                ], f"pod {name}: container {cs['name']} {waiting['reason']}{code}: {said}"
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                return cond.get("reason") or "Unschedulable", f"pod {name}: {cond.get('message', '')}"
+    return None
+
+
 def model_deployment_status(
     outcome: ReconcileOutcome,
     deployment: dict[str, Any] | None,
     generation: int,
     previous: dict[str, Any] | None,
     now: str,
+    pods: list[dict[str, Any]] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """The whole `status` (camelCase) to write; equal inputs give an equal dict."""
     prev_conditions = list((previous or {}).get("conditions") or [])
@@ -111,6 +141,11 @@ def model_deployment_status(
         }
     phase, replicas, ready, message = rollout_state(deployment, outcome.desired_replicas)
     reason = {"Ready": "ReplicasReady", "Progressing": "RollingOut", "Degraded": "ReplicasUnavailable"}
+    # Not ready because a pod is stuck: say why (the container's last words, the scheduler's reason).
+    trouble = pod_trouble(list(pods)) if phase != "Ready" else None
+    if trouble is not None:
+        reason = {phase: trouble[0]}
+        message = f"{message}; {trouble[1]}"
     return {
         **base,
         "phase": phase,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tokenfleet.operator.status import (
     ReconcileOutcome,
     model_deployment_status,
+    pod_trouble,
     rollout_state,
     status_changed,
 )
@@ -74,3 +75,32 @@ def test_invalid_spec_and_missing_policy():
 def test_status_changed_treats_missing_as_none():
     assert not status_changed({"phase": "Ready"}, {"phase": "Ready", "endpoint": None})
     assert status_changed({"phase": "Ready"}, {"phase": "Degraded"})
+
+
+def _pod(name, container_statuses=(), conditions=(), deleting=False):
+    meta = {"name": name, **({"deletionTimestamp": NOW} if deleting else {})}
+    return {
+        "metadata": meta,
+        "status": {"containerStatuses": list(container_statuses), "conditions": list(conditions)},
+    }
+
+
+def test_a_stuck_pod_says_why_the_deployment_is_not_ready():
+    crash = {"name": "runtime", "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+             "lastState": {"terminated": {"exitCode": 1, "message": "ConfigError: model 'x' is unknown\n"}}}  # fmt: skip
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}  # fmt: skip
+    starting = {"name": "runtime", "state": {"waiting": {"reason": "ContainerCreating"}}}
+    assert pod_trouble([_pod("a", [starting])]) is None  # on its way: nothing to explain
+    assert pod_trouble([_pod("b", [crash], deleting=True)]) is None  # going away anyway
+    assert pod_trouble([_pod("b", [crash]), _pod("a", conditions=[unschedulable])]) == (
+        "Unschedulable",
+        "pod a: 0/2 nodes are available: 2 Insufficient nvidia.com/gpu.",
+    )  # the first pod by name
+    st = model_deployment_status(OK, _dep(ready=0, updated=2), 3, None, NOW, [_pod("b", [crash])])
+    ready = {c["type"]: c for c in st["conditions"]}["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "CrashLoopBackOff"
+    assert ready["message"].endswith("pod b: container runtime CrashLoopBackOff (exit code 1): "
+                                     "ConfigError: model 'x' is unknown")  # fmt: skip
+    # A Ready deployment is not second-guessed by a pod's past.
+    assert model_deployment_status(OK, _dep(), 3, None, NOW, [_pod("b", [crash])])["phase"] == "Ready"
