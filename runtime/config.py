@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from tokenfleet.runtime.config_file import load_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -46,7 +46,7 @@ class ModelConfig(_Strict):
 
 
 class CacheConfig(_Strict):
-    block_size: int = Field(16, description="Tokens per KV block.")
+    block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="Tokens per KV block.")
     enable_prefix_caching: bool = True
     num_blocks: int | None = Field(None, gt=0, description="Fixed KV block count; overrides the budgets.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: fraction of device memory.")
@@ -65,12 +65,6 @@ class CacheConfig(_Strict):
     max_pinned_fraction: float = Field(0.25, ge=0, le=1)
     cpu_offload_gib: float = Field(0.0, ge=0, description="Host-memory tier for evicted KV blocks; 0 = off.")
 
-    @model_validator(mode="after")
-    def _check_block_size(self) -> CacheConfig:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
-        return self
-
 
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(64, gt=0, description="Most requests running in one step.")
@@ -88,6 +82,16 @@ class SpeculativeConfig(_Strict):
     ngram_max: int = Field(4, ge=1)
 
 
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Shards of one model (Megatron-style tensor parallelism), one worker process and one "
+        "device each; heads, KV heads, vocabulary and experts must divide by it.",
+    )
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -98,12 +102,22 @@ class ServerConfig(_Strict):
     health_stall_seconds: float = Field(30.0, gt=0, description="/health fails when work waits this long.")
 
 
+class MetricsConfig(_Strict):
+    naming: Literal["tokenfleet", "vllm"] = Field(
+        "tokenfleet",
+        description="Metric names on /metrics: `tokenfleet:*`, or vLLM's `vllm:*` names, types and labels "
+        "for what vLLM also reports (endpoint pickers, KEDA/Prometheus rules and dashboards written for vLLM).",
+    )
+
+
 class RuntimeConfig(_Strict):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @classmethod
     def load(cls, path: str | Path) -> RuntimeConfig:

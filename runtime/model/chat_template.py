@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest
@@ -45,6 +46,17 @@ def compile_chat_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"invalid chat template: {e}") from e
+
+
+@functools.lru_cache(maxsize=16)
+def template_supports_tools(source: str) -> bool:
+    """Whether the template renders a `tools` variable (HF's convention for tool-aware templates): a template
+    that ignores it would silently drop the tool definitions from the prompt."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    try:
+        return "tools" in meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateSyntaxError:
+        return False
 
 
 def render_chat_template(

@@ -16,6 +16,7 @@ from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import get_attention_backend, resolve_backend_name
 from tokenfleet.runtime.model.checkpoint import Checkpoint
 from tokenfleet.runtime.model.fp8 import quantize_model_fp8
+from tokenfleet.runtime.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
@@ -41,6 +42,7 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     attention_backend: str
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -126,4 +128,5 @@ def load_model(
         max_model_len=max_model_len,
         dtype=dtype,
         attention_backend=backend_name,
+        generation_defaults=read_generation_defaults(source),
     )

@@ -6,11 +6,14 @@ the tokenizer is passed in (anything with `encode`, `decode` and `apply_chat_tem
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
+from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
 from tokenfleet.runtime.errors import InvalidRequest
 from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -20,7 +23,9 @@ M = TypeVar("M", bound=BaseModel)
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = ...) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = ..., **extra: Any
+    ) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +57,72 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "body"
 
 
-def _base_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+# Sampling fields a model's generation defaults may supply (vLLM's `--generation-config auto`).
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _sampling_value(req: SamplingFields, name: str, defaults: Mapping[str, float]) -> Any:
+    """The request's value when it set the field, else the model's default, else OpenAI's neutral value."""
+    if name in req.model_fields_set and getattr(req, name) is not None:
+        return getattr(req, name)
+    return defaults.get(name, _NEUTRAL[name])
+
+
+def structured_output_spec(req: SamplingFields) -> GrammarSpec | None:
+    """The grammar `response_format` / `structured_outputs` ask for (at most one of them may)."""
+    specs: list[GrammarSpec] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        specs.append(GrammarSpec.json_object())
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise InvalidRequest("response_format json_schema needs `json_schema`", param="response_format")
+        specs.append(GrammarSpec.json_schema(rf.json_schema.json_schema, strict=bool(rf.json_schema.strict)))
+    so = req.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None}
+        if len(given) != 1:
+            raise InvalidRequest(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, structural_tag",
+                param="structured_outputs",
+            )
+        kind, value = next(iter(given.items()))
+        if kind == "json":
+            specs.append(GrammarSpec.json_schema(json.loads(value) if isinstance(value, str) else value))
+        elif kind == "regex":
+            specs.append(GrammarSpec.regex(value))
+        elif kind == "choice":
+            specs.append(GrammarSpec.choice(value))
+        elif kind == "grammar":
+            specs.append(GrammarSpec.grammar(value))
+        else:
+            specs.append(GrammarSpec.structural_tag(json.loads(value) if isinstance(value, str) else value))
+    if len(specs) > 1:
+        raise InvalidRequest(
+            "set response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    return specs[0] if specs else None
+
+
+def _base_params(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, float],
+    grammar: GrammarSpec | None,
+) -> SamplingParams:
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # SamplingParams validates every range (n, temperature, top_p, max_tokens, ...) with `param` set.
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
+        temperature=_sampling_value(req, "temperature", defaults),
+        top_p=_sampling_value(req, "top_p", defaults),
+        top_k=_sampling_value(req, "top_k", defaults),
+        min_p=_sampling_value(req, "min_p", defaults),
+        repetition_penalty=_sampling_value(req, "repetition_penalty", defaults),
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         seed=req.seed,
@@ -75,29 +134,37 @@ def _base_params(req: SamplingFields, max_tokens: int | None, logprobs: int | No
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        structured_output=grammar,
     )
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, defaults: Mapping[str, float] | None = None) -> SamplingParams:
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of different from n is not supported", param="best_of")
     if req.echo and req.logprobs is not None:
         raise InvalidRequest("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    return _base_params(req, req.max_tokens, req.logprobs)
+    return _base_params(req, req.max_tokens, req.logprobs, defaults or {}, structured_output_spec(req))
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools:
-        raise InvalidRequest("tools are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest("only response_format {'type': 'text'} is supported", param="response_format")
+def chat_params(
+    req: ChatCompletionRequest,
+    defaults: Mapping[str, float] | None = None,
+    tool_constraint: GrammarSpec | None = None,
+) -> SamplingParams:
+    """`tool_constraint`: the grammar of a forced tool call (tool_choice required / named), if any."""
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _base_params(req, max_tokens, logprobs)
+    grammar = structured_output_spec(req)
+    if grammar is not None and tool_constraint is not None:
+        raise InvalidRequest(
+            "a forced tool call cannot be combined with response_format / structured_outputs",
+            param="tool_choice",
+        )
+    return _base_params(req, max_tokens, logprobs, defaults or {}, grammar or tool_constraint)
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
@@ -149,14 +216,42 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = msg.content or ""
         # OpenAI renamed `system` to `developer` for newer models; the templates we load know `system`.
         role = "system" if msg.role == "developer" else msg.role
-        entry = {"role": role, "content": content}
+        entry: dict[str, Any] = {"role": role, "content": content}
         if msg.name:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            # HF templates (Qwen, Hermes, Llama 3) render arguments as a mapping (`arguments | tojson`).
+            entry["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": _arguments(tc.function.arguments, i)},
+                }
+                for tc in msg.tool_calls
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> Prompt:
-    text = tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+def _arguments(text: str, i: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise InvalidRequest(
+            "tool call arguments must be JSON text", param=f"messages.{i}.tool_calls"
+        ) from None
+
+
+def render_chat(
+    messages: list[dict], tokenizer: Tokenizer, add_generation_prompt: bool, tools: list[dict] | None
+) -> Prompt:
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     # The template already contains the special tokens (BOS, role markers); do not add them twice.
     return Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: list[dict] | None = None) -> Prompt:
+    return render_chat(chat_messages(req), tokenizer, req.add_generation_prompt, tools)

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 DONE = b"data: [DONE]\n\n"
 
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
+async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
         headers={
@@ -16,6 +16,7 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
             "Cache-Control": "no-cache",
             # Reverse proxies (nginx, some ingresses) buffer responses unless told not to.
             "X-Accel-Buffering": "no",
+            **(headers or {}),
         },
     )
     await resp.prepare(request)

@@ -42,15 +42,13 @@ class ServerState:
 
     def __post_init__(self) -> None:
         # Engine gauges are read at scrape time; before the model is loaded there is nothing to report.
-        self.metrics = ServerMetrics(self.model_name, lambda: self.engine.stats() if self.engine else None)
+        self.metrics = ServerMetrics.from_config(
+            self.config, lambda: self.engine.stats() if self.engine else None
+        )
 
     @property
     def model_name(self) -> str:
         return self.config.model.name
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and not self.draining
 
     def require_engine(self):
         if self.draining:
