@@ -6,6 +6,9 @@ here is what `kubectl explain` shows; rules the schema can express are also emit
 (`CEL_RULES`), and `validate_*` re-checks them in the operator because a CRD may be installed without
 them (or edited by hand).
 
+Fields the runtime pods also have are declared with `runtime_field("section.name")`: their type, constraints
+and default come from `RuntimeConfig` (runtime/config.py), and builders.py copies each one to the same path
+(`runtime_values`), so a runtime default or enum cannot drift from the CRD and no mapping is written by hand.
 RoutingPolicy's spec *is* the router's `RoutingSpec` (runtime/router/config.py): the operator copies it
 verbatim into the router's config file, so the two can never disagree.
 """
@@ -13,10 +16,13 @@ verbatim into the router's config file, so the two can never disagree.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+from tokenfleet.operator.autoscaling_policy import AutoscalingSpec
+from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.router.config import RoutingSpec
 
@@ -32,12 +38,49 @@ SOURCE_PATTERN = (
     r"|[A-Za-z0-9][A-Za-z0-9._-]*)$"
 )
 _SOURCE_RE = re.compile(SOURCE_PATTERN)
+# Bounds of replicas and of the autoscaler's windows (a window longer than an hour is a typo, not a policy).
+MAX_REPLICAS = 1000
+MAX_WINDOW_SECONDS = 3600.0
+MAX_SCALE_TO_ZERO_SECONDS = 86400.0
 # Kubernetes object names (RFC 1123 subdomain, shortened: child names add suffixes).
 REF_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimePath:
+    """Marks a CRD field as the RuntimeConfig field at `path` (dotted: "cache.eviction")."""
+
+    path: str
+
+
+def runtime_field(path: str, description: str | None = None, **field: Any) -> Any:
+    """The type, constraints and default of a RuntimeConfig field, as the annotation of a CRD field.
+
+    `field` passes on to `Field` (e.g. an `alias`); `annotation=` narrows the type where the CRD needs a
+    structural schema (a union the runtime accepts from files but a CRD cannot express).
+    """
+    section, name = path.split(".")
+    info = RuntimeConfig.model_fields[section].annotation.model_fields[name]
+    annotation = field.pop("annotation", info.annotation)
+    default = Field(default=info.default, description=description or info.description, **field)
+    return Annotated[annotation, *info.metadata, RuntimePath(path), default]
+
+
+def runtime_values(spec: BaseModel) -> dict[str, Any]:
+    """{RuntimeConfig dotted path: value} of every field of `spec` (nested) declared with runtime_field."""
+    values: dict[str, Any] = {}
+    for name, info in type(spec).model_fields.items():
+        value = getattr(spec, name)
+        marker = next((m for m in info.metadata if isinstance(m, RuntimePath)), None)
+        if marker is not None:
+            values[marker.path] = value
+        elif isinstance(value, BaseModel):
+            values.update(runtime_values(value))
+    return values
 
 
 # --------------------------------------------------------------------------------------------- ModelDeployment
@@ -53,19 +96,17 @@ class ModelSpec(_Spec):
     served_name: str | None = Field(
         None, description="Name clients send as `model`; defaults to the source name."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on GPU."
-    )
-    quantization: Literal["none", "fp8"] = Field(
-        "none", description="Weight quantization applied at load time."
-    )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
+    dtype: runtime_field("model.dtype", "Compute dtype; auto = float32 on CPU, bfloat16 on GPU.")
+    quantization: runtime_field("model.quantization", "Weight quantization applied at load time.")
+    max_model_len: runtime_field("model.max_model_len", "Context length; defaults to the model's.")
 
 
 class Resources(_Spec):
     """Per-replica compute. GPUs become `nvidia.com/gpu` limits; memory is both request and limit."""
 
-    gpus: int = Field(0, ge=0, le=64, description="GPUs per replica; a multiple of tensorParallelSize.")
+    gpus: int = Field(
+        0, ge=0, le=64, description="GPUs per replica (0 = CPU); a multiple of tensorParallelSize."
+    )
     cpu: str = Field("2", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request (Kubernetes quantity).")
     memory: str = Field(
         "4Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$", description="Memory request and limit (quantity)."
@@ -75,26 +116,75 @@ class Resources(_Spec):
 class Speculative(_Spec):
     """Speculative decoding; `none` turns it off."""
 
-    method: Literal["none", "ngram", "draft", "self"] = "none"
-    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens proposed per step.")
-    draft_model: str | None = Field(None, description="`draft`: the draft model's source.")
+    method: runtime_field("speculative.method", "How draft tokens are proposed.")
+    num_speculative_tokens: runtime_field(
+        "speculative.num_speculative_tokens", "Draft tokens proposed per step."
+    )
+    draft_model: runtime_field("speculative.draft_model", "`draft`: the draft model's source.")
 
 
 class Engine(_Spec):
     """Scheduler limits of each runtime pod."""
 
-    max_num_seqs: int = Field(64, gt=0, description="Most requests running in one step.")
-    max_num_batched_tokens: int = Field(1024, gt=0, description="Token budget of one step (chunked prefill).")
-    max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it requests get 429.")
+    max_num_seqs: runtime_field("scheduler.max_num_seqs")
+    max_num_batched_tokens: runtime_field("scheduler.max_num_batched_tokens")
+    max_waiting: runtime_field("scheduler.max_waiting")
     speculative: Speculative = Speculative()
+
+
+class Metrics(_Spec):
+    """What the runtime pods' /metrics looks like."""
+
+    naming: runtime_field(
+        "metrics.naming",
+        "tokenfleet: our `tokenfleet:*` names; vllm: vLLM's `vllm:*` names, types and labels, for endpoint "
+        "pickers, KEDA/Prometheus rules and dashboards written for vLLM.",
+    )
+
+
+class EndpointPicker(_Spec):
+    """The endpoint picker (Gateway API Inference Extension) the InferencePool delegates to."""
+
+    name: str | None = Field(
+        None, pattern=REF_PATTERN, max_length=253, description="Referent's name; defaults to `<name>-epp`."
+    )
+    kind: str = Field("Service", pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$", max_length=63)
+    group: str = Field("", max_length=253, description='API group of the referent; "" = core.')
+    port: int = Field(9002, ge=1, le=65535, description="The picker's gRPC port (a Service port).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailClose", description="What the gateway does when the picker does not answer."
+    )
+
+
+class InferencePoolSettings(_Spec):
+    """An InferencePool (inference.networking.k8s.io/v1) over the pods, when that CRD is installed."""
+
+    enabled: bool = Field(True, description="Create the InferencePool `<name>` (only if the CRD exists).")
+    endpoint_picker: EndpointPicker = EndpointPicker()
 
 
 class ModelDeploymentSpec(_Spec):
     model: ModelSpec = ModelSpec()
-    replicas: int = Field(1, ge=0, le=1000, description="Runtime pods; `kubectl scale md/NAME` sets it.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Runtime pods; `kubectl scale md/NAME` sets it (the autoscaler does, while autoscaling is set).",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Size the fleet from what the pods report (queue, KV cache, TTFT, tokens/s). While set, the "
+        "operator's autoscaler owns `replicas`, as an HPA would: a manual scale is undone at its next decision.",
+    )
     resources: Resources = Resources()
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one model instance is sharded over.")
+    tensor_parallel_size: runtime_field(
+        "parallel.tensor_parallel_size",
+        "Devices one model instance is sharded over: worker processes per pod, each on its own GPU when "
+        "resources.gpus > 0 (which must then be a multiple of it), else on CPU.",
+    )
     engine: Engine = Engine()
+    metrics: Metrics = Metrics()
+    inference_pool: InferencePoolSettings = InferencePoolSettings()
     cache_policy_ref: str | None = Field(
         None, pattern=REF_PATTERN, max_length=63, description="CachePolicy (same namespace) for the KV cache."
     )
@@ -106,48 +196,58 @@ class ModelDeploymentSpec(_Spec):
     @model_validator(mode="after")
     def _check(self) -> ModelDeploymentSpec:
         tp, gpus = self.tensor_parallel_size, self.resources.gpus
-        if tp > 1 and (gpus < tp or gpus % tp):
-            raise ValueError(
-                f"tensorParallelSize {self.tensor_parallel_size} must divide resources.gpus "
-                f"({self.resources.gpus}) and needs at least that many GPUs"
-            )
+        if gpus and gpus % tp:
+            raise ValueError(f"tensorParallelSize {tp} must divide resources.gpus ({gpus})")
         if self.model.quantization == "fp8" and self.resources.gpus == 0:
             raise ValueError("model.quantization fp8 needs GPUs (resources.gpus > 0)")
         if self.engine.speculative.method == "draft" and not self.engine.speculative.draft_model:
             raise ValueError("engine.speculative.method draft needs engine.speculative.draftModel")
+        if self.autoscaling is not None:
+            _check_autoscaling(self.autoscaling, self.routing_policy_ref)
         return self
+
+
+def _check_autoscaling(a: AutoscalingSpec, routing_policy_ref: str | None) -> None:
+    """The rules AutoscalingSpec leaves to the resource (the CEL rules below say the same)."""
+    if a.max_replicas > MAX_REPLICAS:
+        raise ValueError(f"autoscaling.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)")
+    if a.targets.ttft is not None and a.targets.ttft.window_seconds > MAX_WINDOW_SECONDS:
+        raise ValueError(f"autoscaling.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}")
+    if a.scale_to_zero_after_seconds > MAX_SCALE_TO_ZERO_SECONDS:
+        raise ValueError(f"autoscaling.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}")
+    # At zero there is no pod to take a request: only a router holds it and tells the operator to scale up.
+    if a.min_replicas == 0 and not routing_policy_ref:
+        raise ValueError("autoscaling.minReplicas 0 needs routingPolicyRef (the router holds requests at zero)")
 
 
 # ------------------------------------------------------------------------------------------------- CachePolicy
 class PrefixCaching(_Spec):
-    enabled: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    ttl_seconds: float | None = Field(
-        None, gt=0, description="Unreferenced cached blocks older than this go first."
-    )
-    eviction: Literal["lru", "lfu", "s3fifo"] = Field("lru", description="Eviction order of cached blocks.")
+    enabled: runtime_field("cache.enable_prefix_caching", "Reuse KV blocks of shared prompt prefixes.")
+    ttl_seconds: runtime_field("cache.ttl_seconds")
+    eviction: runtime_field("cache.eviction", "Eviction order of cached blocks.")
 
 
 class CpuOffload(_Spec):
     enabled: bool = False
+    # Not copied as is: the runtime's size 0 means "off", so builders.py sets it only when enabled.
     size_gib: float = Field(0.0, ge=0, alias="sizeGiB", description="Host-memory tier for evicted KV blocks.")
 
 
 class CachePolicySpec(_Spec):
-    block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="Tokens per KV block.")
+    block_size: runtime_field("cache.block_size")
     prefix_caching: PrefixCaching = PrefixCaching()
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="fp8_e4m3 halves KV memory (GPU)."
-    )
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: fraction of device memory used.")
-    cpu_kv_cache_gib: float = Field(
-        1.0, gt=0, alias="cpuKVCacheGiB", description="CPU: KV cache budget in GiB."
-    )
+    kv_cache_dtype: runtime_field("cache.kv_cache_dtype", "fp8_e4m3 halves KV memory (GPU).")
+    gpu_memory_utilization: runtime_field("cache.gpu_memory_utilization", "GPU: fraction of device memory.")
+    cpu_kv_cache_gib: runtime_field("cache.cpu_kv_cache_gib", alias="cpuKVCacheGiB")
     cpu_offload: CpuOffload = CpuOffload()
-    pinned_prefixes: tuple[str, ...] = Field((), description="Prompt prefixes kept cached (system prompts).")
-    max_pinned_fraction: float = Field(
-        0.25, ge=0, le=1, description="Most of the cache pinned prefixes may hold."
+    # Texts only: the runtime also takes token-id lists from files, which a structural schema cannot union.
+    pinned_prefixes: runtime_field(
+        "cache.pinned_prefixes", "Prompt prefixes kept cached (system prompts).", annotation=tuple[str, ...]
     )
-    cache_salt: str | None = Field(None, description="Mixed into block hashes: isolates tenants' caches.")
+    max_pinned_fraction: runtime_field(
+        "cache.max_pinned_fraction", "Most of the cache pinned prefixes may hold."
+    )
+    cache_salt: runtime_field("cache.cache_salt", "Mixed into block hashes: isolates tenants' caches.")
 
     @model_validator(mode="after")
     def _check(self) -> CachePolicySpec:
@@ -169,6 +269,37 @@ class Condition(_Spec):
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 
 
+class ScaleRecommendation(_Spec):
+    time: str = Field(description="When (RFC 3339, microseconds).")
+    replicas: int
+
+
+class AutoscalingHistory(_Spec):
+    """What the policy remembers between decisions: kept here so a restarted operator decides the same."""
+
+    recommendations: tuple[ScaleRecommendation, ...] = Field(
+        (), max_length=256, description="Recommendations inside the stabilisation windows (runs merged)."
+    )
+    last_scale_up_time: str | None = None
+    last_scale_down_time: str | None = None
+    last_traffic_time: str | None = None
+
+
+class AutoscalingStatus(_Spec):
+    """The autoscaler's latest decision and the signals it was made from."""
+
+    desired_replicas: int | None = Field(None, description="Replicas the autoscaler set at its latest decision.")
+    recommendation: int | None = Field(None, description="The latest unstabilised recommendation.")
+    reason: str | None = Field(None, description="Why the latest decision is what it is.")
+    last_decision_time: str | None = None
+    last_scale_time: str | None = Field(None, description="When the autoscaler last changed the replica count.")
+    last_scale_reason: str | None = None
+    signals: dict[str, float] = Field(
+        {}, description="Fleet-wide figures of the latest decision (per-replica averages, pod counts, pending)."
+    )
+    history: AutoscalingHistory = AutoscalingHistory()
+
+
 class ModelDeploymentStatus(_Spec):
     phase: Phase | None = None
     replicas: int | None = Field(None, description="Runtime pods the Deployment has (scale subresource).")
@@ -178,6 +309,7 @@ class ModelDeploymentStatus(_Spec):
     config_hash: str | None = Field(None, description="Hash of the restart-requiring runtime config.")
     observed_generation: int | None = None
     conditions: tuple[Condition, ...] = ()
+    autoscaling: AutoscalingStatus | None = None
 
 
 class PolicyStatus(_Spec):
@@ -200,16 +332,48 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
     "ModelDeployment": {
         "": [
             {
-                "rule": "!has(self.tensorParallelSize) || self.tensorParallelSize == 1 || "
-                "(has(self.resources) && has(self.resources.gpus) && self.resources.gpus >= self.tensorParallelSize "
-                "&& self.resources.gpus % self.tensorParallelSize == 0)",
-                "message": "tensorParallelSize must divide resources.gpus (and needs at least that many GPUs)",
+                "rule": "!has(self.tensorParallelSize) || !has(self.resources) || !has(self.resources.gpus) || "
+                "self.resources.gpus % self.tensorParallelSize == 0",
+                "message": "tensorParallelSize must divide resources.gpus (or gpus is 0: CPU workers)",
             },
             {
                 "rule": "!has(self.model) || !has(self.model.quantization) || self.model.quantization != 'fp8' || "
                 "(has(self.resources) && has(self.resources.gpus) && self.resources.gpus > 0)",
                 "message": "model.quantization fp8 needs GPUs (resources.gpus > 0)",
             },
+            {
+                "rule": "!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
+                "self.autoscaling.minReplicas > 0 || has(self.routingPolicyRef)",
+                "message": "autoscaling.minReplicas 0 needs routingPolicyRef (the router holds requests at zero)",
+            },
+        ],
+        "autoscaling": [
+            {
+                "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+                "message": "autoscaling.minReplicas must be <= maxReplicas",
+            },
+            {
+                "rule": f"self.maxReplicas <= {MAX_REPLICAS}",
+                "message": f"autoscaling.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)",
+            },
+            {
+                "rule": f"!has(self.scaleToZeroAfterSeconds) || self.scaleToZeroAfterSeconds <= {MAX_SCALE_TO_ZERO_SECONDS}",
+                "message": f"autoscaling.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}",
+            },
+        ],
+        "autoscaling.targets": [
+            {
+                "rule": "has(self.waitingRequestsPerReplica) || has(self.kvCacheUsage) || has(self.ttft) || "
+                "has(self.outputTokensPerSecondPerReplica)",
+                "message": "autoscaling.targets: set at least one of waitingRequestsPerReplica, kvCacheUsage, ttft, "
+                "outputTokensPerSecondPerReplica",
+            }
+        ],
+        "autoscaling.targets.ttft": [
+            {
+                "rule": f"!has(self.windowSeconds) || self.windowSeconds <= {MAX_WINDOW_SECONDS}",
+                "message": f"autoscaling.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}",
+            }
         ],
     },
     "CachePolicy": {

@@ -18,16 +18,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
-from tokenfleet.runtime.config import (
-    LIVE_FIELDS,
-    CacheConfig,
-    ModelConfig,
-    RuntimeConfig,
-    SchedulerConfig,
-    ServerConfig,
-    SpeculativeConfig,
-)
+from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, runtime_values, source_kind
+from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
 
 RUNTIME_PORT = 8000
 CONFIG_DIR = "/etc/tokenfleet"
@@ -138,50 +130,68 @@ def _stem(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- runtime config
+# RuntimeConfig fields the operator derives from the pod's shape instead of copying a spec field.
+OPERATOR_SET_FIELDS = frozenset(
+    {
+        "model.model",
+        "model.served_name",
+        "model.device",
+        "cache.cpu_offload_gib",
+        "server.host",
+        "server.port",
+    }
+)
+# RuntimeConfig fields no custom resource exposes: every pod runs with the runtime's own default.
+POD_DEFAULT_FIELDS = frozenset(
+    {
+        "model.attention_backend",  # follows the device
+        "model.seed",
+        "model.context_overflow",
+        "model.generation_config",
+        "cache.num_blocks",  # pods size the cache from their memory budget
+        "scheduler.enable_chunked_prefill",
+        "speculative.draft_layers",
+        "speculative.ngram_min",
+        "speculative.ngram_max",
+        "server.api_keys",  # keys belong in a Secret, not in a custom resource
+        "server.api_key_file",
+        "server.max_body_bytes",
+        "server.drain_seconds",
+        "server.health_stall_seconds",
+    }
+)
+
+
+def _nest(values: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for dotted, value in values.items():
+        section, name = dotted.split(".")
+        tree.setdefault(section, {})[name] = value
+    return tree
+
+
 def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | None) -> RuntimeConfig:
-    """The pod's whole configuration; a missing CachePolicy means the runtime's own cache defaults."""
+    """The pod's whole configuration; a missing CachePolicy means the runtime's own cache defaults.
+
+    Every spec field declared with `runtime_field` is copied to its RuntimeConfig path; the rest is derived
+    from the pod's shape (where the model is mounted, CPU or GPU, the port the Service targets).
+    """
     mount = model_mount(spec, {})
-    gpu = spec.resources.gpus > 0
-    model = ModelConfig(
-        model=mount.model_path,
-        served_name=mount.served_name,
-        dtype=spec.model.dtype,
-        quantization=spec.model.quantization,
-        max_model_len=spec.model.max_model_len,
-        device="cuda" if gpu else "cpu",
-    )
-    cache_cfg = CacheConfig()
+    values = runtime_values(spec)
     if cache is not None:
-        cache_cfg = CacheConfig(
-            block_size=cache.block_size,
-            enable_prefix_caching=cache.prefix_caching.enabled,
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            cpu_kv_cache_gib=cache.cpu_kv_cache_gib,
-            kv_cache_dtype=cache.kv_cache_dtype,
-            cache_salt=cache.cache_salt,
-            ttl_seconds=cache.prefix_caching.ttl_seconds,
-            eviction=cache.prefix_caching.eviction,
-            pinned_prefixes=cache.pinned_prefixes,
-            max_pinned_fraction=cache.max_pinned_fraction,
-            cpu_offload_gib=cache.cpu_offload.size_gib if cache.cpu_offload.enabled else 0.0,
-        )
-    engine = spec.engine
-    return RuntimeConfig(
-        model=model,
-        cache=cache_cfg,
-        scheduler=SchedulerConfig(
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_waiting=engine.max_waiting,
-        ),
-        speculative=SpeculativeConfig(
-            method=engine.speculative.method,
-            num_speculative_tokens=engine.speculative.num_speculative_tokens,
-            draft_model=engine.speculative.draft_model,
-        ),
-        # In a pod the server listens on every interface: the Service and the kubelet's probes reach it.
-        server=ServerConfig(host="0.0.0.0", port=RUNTIME_PORT),
+        values.update(runtime_values(cache))
+        values["cache.cpu_offload_gib"] = cache.cpu_offload.size_gib if cache.cpu_offload.enabled else 0.0
+    values.update(
+        {
+            "model.model": mount.model_path,
+            "model.served_name": mount.served_name,
+            "model.device": "cuda" if spec.resources.gpus > 0 else "cpu",
+            # In a pod the server listens on every interface: the Service and the kubelet's probes reach it.
+            "server.host": "0.0.0.0",
+            "server.port": RUNTIME_PORT,
+        }
     )
+    return RuntimeConfig.model_validate(_nest(values))
 
 
 def _drop_path(tree: dict[str, Any], dotted: str) -> None:
@@ -286,8 +296,9 @@ def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig
         {"name": "tmp", "mountPath": "/tmp"},
         *mount.mounts,
     ]
-    if gpu:
-        # NCCL and the CUDA IPC of tensor parallelism need more shared memory than the default 64 MiB.
+    if gpu or spec.tensor_parallel_size > 1:
+        # NCCL, CUDA IPC and torch.multiprocessing's shared tensors between tensor-parallel workers need
+        # more shared memory than a container's default 64 MiB /dev/shm.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {

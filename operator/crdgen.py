@@ -27,6 +27,8 @@ PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
     "ModelDeployment": [
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+        # Empty unless spec.autoscaling is set: the autoscaler's latest decision.
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.autoscaling.desiredReplicas"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},

@@ -4,6 +4,10 @@ Children are written with server-side apply (`application/apply-patch+yaml`, one
 create-or-patch in one request, idempotent (an apply that changes nothing does not write, so a restarted
 operator causes no churn), and it leaves fields that others own alone (an HPA's replicas, a mesh's
 injected annotations). Status is merge-patched on the `/status` subresource and only when it changed.
+
+Four calls in all (get, apply, patch_status, delete): what the operator needs to know about *other* objects
+comes from kopf's watch-fed indexes, never from listing (reconcile.py). tests/operator/test_reconcile.py
+runs the reconcile logic over an in-memory implementation of exactly these four.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import GROUP, VERSION
 
 FIELD_MANAGER = "tokenfleet-operator"
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 # Seconds per API request: a hung connection must fail the handler (kopf retries it), not block a worker.
 REQUEST_TIMEOUT = 30
 
@@ -46,7 +51,17 @@ KINDS: dict[str, Kind] = {
     "ModelDeployment": Kind(f"{GROUP}/{VERSION}", "modeldeployments"),
     "CachePolicy": Kind(f"{GROUP}/{VERSION}", "cachepolicies"),
     "RoutingPolicy": Kind(f"{GROUP}/{VERSION}", "routingpolicies"),
+    # Gateway API Inference Extension; served only where its CRD is installed.
+    "InferencePool": Kind(INFERENCE_POOL_API, "inferencepools"),
 }
+
+
+class NotServed(Exception):
+    """The API server does not serve this kind: its CustomResourceDefinition is not installed."""
+
+    def __init__(self, kind: str):
+        super().__init__(f"{kind} ({KINDS[kind].api_version}) is not served by this cluster")
+        self.kind = kind
 
 
 class Kube:
@@ -86,29 +101,54 @@ class Kube:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:
-        return list(self._call("GET", KINDS[kind].path(namespace)).get("items", []))
-
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         return self._call("GET", KINDS[kind].path(namespace), labelSelector=label_selector)["items"]
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply `obj` (which names its namespace); returns the object as stored."""
+        """Server-side apply `obj` (which names its namespace); returns the object as stored.
+
+        Raises NotServed when the kind is unknown to the server: apply creates missing objects, and the
+        namespace is the live parent's, so a 404 can only mean the resource type itself is missing.
+        """
         meta = obj["metadata"]
         path = KINDS[obj["kind"]].path(meta["namespace"], meta["name"])
-        return self._call(
-            "PATCH",
-            path,
-            body=json.dumps(obj),
-            content_type="application/apply-patch+yaml",  # JSON is valid YAML
-            fieldManager=FIELD_MANAGER,
-            force="true",
-        )
+        try:
+            return self._call(
+                "PATCH",
+                path,
+                body=json.dumps(obj),
+                content_type="application/apply-patch+yaml",  # JSON is valid YAML
+                fieldManager=FIELD_MANAGER,
+                force="true",
+            )
+        except ApiException as e:
+            if e.status == 404:
+                raise NotServed(obj["kind"]) from e
+            raise
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object (its dependents go by garbage collection); False when there was none."""
+        try:
+            self._call("DELETE", KINDS[kind].path(namespace, name), propagationPolicy="Background")
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         self._call(
             "PATCH",
             KINDS[kind].path(namespace, name, "status"),
             body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set the replica count through the `/scale` subresource, as an HPA does (the autoscaler)."""
+        self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name, "scale"),
+            body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )

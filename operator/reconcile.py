@@ -2,13 +2,18 @@
 status. Called from the kopf handlers of all three kinds, from timers, and when a child goes away; running
 it twice, or after a restart, converges to the same objects (server-side apply writes nothing when nothing
 changed, and status is written only when it changed).
+
+Cross-resource questions (which ModelDeployments use this policy? does that policy exist, and what does it
+say?) are answered from `Watched`: in the operator, kopf indexes filled from the watch streams kopf runs
+anyway, so a handler never lists a kind from the API server. Only the object being reconciled is read
+fresh (`Kube.get`), so its status is computed from what is stored now.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +35,8 @@ from tokenfleet.operator.builders import (
     selector_string,
     service_url,
 )
-from tokenfleet.operator.kube import Kube
+from tokenfleet.operator.inference_pool import PoolSupport, build_inference_pool
+from tokenfleet.operator.kube import Kube, NotServed
 from tokenfleet.operator.router_builders import (
     ROUTER_PORT,
     build_backend,
@@ -50,6 +56,44 @@ from tokenfleet.operator.status import (
 )
 from tokenfleet.runtime.errors import ConfigError
 
+# {namespace: [(name, spec), ...]}: the shape of a kopf index keyed by namespace, and of a plain dict.
+NamespaceIndex = Mapping[str, Collection[tuple[str, dict[str, Any]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """The three kinds as the operator's watches last saw them (spec only), per namespace."""
+
+    model_deployments: NamespaceIndex
+    cache_policies: NamespaceIndex
+    routing_policies: NamespaceIndex
+
+    @staticmethod
+    def _specs(index: NamespaceIndex, namespace: str) -> dict[str, dict[str, Any]]:
+        return dict(index.get(namespace, ()))
+
+    def model_deployment_specs(self, namespace: str) -> dict[str, dict[str, Any]]:
+        return self._specs(self.model_deployments, namespace)
+
+    def cache_policy_spec(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._specs(self.cache_policies, namespace).get(name)
+
+    def cache_policy_names(self, namespace: str) -> list[str]:
+        return sorted(self._specs(self.cache_policies, namespace))
+
+    def routing_policy_names(self, namespace: str) -> list[str]:
+        return sorted(self._specs(self.routing_policies, namespace))
+
+    def users_of(self, namespace: str, field: str, policy: str) -> list[str]:
+        """Names of the ModelDeployments whose spec.<field> is `policy`."""
+        specs = self.model_deployment_specs(namespace)
+        return sorted(name for name, spec in specs.items() if (spec or {}).get(field) == policy)
+
+
+def post_event(owner: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on `owner`, through kopf's event poster (type_: "Normal" or "Warning")."""
+    kopf.event(owner, type=type_, reason=reason, message=message)
+
 
 @dataclass(frozen=True, slots=True)
 class OperatorContext:
@@ -59,6 +103,13 @@ class OperatorContext:
     image: str = DEFAULT_IMAGE
     resync_seconds: float = 60.0
     now: Callable[[], str] = lambda: dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event: Callable[[dict[str, Any], str, str, str], None] = post_event
+    # Whether InferencePools can be written here; built from resync_seconds unless given.
+    pools: PoolSupport | None = None
+
+    def __post_init__(self) -> None:
+        if self.pools is None:
+            object.__setattr__(self, "pools", PoolSupport(recheck_seconds=self.resync_seconds))
 
 
 def _adopt_and_apply(
@@ -68,7 +119,9 @@ def _adopt_and_apply(
     return [ctx.kube.apply(child) for child in children]
 
 
-def _announce(owner: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any]) -> None:
+def _announce(
+    ctx: OperatorContext, owner: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any]
+) -> None:
     """Events on notable transitions only (phase changes), never on every resync."""
     old_phase = (before or {}).get("phase")
     new_phase = after.get("phase")
@@ -77,20 +130,20 @@ def _announce(owner: dict[str, Any], before: dict[str, Any] | None, after: dict[
     ready = next((c for c in after.get("conditions", []) if c["type"] == "Ready"), None)
     message = f"{old_phase or 'New'} -> {new_phase}: {ready['message'] if ready else ''}".strip()
     if new_phase in ("Failed", "Degraded", "Pending"):
-        kopf.warn(owner, reason=ready["reason"] if ready else new_phase, message=message)
+        ctx.event(owner, "Warning", ready["reason"] if ready else new_phase, message)
     else:
-        kopf.info(owner, reason=new_phase or "Unknown", message=message)
+        ctx.event(owner, "Normal", new_phase or "Unknown", message)
 
 
 # --------------------------------------------------------------------------------------------- ModelDeployment
 def reconcile_model_deployment(
-    ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger
+    ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
 ) -> None:
     body = ctx.kube.get("ModelDeployment", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     generation = int(body["metadata"].get("generation") or 0)
-    outcome, spec, cache = _resolve(ctx, namespace, name, body)
+    outcome, spec, cache = _resolve(watched, namespace, name, body)
     if spec is not None and not outcome.missing_policies and outcome.config_error is None:
         try:
             config = build_runtime_config(spec, cache)
@@ -103,6 +156,7 @@ def reconcile_model_deployment(
                 build_service(name),
             ]
             _adopt_and_apply(ctx, body, children)
+            sync_inference_pool(ctx, body, spec, logger)
             outcome = ReconcileOutcome(
                 desired_replicas=spec.replicas,
                 selector=selector_string(name),
@@ -117,7 +171,7 @@ def reconcile_model_deployment(
     status = model_deployment_status(outcome, deployment, generation, previous, ctx.now(), pods)
     if status_changed(previous, status):
         ctx.kube.patch_status("ModelDeployment", namespace, name, status)
-        _announce(body, previous, status)
+        _announce(ctx, body, previous, status)
         logger.info("status: %s (%s ready)", status["phase"], status.get("readyReplicas"))
     if outcome.config_error is not None:
         # No retry: only a spec change can fix it (and that triggers a reconcile).
@@ -129,8 +183,29 @@ def reconcile_model_deployment(
         )
 
 
+def sync_inference_pool(
+    ctx: OperatorContext, body: dict[str, Any], spec: ModelDeploymentSpec, logger: logging.Logger
+) -> None:
+    """Write the ModelDeployment's InferencePool, or remove it when the spec turned it off; a cluster
+    without the InferencePool CRD is noted once and otherwise ignored (everything else still reconciles)."""
+    assert ctx.pools is not None
+    meta = body["metadata"]
+    if not spec.inference_pool.enabled:
+        if ctx.pools.served is not False:
+            ctx.kube.delete("InferencePool", meta["namespace"], meta["name"])
+        return
+    if not ctx.pools.worth_trying():
+        return
+    try:
+        _adopt_and_apply(ctx, body, [build_inference_pool(meta["name"], spec)])
+    except NotServed:
+        ctx.pools.found(False, logger)
+    else:
+        ctx.pools.found(True, logger)
+
+
 def _resolve(
-    ctx: OperatorContext, namespace: str, name: str, body: dict[str, Any]
+    watched: Watched, namespace: str, name: str, body: dict[str, Any]
 ) -> tuple[ReconcileOutcome, ModelDeploymentSpec | None, Any]:
     """Parse the spec and fetch the referenced policies; a problem becomes part of the outcome."""
     try:
@@ -141,44 +216,40 @@ def _resolve(
     missing: list[str] = []
     cache = None
     if spec.cache_policy_ref:
-        cp = ctx.kube.get("CachePolicy", namespace, spec.cache_policy_ref)
-        if cp is None:
+        cp_spec = watched.cache_policy_spec(namespace, spec.cache_policy_ref)
+        if cp_spec is None:
             missing.append(f"CachePolicy/{spec.cache_policy_ref}")
         else:
             try:
-                cache = parse_cache_policy(cp.get("spec"))
+                cache = parse_cache_policy(cp_spec)
             except ConfigError as e:
                 return ReconcileOutcome(config_error=f"CachePolicy/{spec.cache_policy_ref}: {e}"), None, None
-    if spec.routing_policy_ref and ctx.kube.get("RoutingPolicy", namespace, spec.routing_policy_ref) is None:
+    if spec.routing_policy_ref and spec.routing_policy_ref not in watched.routing_policy_names(namespace):
         missing.append(f"RoutingPolicy/{spec.routing_policy_ref}")
     pending = ReconcileOutcome(missing_policies=tuple(missing), selector=selector_string(name))
     return (pending if missing else ReconcileOutcome()), spec, cache
 
 
-def model_deployments_referencing(ctx: OperatorContext, namespace: str, field: str, policy: str) -> list[str]:
-    """Names of the ModelDeployments whose spec.<field> is `policy`."""
-    return sorted(
-        md["metadata"]["name"]
-        for md in ctx.kube.list("ModelDeployment", namespace)
-        if (md.get("spec") or {}).get(field) == policy
-    )
-
-
 def reconcile_dependents(
-    ctx: OperatorContext, namespace: str, field: str, policy: str, logger: logging.Logger
+    ctx: OperatorContext, watched: Watched, namespace: str, field: str, policy: str, logger: logging.Logger
 ) -> list[str]:
     """Reconcile every ModelDeployment using a policy that changed; one bad dependent does not stop the rest."""
-    names = model_deployments_referencing(ctx, namespace, field, policy)
+    names = watched.users_of(namespace, field, policy)
     for md_name in names:
         try:
-            reconcile_model_deployment(ctx, namespace, md_name, logger)
+            reconcile_model_deployment(ctx, watched, namespace, md_name, logger)
         except (kopf.PermanentError, kopf.TemporaryError) as e:
             logger.warning("ModelDeployment %s/%s: %s", namespace, md_name, e)
     return names
 
 
 def reconcile_cache_policy(
-    ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger, dependents: bool = True
+    ctx: OperatorContext,
+    watched: Watched,
+    namespace: str,
+    name: str,
+    logger: logging.Logger,
+    dependents: bool = True,
 ) -> None:
     """Validate, re-render every dependent (unless `dependents` is False: a status refresh), write status."""
     body = ctx.kube.get("CachePolicy", namespace, name)
@@ -190,19 +261,21 @@ def reconcile_cache_policy(
     except ConfigError as e:
         error = str(e)
     if dependents:
-        used_by = reconcile_dependents(ctx, namespace, "cachePolicyRef", name, logger)
+        used_by = reconcile_dependents(ctx, watched, namespace, "cachePolicyRef", name, logger)
     else:
-        used_by = model_deployments_referencing(ctx, namespace, "cachePolicyRef", name)
+        used_by = watched.users_of(namespace, "cachePolicyRef", name)
     _write_policy_status(ctx, "CachePolicy", body, used_by, None, error)
 
 
-def refresh_cache_policies(ctx: OperatorContext, namespace: str, logger: logging.Logger) -> None:
+def refresh_cache_policies(
+    ctx: OperatorContext, watched: Watched, namespace: str, logger: logging.Logger
+) -> None:
     """Keep every CachePolicy's `usedBy` true when ModelDeployments come, go or switch policies."""
-    for cp in ctx.kube.list("CachePolicy", namespace):
+    for cp_name in watched.cache_policy_names(namespace):
         try:
-            reconcile_cache_policy(ctx, namespace, cp["metadata"]["name"], logger, dependents=False)
+            reconcile_cache_policy(ctx, watched, namespace, cp_name, logger, dependents=False)
         except kopf.PermanentError as e:
-            logger.debug("CachePolicy %s/%s: %s", namespace, cp["metadata"]["name"], e)
+            logger.debug("CachePolicy %s/%s: %s", namespace, cp_name, e)
 
 
 def _write_policy_status(
@@ -218,13 +291,15 @@ def _write_policy_status(
     if status_changed(body.get("status"), status):
         ctx.kube.patch_status(kind, meta["namespace"], meta["name"], status)
         if error:
-            kopf.warn(body, reason="InvalidSpec", message=error)
+            ctx.event(body, "Warning", "InvalidSpec", error)
     if error:
         raise kopf.PermanentError(error)
 
 
 # ----------------------------------------------------------------------------------------------- RoutingPolicy
-def reconcile_routing_policy(ctx: OperatorContext, namespace: str, name: str, logger: logging.Logger) -> None:
+def reconcile_routing_policy(
+    ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
+) -> None:
     body = ctx.kube.get("RoutingPolicy", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
@@ -235,22 +310,21 @@ def reconcile_routing_policy(ctx: OperatorContext, namespace: str, name: str, lo
         return
     backends = []
     used_by = []
-    for md in ctx.kube.list("ModelDeployment", namespace):
-        if (md.get("spec") or {}).get("routingPolicyRef") != name:
-            continue
-        used_by.append(md["metadata"]["name"])
+    md_specs = watched.model_deployment_specs(namespace)
+    for md_name in watched.users_of(namespace, "routingPolicyRef", name):
+        used_by.append(md_name)
         try:
-            md_spec = parse_model_deployment(md.get("spec"))
+            md_spec = parse_model_deployment(md_specs[md_name])
             cache_name = md_spec.cache_policy_ref
-            cp = ctx.kube.get("CachePolicy", namespace, cache_name) if cache_name else None
-            cache = parse_cache_policy(cp.get("spec")) if cp else None
+            cp_spec = watched.cache_policy_spec(namespace, cache_name) if cache_name else None
+            cache = parse_cache_policy(cp_spec) if cp_spec is not None else None
             config = build_runtime_config(md_spec, cache)
         except (ConfigError, ValueError) as e:
             # An invalid ModelDeployment reports itself; the router just leaves it out.
-            logger.info("router %s skips ModelDeployment %s: %s", name, md["metadata"]["name"], e)
+            logger.info("router %s skips ModelDeployment %s: %s", name, md_name, e)
             continue
         builtin = source_kind(md_spec.model.source) == "builtin"
-        backends.append(build_backend(md["metadata"]["name"], namespace, config, builtin))
+        backends.append(build_backend(md_name, namespace, config, builtin))
     try:
         router_config = build_router_config(namespace, spec, backends)
     except ValueError as e:  # e.g. a modelRoute naming a backend that does not exist (yet)
@@ -268,10 +342,10 @@ def reconcile_routing_policy(ctx: OperatorContext, namespace: str, name: str, lo
     _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None)
 
 
-def reconcile_routers(ctx: OperatorContext, namespace: str, logger: logging.Logger) -> None:
+def reconcile_routers(ctx: OperatorContext, watched: Watched, namespace: str, logger: logging.Logger) -> None:
     """Every router in the namespace: a ModelDeployment came, went or moved between policies."""
-    for rp in ctx.kube.list("RoutingPolicy", namespace):
+    for rp_name in watched.routing_policy_names(namespace):
         try:
-            reconcile_routing_policy(ctx, namespace, rp["metadata"]["name"], logger)
+            reconcile_routing_policy(ctx, watched, namespace, rp_name, logger)
         except kopf.PermanentError as e:
-            logger.warning("RoutingPolicy %s/%s: %s", namespace, rp["metadata"]["name"], e)
+            logger.warning("RoutingPolicy %s/%s: %s", namespace, rp_name, e)

@@ -42,7 +42,7 @@ def test_camel_case_wire_names():
             {"tensorParallelSize": 2, "resources": {"gpus": 3}},
             "tensorParallelSize 2 must divide resources.gpus",
         ),
-        ({"tensorParallelSize": 4, "resources": {"gpus": 0}}, "tensorParallelSize 4 must divide"),
+        ({"tensorParallelSize": 4, "resources": {"gpus": 6}}, "tensorParallelSize 4 must divide"),
         ({"model": {"quantization": "fp8"}}, "fp8 needs GPUs"),
         ({"engine": {"speculative": {"method": "draft"}}}, "needs engine.speculative.draftModel"),
         ({"replicas": -1}, "replicas: Input should be greater than or equal to 0"),
@@ -83,3 +83,9 @@ def test_source_kinds(source, kind):
 def test_source_kind_rejects_unknown_scheme():
     with pytest.raises(ConfigError, match="not a built-in name"):
         source_kind("s3://bucket/model")
+
+
+def test_tensor_parallelism_on_cpu_needs_no_gpus():
+    """gloo workers on CPU: a CPU replica may be sharded too (resources.gpus 0)."""
+    spec = parse_model_deployment({"tensorParallelSize": 3})
+    assert (spec.tensor_parallel_size, spec.resources.gpus) == (3, 0)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment
+import yaml
+from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment, runtime_values
 from tokenfleet.operator.builders import (
+    OPERATOR_SET_FIELDS,
+    POD_DEFAULT_FIELDS,
     build_config_map,
     build_deployment,
     build_runtime_config,
@@ -151,3 +156,57 @@ def test_config_map_and_service():
 def test_replicas_follow_the_spec(replicas):
     md, cfg = _runtime({**CPU, "replicas": replicas})
     assert build_deployment("smol", md, cfg)["spec"]["replicas"] == replicas
+
+
+def _runtime_paths() -> set[str]:
+    return {
+        f"{section}.{name}"
+        for section, info in RuntimeConfig.model_fields.items()
+        for name in info.annotation.model_fields
+    }
+
+
+def test_every_runtime_field_is_copied_derived_or_left_to_the_pod():
+    """A field added to RuntimeConfig must be placed: exposed by a CRD (runtime_field), set by the operator,
+    or deliberately left at the runtime's default. Nothing falls through silently."""
+    copied = set(runtime_values(parse_model_deployment({}))) | set(runtime_values(parse_cache_policy({})))
+    assert not (copied & OPERATOR_SET_FIELDS) and not (copied & POD_DEFAULT_FIELDS)
+    unplaced = _runtime_paths() - copied - OPERATOR_SET_FIELDS - POD_DEFAULT_FIELDS
+    assert not unplaced, f"RuntimeConfig fields the operator does not know: {sorted(unplaced)}"
+
+
+def test_crd_defaults_are_the_runtime_defaults():
+    defaults = RuntimeConfig().model_dump()
+    for spec in (parse_model_deployment({}), parse_cache_policy({})):
+        for dotted, value in runtime_values(spec).items():
+            section, name = dotted.split(".")
+            assert value == defaults[section][name], dotted
+
+
+def test_tensor_parallel_size_reaches_the_runtime_and_the_gpu_request():
+    md, cfg = _runtime(GPU)
+    assert cfg.parallel.tensor_parallel_size == 2
+    limits = build_deployment("llama", md, cfg)["spec"]["template"]["spec"]["containers"][0]["resources"][
+        "limits"
+    ]
+    assert limits["nvidia.com/gpu"] == "2"
+    # Resharding needs new worker processes: a TP change rolls the pods.
+    _, tp4 = _runtime({**GPU, "tensorParallelSize": 4, "resources": {**GPU["resources"], "gpus": 4}})
+    assert tp4.parallel.tensor_parallel_size == 4 and config_hash(tp4) != config_hash(cfg)
+
+
+def test_tensor_parallelism_on_cpu_pods():
+    md, cfg = _runtime({"tensorParallelSize": 3})
+    assert (cfg.model.device, cfg.parallel.tensor_parallel_size) == ("cpu", 3)
+    pod = build_deployment("cpu-tp", md, cfg)["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def test_the_gpu_example_shards_over_the_gpus_it_reserves():
+    path = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "gpu-modeldeployment.yaml"
+    md = parse_model_deployment(yaml.safe_load(path.read_text())["spec"])
+    cfg = build_runtime_config(md, parse_cache_policy({}))
+    gpus = build_deployment("llama-8b", md, cfg)["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert int(gpus["limits"]["nvidia.com/gpu"]) == cfg.parallel.tensor_parallel_size == 2
+    assert cfg.model.device == "cuda"

@@ -42,10 +42,10 @@ import json  # noqa: E402
 import tokenizers  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
-from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
 from tokenfleet.runtime.kv_wire import LoadReport  # noqa: E402
-from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes  # noqa: E402
+from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
 from tokenfleet.runtime.router.prompt_blocks import prompt_token_ids  # noqa: E402
+from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes  # noqa: E402
 from tokenizers import models, pre_tokenizers  # noqa: E402
 
 CHATML = (
@@ -231,3 +231,42 @@ def free_ports():
         return sorted(ports)
 
     return pick
+
+
+class KubeletMount:
+    """A mounted ConfigMap/Secret as the kubelet lays it out: NAME -> ..data/NAME, ..data -> ..<version>/,
+    and an update swaps `..data` atomically (the file's own path never changes)."""
+
+    def __init__(self, root, files: dict[str, str]):
+        from pathlib import Path
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.version = 0
+        self._write(files)
+        for name in files:
+            (self.root / name).symlink_to(f"..data/{name}")
+
+    def path(self, name: str):
+        return self.root / name
+
+    def _write(self, files: dict[str, str]) -> None:
+        import os
+
+        self.version += 1
+        version_dir = self.root / f"..2024_01_01_00_00_{self.version:02d}"
+        version_dir.mkdir()
+        for name, text in files.items():
+            (version_dir / name).write_text(text)
+            os.utime(version_dir / name, ns=(10**18, 10**18))  # same mtime every time
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(version_dir.name)
+        os.replace(tmp, self.root / "..data")
+
+    def swap(self, files: dict[str, str]) -> None:
+        self._write(files)
+
+
+@pytest.fixture
+def kubelet_mount(tmp_path):
+    return lambda files, name="mount": KubeletMount(tmp_path / name, files)

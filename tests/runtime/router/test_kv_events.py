@@ -8,10 +8,10 @@ import aiohttp
 import pytest
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
 from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.kv_wire import LoadReport
-from tokenfleet.runtime.server.kv_event_log import KVEventLog, make_kv_events_app
+from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex
+from tokenfleet.runtime.server.kv_event_log import KVEventLog, make_kv_events_app
 
 EXTRA = hash_extra("m")
 H = block_hashes_for(list(range(64)), 16, EXTRA)

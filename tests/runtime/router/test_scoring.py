@@ -102,3 +102,64 @@ def test_registry_covers_every_configurable_strategy():
     from tokenfleet.runtime.router.config import Strategy
 
     assert set(STRATEGIES) == set(get_args(Strategy))
+
+
+def _route_tenants(strategy, tenants: list[int], num_pods: int = 3, blocks: int = 60):
+    """Route a tenant sequence; each pod caches a tenant's prefix once it served it (as its KV events say).
+
+    Returns (requests per pod, prefix hits)."""
+    cached: dict[str, set[int]] = {f"p{i}": set() for i in range(num_pods)}
+    served = dict.fromkeys(cached, 0)
+    hits = 0
+    for t in tenants:
+        cands = [Candidate(p, load=0, prefix_blocks=blocks if t in held else 0) for p, held in cached.items()]
+        d = strategy.choose(RouteQuery(num_blocks=blocks + 2), cands)
+        hits += t in cached[d.endpoint_id]
+        cached[d.endpoint_id].add(t)
+        served[d.endpoint_id] += 1
+    return served, hits
+
+
+# Six tenants with Zipf-like weights 12:6:4:3:2:2 in a fixed interleaving (no randomness): uneven enough
+# that pure affinity piles the big tenants onto single pods.
+UNEVEN = [t for rnd in range(12) for t, n in enumerate((12, 6, 4, 3, 2, 2)) if rnd < n]
+
+
+def test_unbounded_affinity_skews_the_work_on_uneven_tenants():
+    served, hits = _route_tenants(make_strategy(spec(balance={"maxRatio": None})), UNEVEN)
+    counts = sorted(served.values())
+    assert counts[-1] / counts[0] > 1.5  # the problem the work bound solves
+    assert hits == len(UNEVEN) - 6  # one miss per tenant, then every request hits
+
+
+def test_work_bound_keeps_max_over_min_within_the_ratio_and_most_hits():
+    served, hits = _route_tenants(make_strategy(spec(balance={"maxRatio": 1.4})), UNEVEN)
+    counts = sorted(served.values())
+    assert counts[-1] / counts[0] <= 1.5, served
+    # Overflow of a big tenant goes to one second pod that then holds it too: few extra misses.
+    assert hits >= len(UNEVEN) - 6 - 4, hits
+
+
+def test_work_bound_acts_while_queues_are_short_and_says_so():
+    s = make_strategy(spec(balance={"maxRatio": 1.4}))
+    reasons = []
+    for _ in range(6):  # one tenant only; every pod idle (load 0): the queue guard would never fire
+        cands = [Candidate("a", load=0, prefix_blocks=60), Candidate("b", load=0), Candidate("c", load=0)]
+        reasons.append(s.choose(RouteQuery(num_blocks=62), cands).reason)
+    assert reasons[0] == "prefix_hit" and "work_bound" in reasons
+
+
+def test_work_bound_at_sixteen_pods():
+    tenants = [t for rnd in range(40) for t, n in enumerate(range(40, 0, -1)) if rnd < n // 2 + 1]
+    served, _ = _route_tenants(make_strategy(spec(balance={"maxRatio": 1.4})), tenants, num_pods=16)
+    counts = sorted(served.values())
+    assert counts[-1] / counts[0] <= 1.5, served
+
+
+def test_a_live_update_keeps_the_history():
+    s = make_strategy(spec(strategy="prefix-affinity"))
+    s.choose(RouteQuery(num_blocks=4), [Candidate("a", load=0), Candidate("b", load=0)])
+    same = make_strategy(spec(strategy="prefix-affinity", weights={"prefix": 5}), s)
+    assert same is s and s.spec.weights.prefix == 5 and s.work.count("a") + s.work.count("b") == 1
+    other = make_strategy(spec(strategy="round-robin"), s)
+    assert other is not s

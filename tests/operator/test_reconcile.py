@@ -1,0 +1,342 @@
+"""Reconcile logic over an in-memory cluster: the four calls of `Kube` (get, apply, patch_status, delete)
+backed by a dict, and `Watched` built from the same dict the way kopf's indexes are. No apiserver here; the
+e2e suite runs the same code against a real one."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import kopf
+import pytest
+import yaml
+from tokenfleet.operator.builders import RUNTIME_PORT
+from tokenfleet.operator.inference_pool import PoolSupport
+from tokenfleet.operator.kube import KINDS, NotServed
+from tokenfleet.operator.reconcile import (
+    OperatorContext,
+    Watched,
+    reconcile_cache_policy,
+    reconcile_dependents,
+    reconcile_model_deployment,
+    reconcile_routers,
+)
+
+NS = "team"
+API = "serving.tokenfleet.dev/v1alpha1"
+LOG = logging.getLogger("test-reconcile")
+
+
+class FakeKube:
+    """The `Kube` interface over a dict; server-side apply keeps what others wrote (status, uid)."""
+
+    def __init__(self, served: set[str] | None = None):
+        self.served = set(KINDS) - {"InferencePool"} if served is None else served
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self._uid = 0
+
+    def _key(self, kind: str, namespace: str, name: str) -> tuple[str, str, str]:
+        return (kind, namespace, name)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", kind, name))
+        obj = self.objects.get(self._key(kind, namespace, name))
+        return copy.deepcopy(obj)
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        self.calls.append(("list", kind, label_selector))
+        wanted = dict(pair.split("=", 1) for pair in label_selector.split(","))
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in sorted(self.objects.items())
+            if k == kind and ns == namespace and wanted.items() <= (o["metadata"].get("labels") or {}).items()
+        ]
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self.calls.append(("apply", obj["kind"], meta["name"]))
+        if obj["kind"] not in self.served:
+            raise NotServed(obj["kind"])
+        key = self._key(obj["kind"], meta["namespace"], meta["name"])
+        stored = copy.deepcopy(obj)
+        before = self.objects.get(key)
+        if before is None:
+            self._uid += 1
+            stored["metadata"].update(uid=f"uid-{self._uid}", generation=1)
+        else:
+            stored["metadata"].update(
+                uid=before["metadata"]["uid"], generation=before["metadata"]["generation"]
+            )
+            if "status" in before:
+                stored["status"] = before["status"]
+        self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.calls.append(("patch_status", kind, name))
+        self.objects[self._key(kind, namespace, name)].setdefault("status", {}).update(copy.deepcopy(status))
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        self.calls.append(("delete", kind, name))
+        return self.objects.pop(self._key(kind, namespace, name), None) is not None
+
+    # ---- what a user (kubectl) does, and what kopf's indexes would hold
+    def create(self, kind: str, name: str, spec: dict[str, Any]) -> None:
+        self._uid += 1
+        self.objects[(kind, NS, name)] = {
+            "apiVersion": API,
+            "kind": kind,
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{self._uid}", "generation": 1},
+            "spec": copy.deepcopy(spec),
+        }
+
+    def edit(self, kind: str, name: str, spec: dict[str, Any]) -> None:
+        obj = self.objects[(kind, NS, name)]
+        obj["spec"] = copy.deepcopy(spec)
+        obj["metadata"]["generation"] += 1
+
+    def remove(self, kind: str, name: str) -> None:
+        """A user's delete with garbage collection: the object and everything it owns."""
+        uid = self.objects.pop((kind, NS, name))["metadata"]["uid"]
+        for key, obj in list(self.objects.items()):
+            if any(ref["uid"] == uid for ref in obj["metadata"].get("ownerReferences", [])):
+                del self.objects[key]
+
+    def watched(self) -> Watched:
+        def index(kind: str) -> dict[str, list[tuple[str, dict]]]:
+            out: dict[str, list[tuple[str, dict]]] = {}
+            for (k, ns, name), obj in self.objects.items():
+                if k == kind:
+                    out.setdefault(ns, []).append((name, copy.deepcopy(obj["spec"])))
+            return out
+
+        return Watched(index("ModelDeployment"), index("CachePolicy"), index("RoutingPolicy"))
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(name for (k, _, name) in self.objects if k == kind)
+
+    def obj(self, kind: str, name: str) -> dict[str, Any]:
+        return self.objects[(kind, NS, name)]
+
+    def count(self, verb: str, kind: str) -> int:
+        return sum(1 for v, k, _ in self.calls if (v, k) == (verb, kind))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def events() -> list[tuple[str, str, str, str]]:
+    return []
+
+
+def _ctx(kube: FakeKube, events: list, clock: Clock) -> OperatorContext:
+    return OperatorContext(
+        kube=kube,  # type: ignore[arg-type]
+        resync_seconds=60,
+        now=lambda: "2026-01-01T00:00:00Z",
+        event=lambda owner, type_, reason, message: events.append(
+            (owner["metadata"]["name"], type_, reason, message)
+        ),
+        pools=PoolSupport(recheck_seconds=60, clock=clock),
+    )
+
+
+def _reconcile(ctx: OperatorContext, kube: FakeKube, name: str) -> None:
+    reconcile_model_deployment(ctx, kube.watched(), NS, name, LOG)
+
+
+def _ready(kube: FakeKube, name: str, replicas: int) -> None:
+    """Play the Deployment controller: every replica is up on the current template."""
+    dep = kube.obj("Deployment", name)
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": replicas,
+    }
+
+
+def test_model_deployment_gets_its_children_and_becomes_ready(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "chat", {"replicas": 2})
+    _reconcile(ctx, kube, "chat")
+
+    assert kube.names("Deployment") == ["chat"]
+    assert kube.names("Service") == ["chat"]
+    assert kube.names("ConfigMap") == ["chat-runtime"]
+    owner_uid = kube.obj("ModelDeployment", "chat")["metadata"]["uid"]
+    for kind, name in (("Deployment", "chat"), ("Service", "chat"), ("ConfigMap", "chat-runtime")):
+        assert [ref["uid"] for ref in kube.obj(kind, name)["metadata"]["ownerReferences"]] == [owner_uid]
+    status = kube.obj("ModelDeployment", "chat")["status"]
+    assert status["phase"] == "Progressing"
+    assert events[-1][:3] == ("chat", "Normal", "Progressing")
+
+    _ready(kube, "chat", 2)
+    _reconcile(ctx, kube, "chat")
+    status = kube.obj("ModelDeployment", "chat")["status"]
+    assert (status["phase"], status["readyReplicas"]) == ("Ready", 2)
+    assert events[-1][:3] == ("chat", "Normal", "Ready")
+
+    # Level-based and quiet: nothing changed, so nothing is written and no Event is posted.
+    writes, posted = kube.count("patch_status", "ModelDeployment"), len(events)
+    _reconcile(ctx, kube, "chat")
+    assert kube.count("patch_status", "ModelDeployment") == writes and len(events) == posted
+
+
+def test_invalid_spec_fails_with_a_condition_and_a_warning(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "bad", {"tensorParallelSize": 2, "resources": {"gpus": 3}})
+    with pytest.raises(kopf.PermanentError, match="tensorParallelSize"):
+        _reconcile(ctx, kube, "bad")
+    status = kube.obj("ModelDeployment", "bad")["status"]
+    assert status["phase"] == "Failed"
+    assert {c["type"]: c["status"] for c in status["conditions"]}["ConfigValid"] == "False"
+    assert events[-1][1] == "Warning"
+    assert kube.names("Deployment") == []
+
+
+def test_missing_cache_policy_waits_then_its_creation_unblocks_the_dependent(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "a", {"cachePolicyRef": "shared"})
+    with pytest.raises(kopf.TemporaryError, match="CachePolicy/shared"):
+        _reconcile(ctx, kube, "a")
+    assert kube.obj("ModelDeployment", "a")["status"]["phase"] == "Pending"
+    assert kube.names("Deployment") == []
+
+    kube.create("CachePolicy", "shared", {"blockSize": 32, "prefixCaching": {"eviction": "s3fifo"}})
+    reconcile_cache_policy(ctx, kube.watched(), NS, "shared", LOG)
+    runtime = yaml.safe_load(kube.obj("ConfigMap", "a-runtime")["data"]["runtime.yaml"])
+    assert (runtime["cache"]["block_size"], runtime["cache"]["eviction"]) == (32, "s3fifo")
+    assert kube.obj("CachePolicy", "shared")["status"]["usedBy"] == ["a"]
+
+
+def test_policy_edit_reaches_only_its_dependents(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("CachePolicy", "p", {"blockSize": 16})
+    kube.create("ModelDeployment", "uses", {"cachePolicyRef": "p"})
+    kube.create("ModelDeployment", "other", {})
+    for name in ("uses", "other"):
+        _reconcile(ctx, kube, name)
+    other_before = kube.obj("ConfigMap", "other-runtime")["data"]
+
+    kube.edit("CachePolicy", "p", {"blockSize": 64})
+    names = reconcile_dependents(ctx, kube.watched(), NS, "cachePolicyRef", "p", LOG)
+    assert names == ["uses"]
+    assert (
+        yaml.safe_load(kube.obj("ConfigMap", "uses-runtime")["data"]["runtime.yaml"])["cache"]["block_size"]
+        == 64
+    )
+    assert kube.obj("ConfigMap", "other-runtime")["data"] == other_before
+
+
+def test_router_follows_the_model_deployments_that_reference_it(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("RoutingPolicy", "front", {"strategy": "least-load"})
+    kube.create("ModelDeployment", "a", {"routingPolicyRef": "front", "model": {"servedName": "m"}})
+    kube.create("ModelDeployment", "b", {})
+    reconcile_routers(ctx, kube.watched(), NS, LOG)
+
+    def backends() -> list[str]:
+        config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
+        return sorted(b["name"] for b in config["backends"])
+
+    assert backends() == ["a"]
+    assert kube.obj("RoutingPolicy", "front")["status"]["usedBy"] == ["a"]
+
+    kube.edit("ModelDeployment", "b", {"routingPolicyRef": "front"})
+    reconcile_routers(ctx, kube.watched(), NS, LOG)
+    assert backends() == ["a", "b"]
+    assert kube.obj("RoutingPolicy", "front")["status"]["usedBy"] == ["a", "b"]
+
+
+def test_inference_pool_selects_the_runtime_pods_on_their_port(clock, events):
+    kube = FakeKube(served=set(KINDS))
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "chat", {})
+    _reconcile(ctx, kube, "chat")
+
+    pool = kube.obj("InferencePool", "chat")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    pod_labels = kube.obj("Deployment", "chat")["spec"]["template"]["metadata"]["labels"]
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selector == kube.obj("Service", "chat")["spec"]["selector"]
+    assert selector.items() <= pod_labels.items()
+    container = kube.obj("Deployment", "chat")["spec"]["template"]["spec"]["containers"][0]
+    assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]
+    assert pool["spec"]["targetPorts"] == [{"number": RUNTIME_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "chat-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    assert (
+        pool["metadata"]["ownerReferences"][0]["uid"]
+        == kube.obj("ModelDeployment", "chat")["metadata"]["uid"]
+    )
+
+    # Kept in sync with the spec: another picker, then off (the pool goes), then on again.
+    kube.edit(
+        "ModelDeployment",
+        "chat",
+        {
+            "inferencePool": {
+                "endpointPicker": {"name": "shared-epp", "port": 9010, "failureMode": "FailOpen"}
+            }
+        },
+    )
+    _reconcile(ctx, kube, "chat")
+    ref = kube.obj("InferencePool", "chat")["spec"]["endpointPickerRef"]
+    assert (ref["name"], ref["port"], ref["failureMode"]) == ("shared-epp", {"number": 9010}, "FailOpen")
+    kube.edit("ModelDeployment", "chat", {"inferencePool": {"enabled": False}})
+    _reconcile(ctx, kube, "chat")
+    assert kube.names("InferencePool") == []
+    kube.edit("ModelDeployment", "chat", {})
+    _reconcile(ctx, kube, "chat")
+    assert kube.names("InferencePool") == ["chat"]
+
+    # Deleting the ModelDeployment takes the pool with it (owner reference).
+    kube.remove("ModelDeployment", "chat")
+    assert kube.names("InferencePool") == []
+
+
+def test_without_the_inference_pool_crd_everything_else_reconciles_and_it_is_said_once(clock, events, caplog):
+    kube = FakeKube()  # InferencePool not served
+    ctx = _ctx(kube, events, clock)
+    for name in ("a", "b"):
+        kube.create("ModelDeployment", name, {})
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        for _ in range(3):
+            for name in ("a", "b"):
+                _reconcile(ctx, kube, name)
+    assert kube.names("Deployment") == ["a", "b"] and kube.names("Service") == ["a", "b"]
+    assert kube.names("InferencePool") == []
+    assert sum("InferencePool CRD" in r.getMessage() for r in caplog.records) == 1
+    # One probe per recheck period, not one per reconcile.
+    assert kube.count("apply", "InferencePool") == 1
+
+    # The CRD is installed later: the next reconcile after the recheck period writes the pools.
+    kube.served.add("InferencePool")
+    clock.now += 61
+    for name in ("a", "b"):
+        _reconcile(ctx, kube, name)
+    assert kube.names("InferencePool") == ["a", "b"]
