@@ -5,9 +5,9 @@ create-or-patch in one request, idempotent (an apply that changes nothing does n
 operator causes no churn), and it leaves fields that others own alone (an HPA's replicas, a mesh's
 injected annotations). Status is merge-patched on the `/status` subresource and only when it changed.
 
-Four calls in all (get, apply, patch_status, delete): what the operator needs to know about *other* objects
-comes from kopf's watch-fed indexes, never from listing (reconcile.py). tests/operator/test_reconcile.py
-runs the reconcile logic over an in-memory implementation of exactly these four.
+What the operator needs to know about its *other* custom resources comes from kopf's watch-fed indexes,
+never from listing them (reconcile.py); Pods are listed by label only to explain a stuck rollout.
+tests/operator/test_reconcile.py runs the reconcile logic over an in-memory implementation of this class.
 """
 
 from __future__ import annotations

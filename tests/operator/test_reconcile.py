@@ -1,6 +1,6 @@
-"""Reconcile logic over an in-memory cluster: the four calls of `Kube` (get, apply, patch_status, delete)
-backed by a dict, and `Watched` built from the same dict the way kopf's indexes are. No apiserver here; the
-e2e suite runs the same code against a real one."""
+"""Reconcile logic over an in-memory cluster: the calls of `Kube` (get, list by label, apply, patch_status,
+delete) backed by a dict, and `Watched` built from the same dict the way kopf's indexes are. No apiserver
+here; the e2e suite runs the same code against a real one."""
 
 from __future__ import annotations
 
