@@ -141,7 +141,7 @@ def transform_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     out = logits
     if meta.grammar_bitmask is not None and meta.grammar_rows is not None:
         # First, so every later transform (and greedy argmax) only ever sees grammatical tokens.
-        out = apply_token_bitmask(out, meta.grammar_rows, meta.grammar_bitmask)
+        out = apply_token_bitmask(out, meta.grammar_bitmask, meta.grammar_rows)
     if meta.penalties is not None:
         out = apply_penalties(out, meta.penalties)
     if meta.banned_rows is not None and meta.banned_token_ids is not None:

@@ -56,9 +56,9 @@ class SamplingMetadata:
     # Per-row number of top alternatives wanted (None = no logprobs for that row).
     num_logprobs: tuple[int | None, ...]
     max_num_logprobs: int | None  # None when no row asks for logprobs
-    # Constrained rows: grammar_rows [M] int64 index the logits rows, grammar_bitmask [M, ceil(V/32)] int32
-    # holds their allowed next tokens (bit t of word w: token 32w + t). None when no row is constrained.
-    grammar_rows: torch.Tensor | None = None
+    # Constrained rows (indices into the logits rows) and the batch's bitmask [N, ceil(V/32)] int32 of
+    # allowed next tokens (bit t of word w: token 32w + t); None when no row is constrained.
+    grammar_rows: tuple[int, ...] | None = None
     grammar_bitmask: torch.Tensor | None = None
 
     @staticmethod
@@ -119,18 +119,15 @@ class SamplingMetadata:
 
 def _grammar(
     requests: Sequence[Request], device: torch.device | str
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[tuple[int, ...] | None, torch.Tensor | None]:
     """Each constrained row's allowed next tokens, after exactly that row's output tokens (a verification
     row's view includes the drafts before it, so the drafts are checked against the grammar too)."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    rows = tuple(i for i, r in enumerate(requests) if r.grammar is not None)
     if not rows:
         return None, None
-    states = [(requests[i].grammar, requests[i].output_token_ids) for i in rows]
-    bitmask = grammar_bitmask(states, states[0][0].vocab_size)
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        bitmask.to(device, non_blocking=True),
-    )
+    vocab_size = requests[rows[0]].grammar.vocab_size
+    bitmask = grammar_bitmask([(r.grammar, r.output_token_ids) for r in requests], vocab_size)
+    return rows, bitmask.to(device)
 
 
 def _min_tokens_bans(

@@ -80,19 +80,23 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def grammar_bitmask(rows: Sequence[tuple[GrammarState, Sequence[int]]], vocab_size: int) -> torch.Tensor:
-    """[len(rows), ceil(V / 32)] int32 on the CPU: bit b of word w allows token 32 * w + b."""
+def grammar_bitmask(
+    rows: Sequence[tuple[GrammarState | None, Sequence[int]]], vocab_size: int
+) -> torch.Tensor:
+    """[len(rows), ceil(V / 32)] int32 on the CPU, bit b of word w allowing token 32 * w + b; rows without
+    a grammar (None) allow everything."""
     bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
     for row, (state, token_ids) in enumerate(rows):
-        state.fill(bitmask, row, token_ids)
+        if state is not None:
+            state.fill(bitmask, row, token_ids)
     return bitmask
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Out of place: logits[rows[j], t] = -inf where bit t of bitmask[j] is clear. Plain torch, so the same
-    code runs on CPU and CUDA (xgrammar's own kernels need a compiler on the CUDA side)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    vocab = logits.shape[-1]
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
-    sub = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, sub)
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Out of place: logits[r, t] = -inf for each r in `rows` where bit t of bitmask[r] is clear.
+
+    xgrammar's kernels: C++ on the CPU, Triton on CUDA (measured on the CPU: ~100x faster than unpacking
+    the bits with torch ops)."""
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=logits.shape[-1], indices=list(rows))
+    return out

@@ -64,7 +64,12 @@ class HermesToolParser(ToolParser):
             {
                 "type": "tag",
                 "begin": START + '\n{"name": ' + json.dumps(t["function"]["name"]) + ', "arguments": ',
-                "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
+                # Bounded whitespace: a weak model must not wander off into blank space forever.
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": parameters_schema(t),
+                    "max_whitespace_cnt": 1,
+                },
                 "end": "}\n" + END,
             }
             for t in tools
