@@ -217,7 +217,9 @@ def _check_autoscaling(a: AutoscalingSpec, routing_policy_ref: str | None) -> No
         raise ValueError(f"autoscaling.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}")
     # At zero there is no pod to take a request: only a router holds it and tells the operator to scale up.
     if a.min_replicas == 0 and not routing_policy_ref:
-        raise ValueError("autoscaling.minReplicas 0 needs routingPolicyRef (the router holds requests at zero)")
+        raise ValueError(
+            "autoscaling.minReplicas 0 needs routingPolicyRef (the router holds requests at zero)"
+        )
 
 
 # ------------------------------------------------------------------------------------------------- CachePolicy
@@ -288,14 +290,19 @@ class AutoscalingHistory(_Spec):
 class AutoscalingStatus(_Spec):
     """The autoscaler's latest decision and the signals it was made from."""
 
-    desired_replicas: int | None = Field(None, description="Replicas the autoscaler set at its latest decision.")
+    desired_replicas: int | None = Field(
+        None, description="Replicas the autoscaler set at its latest decision."
+    )
     recommendation: int | None = Field(None, description="The latest unstabilised recommendation.")
     reason: str | None = Field(None, description="Why the latest decision is what it is.")
     last_decision_time: str | None = None
-    last_scale_time: str | None = Field(None, description="When the autoscaler last changed the replica count.")
+    last_scale_time: str | None = Field(
+        None, description="When the autoscaler last changed the replica count."
+    )
     last_scale_reason: str | None = None
     signals: dict[str, float] = Field(
-        {}, description="Fleet-wide figures of the latest decision (per-replica averages, pod counts, pending)."
+        {},
+        description="Fleet-wide figures of the latest decision (per-replica averages, pod counts, pending).",
     )
     history: AutoscalingHistory = AutoscalingHistory()
 

@@ -67,8 +67,16 @@ class ScalingBehavior(_Spec):
     cooldown_seconds: float = Field(0.0, ge=0, le=3600, description="Quiet time after the last scale.")
 
 
-def _default_scale_down() -> ScalingBehavior:
-    return ScalingBehavior(stabilization_window_seconds=300.0, max_step=1, cooldown_seconds=60.0)
+class ScaleDownBehavior(ScalingBehavior):
+    """Slower down than up by default (the HPA's 5-minute window, one replica at a time).
+
+    Its own class rather than a default instance of ScalingBehavior: the CRD's schema carries field
+    defaults only, and the API server fills an omitted or partial `scaleDown` from them.
+    """
+
+    stabilization_window_seconds: float = Field(300.0, ge=0, le=3600)
+    max_step: int = Field(1, ge=1, description="Most replicas removed in one decision.")
+    cooldown_seconds: float = Field(60.0, ge=0, le=3600, description="Quiet time after the last scale.")
 
 
 class AutoscalingSpec(_Spec):
@@ -78,7 +86,7 @@ class AutoscalingSpec(_Spec):
     max_replicas: int = Field(ge=1)
     targets: Targets
     scale_up: ScalingBehavior = ScalingBehavior()
-    scale_down: ScalingBehavior = Field(default_factory=_default_scale_down)
+    scale_down: ScaleDownBehavior = ScaleDownBehavior()
     scale_to_zero_after_seconds: float = Field(600.0, gt=0, description="Idle time before 1 -> 0.")
     tolerance: float = Field(0.1, ge=0, lt=1, description="No change within this fraction of a target.")
 

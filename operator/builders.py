@@ -29,6 +29,9 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 MANAGED_BY = "tokenfleet-operator"
 # Seconds the kubelet waits beyond the server's own drain before SIGKILL.
 DRAIN_MARGIN_SECONDS = 5
+# A pod being removed (scale-down, rollout) keeps serving this long before it gets SIGTERM: its endpoint is
+# marked terminating at once, and routers and kube-proxy stop sending it new requests within this time.
+PRE_STOP_SECONDS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,12 +317,18 @@ def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": csc,
         **_probes(gpu),
+        # The kubelet's own sleep (no binary needed in the image): new requests stop before SIGTERM, then
+        # the server drains what is in flight.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": math.ceil(config.server.drain_seconds) + DRAIN_MARGIN_SECONDS,
+        # The grace period counts from deletion, so it spans the preStop sleep and the drain.
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS
+        + math.ceil(config.server.drain_seconds)
+        + DRAIN_MARGIN_SECONDS,
         "enableServiceLinks": False,
     }
     if mount.init_containers:

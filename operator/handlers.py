@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import kopf
+from tokenfleet.operator import autoscaler
 from tokenfleet.operator.api import GROUP, VERSION
 from tokenfleet.operator.builders import MANAGED_BY
 from tokenfleet.operator.reconcile import (
@@ -68,7 +69,14 @@ def watched(kwargs: dict[str, Any]) -> Watched:
     )
 
 
-def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> None:
+def register(
+    registry: kopf.OperatorRegistry,
+    resync_seconds: float,
+    autoscale_seconds: float = autoscaler.DEFAULT_INTERVAL_SECONDS,
+) -> None:
+    # ModelDeployments with spec.autoscaling: a decision every autoscale_seconds (autoscaler.py).
+    autoscaler.register(registry, autoscale_seconds)
+
     @kopf.on.startup(registry=registry)
     def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)

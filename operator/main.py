@@ -40,11 +40,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=60.0,
         help="how often every object is re-reconciled to correct drift (default: %(default)s)",
     )
+    p.add_argument(
+        "--autoscale-seconds",
+        type=float,
+        default=15.0,
+        help="how often the autoscaler decides for each ModelDeployment with spec.autoscaling "
+        "(default: %(default)s)",
+    )
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
     if args.resync_seconds <= 0:
         p.error("--resync-seconds must be > 0")
+    if args.autoscale_seconds <= 0:
+        p.error("--autoscale-seconds must be > 0")
     return args
 
 
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     configuration = load_client_configuration(args.kubeconfig, args.context)
     registry = kopf.OperatorRegistry()
-    register(registry, args.resync_seconds)
+    register(registry, args.resync_seconds, args.autoscale_seconds)
 
     @kopf.on.login(registry=registry)
     def _login(**_: Any) -> kopf.ConnectionInfo:

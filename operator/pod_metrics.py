@@ -1,8 +1,9 @@
 """A pod's `/metrics` text -> the figures the autoscaler needs -> one `PodSample` for the policy.
 
 Parsing goes through prometheus-client's own text parser (families, label sets, `_bucket`/`_count`
-suffixes, escaping) rather than regexes. Only `tokenfleet:` series are read; a pod serving several
-model names is summed over them.
+suffixes, escaping) rather than regexes. Only `tokenfleet:` series are read, and `vllm:` ones under the
+same name (a pod with `metrics.naming: vllm` spells what vLLM also reports vLLM's way, same meaning and
+units); a pod serving several model names is summed over them.
 
 Counters and histograms are cumulative since the pod started, so rates and percentiles come from the
 difference between the newest scrape and the one at (or just before) the start of the window. A counter
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenfleet.operator.autoscaling_policy import PodSample, PodState
 
 PREFIX = "tokenfleet:"
+VLLM_PREFIX = "vllm:"
 TTFT = PREFIX + "time_to_first_token_seconds"
 GENERATION_TOKENS = PREFIX + "generation_tokens"
 
@@ -51,16 +53,19 @@ def parse_metrics(text: str) -> PodMetrics:
     except (ValueError, TypeError, IndexError) as e:
         raise MetricsParseError(f"malformed /metrics text: {e}") from e
     for family in families:
-        if not family.name.startswith(PREFIX):
+        name = family.name
+        if name.startswith(VLLM_PREFIX):
+            name = PREFIX + name.removeprefix(VLLM_PREFIX)
+        elif not name.startswith(PREFIX):
             continue
         for sample in family.samples:
             if family.type == "gauge":
-                gauges[family.name] = gauges.get(family.name, 0.0) + sample.value
+                gauges[name] = gauges.get(name, 0.0) + sample.value
             elif family.type == "counter" and sample.name.endswith("_total"):
-                counters[family.name] = counters.get(family.name, 0.0) + sample.value
+                counters[name] = counters.get(name, 0.0) + sample.value
             elif family.type == "histogram" and sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
-                per = buckets.setdefault(family.name, {})
+                per = buckets.setdefault(name, {})
                 per[le] = per.get(le, 0.0) + sample.value
     histograms = {name: tuple(sorted(per.items())) for name, per in buckets.items()}
     return PodMetrics(gauges, counters, histograms)

@@ -93,7 +93,7 @@ def test_cpu_deployment_manifest():
     }
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert pod["volumes"][0] == {"name": "config", "configMap": {"name": "smol-runtime"}}
-    assert pod["terminationGracePeriodSeconds"] == 35  # drain 30 s + 5
+    assert pod["terminationGracePeriodSeconds"] == 45  # preStop 10 s + drain 30 s + 5
     assert "tolerations" not in pod and "initContainers" not in pod
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["serving.tokenfleet.dev/config-hash"] == config_hash(cfg)

@@ -41,6 +41,7 @@ def test_registry_has_stable_handler_ids_and_no_finalizer_handlers():
     assert {h.id for h in registry._spawning.get_all_handlers()} == {
         "model-deployment-resync",
         "routing-policy-resync",
+        "autoscaler",
     }
 
 

@@ -1,0 +1,309 @@
+"""The autoscaler: sizes every ModelDeployment that has `spec.autoscaling` from what its pods report.
+
+A kopf timer per such ModelDeployment runs one decision every interval:
+1. read the ModelDeployment fresh and list its pods (the Deployment's label selector);
+2. classify each pod: Ready with an IP -> scraped; not Ready and never started (its startup probe has not
+   passed, no restart) -> starting, capacity on the way; anything else (a crash loop, a pod that went
+   unready, a failed scrape) -> unknown, which never lets the fleet shrink; terminating and finished pods
+   do not count (they are leaving);
+3. scrape every Ready runtime pod's `/metrics`, and the `/metrics` of the routers of its RoutingPolicy, all
+   at once (aiohttp, bounded timeout): the routers' `tokenfleet:router_pending_requests{model}` gauge is the
+   demand that brings a model back from zero (requests they hold because no endpoint can take them);
+4. call the one policy, `autoscaling_policy.decide`, with the history kept in `status.autoscaling`
+   (level-based: a restarted operator continues the same windows and cooldowns);
+5. write `status.autoscaling`, then `spec.replicas` through the ModelDeployment's scale subresource, and an
+   Event with the reason whenever the count changes.
+
+Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
+from `spec.replicas` (server-side apply), and each field has one writer. The autoscaler stands exactly where
+an HPA targeting `md/NAME` would, so `kubectl get md` shows the count it chose and rollouts keep working.
+
+Manual scaling while autoscaling is on: the autoscaler decides from its own last count
+(`status.autoscaling.desiredReplicas`), not from a `kubectl scale` made since, and writes its decision back
+with an Event `ManualScaleOverridden` — the HPA's contract.
+
+Recent scrapes of each pod are kept in the object's kopf memo (rates and TTFT percentiles are differences
+over a window); after a restart the first decisions simply have no rate or TTFT figure yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+from prometheus_client.parser import text_string_to_metric_families
+from tokenfleet.operator.api import GROUP, VERSION, parse_model_deployment
+from tokenfleet.operator.autoscaling_policy import (
+    AutoscalingSpec,
+    Decision,
+    PodSample,
+    PodState,
+    decide,
+)
+from tokenfleet.operator.autoscaling_status import autoscaling_status, history_from_status
+from tokenfleet.operator.builders import RUNTIME_PORT, model_mount, selector_string
+from tokenfleet.operator.pod_metrics import MetricsParseError, PodMetrics, parse_metrics, pod_sample
+from tokenfleet.operator.reconcile import OperatorContext
+from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
+from tokenfleet.runtime.errors import ConfigError
+
+MD = (GROUP, VERSION, "modeldeployments")
+DEFAULT_INTERVAL_SECONDS = 15.0
+# A scrape that takes longer than this counts as failed (the pod is unknown): a decision must not wait on
+# one slow pod, and every pod is scraped at once.
+SCRAPE_TIMEOUT_SECONDS = 2.0
+MAX_METRICS_BYTES = 4 << 20
+# The tokens/s rate is taken over the TTFT window when there is one, else over this.
+RATE_WINDOW_SECONDS = 60.0
+ROUTER_PENDING = "tokenfleet:router_pending_requests"
+
+
+# ------------------------------------------------------------------------------------------------------ pods
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A pod as the autoscaler counts it; `url` is its /metrics for a Ready pod."""
+
+    name: str
+    state: PodState
+    url: str | None = None
+
+
+def _http_port(pod: Mapping[str, Any], default: int) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default
+
+
+def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodView | None:
+    """How a pod counts; None for a pod that is leaving (terminating, or finished for good)."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    name = meta["name"]
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    ip = status.get("podIP")
+    if ready and ip:
+        host = f"[{ip}]" if ":" in ip else ip
+        return PodView(name, PodState.READY, f"http://{host}:{_http_port(pod, default_port)}/metrics")
+    containers = status.get("containerStatuses") or []
+    # `started` turns true when the startup probe passes (model loaded): before that and without a restart,
+    # the pod is still cold-starting; after it, not being Ready means something is wrong.
+    if not ready and not any(c.get("started") or c.get("restartCount") for c in containers):
+        return PodView(name, PodState.STARTING)
+    return PodView(name, PodState.UNKNOWN)
+
+
+async def fetch_text(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The body of one /metrics scrape, or None when it failed (status, timeout, connection, size)."""
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                return None
+            body = await response.content.read(MAX_METRICS_BYTES + 1)
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    if len(body) > MAX_METRICS_BYTES:
+        return None
+    return body.decode("utf-8", errors="replace")
+
+
+def router_pending(text: str, model: str) -> float:
+    """Requests a router holds for `model` (its pending gauge); raises MetricsParseError on malformed text."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as e:
+        raise MetricsParseError(f"malformed router /metrics: {e}") from e
+    return sum(
+        s.value
+        for family in families
+        if family.name == ROUTER_PENDING
+        for s in family.samples
+        if s.labels.get("model") == model
+    )
+
+
+class ScrapeBook:
+    """Recent scrapes of each pod, oldest first: enough to reach one scrape at least a window back."""
+
+    def __init__(self) -> None:
+        self._by_pod: dict[str, list[tuple[float, PodMetrics]]] = {}
+
+    def add(self, pod: str, t: float, metrics: PodMetrics, window: float) -> list[tuple[float, PodMetrics]]:
+        series = self._by_pod.setdefault(pod, [])
+        series.append((t, metrics))
+        # pod_sample differences the newest scrape against the newest one at least `window` older.
+        base = max((i for i, (ti, _) in enumerate(series[:-1]) if t - ti >= window), default=0)
+        del series[:base]
+        return series
+
+    def retain(self, pods: Iterable[str]) -> None:
+        keep = set(pods)
+        for name in [n for n in self._by_pod if n not in keep]:
+            del self._by_pod[name]
+
+    def __len__(self) -> int:
+        return len(self._by_pod)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    samples: tuple[PodSample, ...]
+    pending_requests: int
+    router_failures: int  # router pods whose /metrics could not be read
+
+
+async def observe(
+    session: aiohttp.ClientSession,
+    pods: list[Mapping[str, Any]],
+    routers: list[Mapping[str, Any]],
+    model: str,
+    spec: AutoscalingSpec,
+    book: ScrapeBook,
+    now: float,
+) -> Observation:
+    """Classify and scrape the runtime pods and the routers (all scrapes at once) into the policy's inputs."""
+    views = [v for v in (pod_view(p) for p in pods) if v is not None]
+    router_urls = [
+        v.url for v in (pod_view(p, ROUTER_PORT) for p in routers) if v is not None and v.url is not None
+    ]
+    scraped = [v for v in views if v.url is not None]
+    texts = await asyncio.gather(
+        *(fetch_text(session, v.url) for v in scraped),  # type: ignore[arg-type]
+        *(fetch_text(session, url) for url in router_urls),
+    )
+    pod_texts = dict(zip((v.name for v in scraped), texts[: len(scraped)], strict=True))
+    ttft = spec.targets.ttft
+    window = ttft.window_seconds if ttft is not None else RATE_WINDOW_SECONDS
+    quantile = ttft.percentile if ttft is not None else 0.9
+    samples = []
+    for view in views:
+        text = pod_texts.get(view.name)
+        if view.state is not PodState.READY:
+            samples.append(PodSample(view.name, view.state))
+            continue
+        try:
+            metrics = parse_metrics(text) if text is not None else None
+        except MetricsParseError:
+            metrics = None
+        if metrics is None:
+            samples.append(PodSample(view.name, PodState.UNKNOWN))  # never a reason to scale down
+            continue
+        samples.append(pod_sample(view.name, book.add(view.name, now, metrics, window), window, quantile))
+    book.retain(v.name for v in views)
+    pending, failures = 0.0, 0
+    for text in texts[len(scraped) :]:
+        try:
+            pending += router_pending(text, model) if text is not None else 0.0
+        except MetricsParseError:
+            text = None
+        failures += text is None
+    return Observation(tuple(samples), round(pending), failures)
+
+
+# ------------------------------------------------------------------------------------------------ a decision
+async def autoscale(
+    ctx: OperatorContext,
+    namespace: str,
+    name: str,
+    book: ScrapeBook,
+    session: aiohttp.ClientSession,
+    now: float,
+    logger: logging.Logger,
+) -> Decision | None:
+    """One decision for one ModelDeployment; None when it has no (valid) autoscaling spec or is going away."""
+    kube = ctx.kube
+    body = await asyncio.to_thread(kube.get, "ModelDeployment", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    try:
+        spec = parse_model_deployment(body.get("spec"))
+    except ConfigError:
+        return None  # the reconcile reports an invalid spec (status condition and Event)
+    if spec.autoscaling is None:
+        return None
+    pods = await asyncio.to_thread(kube.list, "Pod", namespace, selector_string(name))
+    routers: list[Mapping[str, Any]] = []
+    if spec.routing_policy_ref:
+        selector = ",".join(f"{k}={v}" for k, v in router_selector(spec.routing_policy_ref).items())
+        routers = await asyncio.to_thread(kube.list, "Pod", namespace, selector)
+    model = model_mount(spec, {}).served_name  # the name clients send, which the router's gauge is keyed by
+    seen = await observe(session, pods, routers, model, spec.autoscaling, book, now)
+    if seen.router_failures:
+        logger.info("autoscaler: %d router pod(s) did not report pending requests", seen.router_failures)
+
+    previous = (body.get("status") or {}).get("autoscaling") or {}
+    last = previous.get("desiredReplicas")
+    current = last if isinstance(last, int) else spec.replicas
+    decision = decide(
+        current, seen.samples, spec.autoscaling, history_from_status(previous), now, seen.pending_requests
+    )
+    scaled = decision.replicas != current
+    observed = {
+        "pending": seen.pending_requests,
+        **{s.value: sum(p.state is s for p in seen.samples) for s in PodState},
+    }
+    if routers:
+        observed["router_scrape_failures"] = seen.router_failures
+    status = autoscaling_status(decision, previous, scaled, now, observed)
+    await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, {"autoscaling": status})
+    if spec.replicas != decision.replicas:
+        await asyncio.to_thread(kube.scale, "ModelDeployment", namespace, name, decision.replicas)
+    if spec.replicas != current:
+        ctx.event(
+            body,
+            "Normal",
+            "ManualScaleOverridden",
+            f"replicas were set to {spec.replicas} outside the autoscaler, which owns them while "
+            f"spec.autoscaling is set: now {decision.replicas} ({decision.reason})",
+        )
+    elif scaled:
+        ctx.event(
+            body, "Normal", "ScaledUp" if decision.replicas > current else "ScaledDown", decision.reason
+        )
+    if scaled or spec.replicas != decision.replicas:
+        logger.info("autoscaler: %s", decision.reason)
+    return decision
+
+
+# ------------------------------------------------------------------------------------------------ kopf wiring
+def _autoscaling_on(spec: Mapping[str, Any], **_: Any) -> bool:
+    return bool((spec or {}).get("autoscaling"))
+
+
+def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_INTERVAL_SECONDS) -> None:
+    @kopf.timer(
+        *MD,
+        interval=interval_seconds,
+        sharp=True,  # decisions on a steady beat, whatever one took
+        when=_autoscaling_on,
+        id="autoscaler",
+        registry=registry,
+    )
+    async def autoscaler_tick(
+        memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any
+    ) -> None:
+        book = memo.setdefault("autoscaler_scrapes", ScrapeBook())  # the per-object memo
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            try:
+                await autoscale(memo.ctx, namespace, name, book, session, time.time(), logger)
+            except Exception as e:  # an API hiccup: the next tick decides again from stored state
+                logger.warning("autoscaler: no decision this period: %s", e)
+
+    @kopf.on.field(*MD, field="spec.autoscaling", id="autoscaler-off", registry=registry)
+    def autoscaling_changed(
+        memo: kopf.Memo, namespace: str, name: str, new: Any, status: Mapping[str, Any], **_: Any
+    ) -> None:
+        # Autoscaling turned off: spec.replicas is the user's again, and the old decision must not linger.
+        if not new and (status or {}).get("autoscaling") is not None:
+            memo.ctx.kube.patch_status("ModelDeployment", namespace, name, {"autoscaling": None})

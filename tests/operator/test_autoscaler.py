@@ -1,0 +1,525 @@
+"""The autoscaler loop over an in-memory cluster and real HTTP: every runtime pod is an aiohttp server on
+127.0.0.1 rendering its /metrics with the runtime's own `ServerMetrics` (engine figures set by the test), the
+router pod renders the router's own `RouterMetrics`, and the autoscaler scrapes and parses them for real.
+
+The cluster is a dict behind the five `Kube` calls the autoscaler makes (get, list, patch_status, scale; a
+JSON merge patch as the API server applies it); the test plays the ReplicaSet controller and the kubelet by
+adding and removing pods. Time is passed in, so windows and cooldowns are exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from tokenfleet.operator.api import parse_model_deployment
+from tokenfleet.operator.autoscaler import SCRAPE_TIMEOUT_SECONDS, ScrapeBook, autoscale, pod_view
+from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
+from tokenfleet.operator.autoscaling_status import (
+    from_rfc3339,
+    history_from_status,
+    history_to_status,
+    merge_runs,
+)
+from tokenfleet.operator.builders import (
+    PRE_STOP_SECONDS,
+    build_deployment,
+    build_runtime_config,
+    common_labels,
+)
+from tokenfleet.operator.crdgen import build_crd
+from tokenfleet.operator.reconcile import OperatorContext
+from tokenfleet.operator.router_builders import router_labels
+from tokenfleet.runtime.engine.outputs import EngineStats
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.router.metrics import RouterMetrics
+from tokenfleet.runtime.server.metrics import ServerMetrics
+
+NS = "team"
+MODEL = "smollm2-135m-instruct"
+LOG = logging.getLogger("test-autoscaler")
+
+
+# ------------------------------------------------------------------------------------------- the fake cluster
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies `application/merge-patch+json`."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_patch(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+class Cluster:
+    """The `Kube` calls the autoscaler uses, over a dict of objects."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        wanted = dict(term.split("=", 1) for term in label_selector.split(","))
+        return [
+            copy.deepcopy(obj)
+            for (k, _), obj in sorted(self.objects.items())
+            if k == kind and wanted.items() <= obj["metadata"].get("labels", {}).items()
+        ]
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        obj = self.objects[(kind, name)]
+        obj["status"] = merge_patch(obj.get("status") or {}, status)
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
+        self.objects[(kind, name)]["spec"]["replicas"] = replicas
+
+    # ---- what users, controllers and kubelets do
+    def create_md(self, name: str, spec: dict[str, Any]) -> None:
+        parse_model_deployment(spec)  # what the CRD's schema and CEL rules admit
+        self.objects[("ModelDeployment", name)] = {
+            "apiVersion": "serving.tokenfleet.dev/v1alpha1",
+            "kind": "ModelDeployment",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}"},
+            "spec": copy.deepcopy(spec),
+        }
+
+    def md(self, name: str) -> dict[str, Any]:
+        return self.objects[("ModelDeployment", name)]
+
+    def add_pod(
+        self, name: str, labels: dict[str, str], port: int | None, ready: bool = True, **status: Any
+    ) -> None:
+        containers = [{"name": "runtime", "ports": [{"name": "http", "containerPort": port or 1}]}]
+        pod_status: dict[str, Any] = {"phase": "Running" if port else "Pending"}
+        if port:
+            pod_status |= {
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                "containerStatuses": [
+                    {"name": "runtime", "started": ready, "restartCount": 0, "ready": ready}
+                ],
+            }
+        self.objects[("Pod", name)] = {
+            "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "spec": {"containers": containers},
+            "status": merge_patch(pod_status, status),
+        }
+
+    def remove_pod(self, name: str) -> None:
+        del self.objects[("Pod", name)]
+
+
+class FakePod:
+    """A pod's HTTP server: /metrics from the runtime's ServerMetrics over engine figures the test sets."""
+
+    def __init__(self, naming: str = "tokenfleet") -> None:
+        self.stats = EngineStats()
+        self.metrics = ServerMetrics(MODEL, lambda: self.stats, naming)
+        self.failing = False
+        self.malformed = False
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    def load(self, waiting: int = 0, running: int = 0, kv: float = 0.0) -> None:
+        self.stats = replace(self.stats, num_waiting=waiting, num_running=running, kv_cache_usage=kv)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.failing:
+            return web.Response(status=500, text="engine gone")
+        if self.malformed:
+            return web.Response(text="tokenfleet:num_requests_waiting{model_name= 3\n")
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    async def start(self) -> FakePod:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class FakeRouter(FakePod):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router_metrics = RouterMetrics()
+
+    def hold(self, model: str, n: int) -> None:
+        self.router_metrics.pending.labels(model).set(n)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.router_metrics.render(), content_type="text/plain")
+
+
+@pytest.fixture
+async def servers():
+    started: list[FakePod] = []
+
+    async def start(pod: FakePod) -> FakePod:
+        started.append(await pod.start())
+        return pod
+
+    yield start
+    for pod in started:
+        await pod.stop()
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)) as s:
+        yield s
+
+
+class Loop:
+    """One ModelDeployment's autoscaler: what the kopf timer does each period, with the time given."""
+
+    def __init__(self, cluster: Cluster, session: aiohttp.ClientSession, name: str = "chat") -> None:
+        self.cluster, self.session, self.name = cluster, session, name
+        self.events: list[tuple[str, str, str]] = []
+        self.ctx = OperatorContext(
+            kube=cluster,  # type: ignore[arg-type]
+            event=lambda owner, type_, reason, message: self.events.append((type_, reason, message)),
+        )
+        self.book = ScrapeBook()
+
+    async def tick(self, now: float):
+        return await autoscale(self.ctx, NS, self.name, self.book, self.session, now, LOG)
+
+    @property
+    def replicas(self) -> int:
+        return self.cluster.md(self.name)["spec"]["replicas"]
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.cluster.md(self.name)["status"]["autoscaling"]
+
+    def reasons(self) -> list[str]:
+        return [reason for _, reason, _ in self.events]
+
+
+def autoscaling(**overrides: Any) -> dict[str, Any]:
+    spec = {
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "targets": {"waitingRequestsPerReplica": 2},
+        "scaleUp": {"stabilizationWindowSeconds": 10, "maxStep": 4, "cooldownSeconds": 0},
+        "scaleDown": {"stabilizationWindowSeconds": 30, "maxStep": 1, "cooldownSeconds": 0},
+    }
+    return spec | overrides
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+async def test_step_load_scales_up_within_the_window_then_back_to_min(servers, session):
+    cluster = Cluster()
+    cluster.create_md("chat", {"replicas": 1, "autoscaling": autoscaling()})
+    labels = common_labels("chat")
+    a = await servers(FakePod())
+    cluster.add_pod("chat-a", labels, a.port)
+    loop = Loop(cluster, session)
+
+    a.load(running=1)
+    d = await loop.tick(0.0)
+    assert (d.replicas, loop.replicas) == (1, 1) and loop.events == []
+
+    # A step: 3 queued on one replica against a target of 2 per replica -> 2 replicas, once it has lasted
+    # the 10 s scale-up window (a single spike does not order capacity).
+    a.load(waiting=3, running=4)
+    d = await loop.tick(5.0)
+    assert loop.replicas == 1 and "not stable" in d.reason
+    d = await loop.tick(15.0)
+    assert loop.replicas == 2 and d.reason.startswith("scale up 1->2: waiting_requests_per_replica 3")
+    assert loop.events[-1][:2] == ("Normal", "ScaledUp")
+
+    # The new pod is cold-starting: it counts as capacity on the way, so nothing more is ordered.
+    cluster.add_pod("chat-b", labels, None)
+    d = await loop.tick(20.0)
+    assert loop.replicas == 2 and loop.status["signals"]["starting"] == 1
+
+    # It comes up; the load stops. Down to min only after the 30 s scale-down window, one step.
+    b = await servers(FakePod())
+    cluster.remove_pod("chat-b")
+    cluster.add_pod("chat-b", labels, b.port)
+    a.load()
+    d = await loop.tick(25.0)
+    assert loop.replicas == 2 and "scale-down not stable" in d.reason
+    d = await loop.tick(49.0)  # 2 was still recommended at t=20
+    assert loop.replicas == 2
+    d = await loop.tick(50.0)
+    assert loop.replicas == 1 and d.reason.startswith("scale down 2->1")
+    assert loop.reasons() == ["ScaledUp", "ScaledDown"]
+
+
+async def test_min_zero_scales_to_zero_when_idle_and_back_on_router_demand(servers, session):
+    cluster = Cluster()
+    cluster.create_md(
+        "chat",
+        {
+            "replicas": 1,
+            "routingPolicyRef": "front",
+            "autoscaling": autoscaling(minReplicas=0, scaleToZeroAfterSeconds=20),
+        },
+    )
+    a = await servers(FakePod())
+    router = await servers(FakeRouter())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    cluster.add_pod("front-router-x", router_labels("front"), router.port)
+    router.hold("another-model", 5)  # demand for someone else's model is not ours
+    loop = Loop(cluster, session)
+
+    await loop.tick(0.0)
+    d = await loop.tick(15.0)
+    assert loop.replicas == 1 and d.reason.startswith("steady")
+    d = await loop.tick(21.0)
+    assert loop.replicas == 0 and d.reason == "scale down 1->0: no traffic for 21s"
+    cluster.remove_pod("chat-a")
+    d = await loop.tick(40.0)
+    assert loop.replicas == 0 and d.reason == "scaled to zero: no demand"
+
+    # A request arrives: the router holds it (no endpoint) and says so; 0 -> 1 at once, no window.
+    router.hold(MODEL, 1)
+    d = await loop.tick(45.0)
+    assert loop.replicas == 1 and d.reason == "scale 0->1: 1 requests pending"
+    assert loop.reasons() == ["ScaledDown", "ScaledUp"]
+    assert loop.status["signals"]["pending"] == 1.0
+
+
+async def test_unknown_pods_never_cause_a_scale_down(servers, session):
+    cluster = Cluster()
+    cluster.create_md(
+        "chat",
+        {"replicas": 3, "autoscaling": autoscaling(scaleDown={"stabilizationWindowSeconds": 0})},
+    )
+    labels = common_labels("chat")
+    a, b = await servers(FakePod()), await servers(FakePod())
+    cluster.add_pod("chat-a", labels, a.port)
+    cluster.add_pod("chat-b", labels, b.port)
+    # A crash-looping pod: not Ready, restarted: unknown, not "starting".
+    cluster.add_pod(
+        "chat-c",
+        labels,
+        a.port,
+        ready=False,
+        containerStatuses=[{"name": "runtime", "started": False, "restartCount": 4, "ready": False}],
+    )
+    loop = Loop(cluster, session)
+
+    d = await loop.tick(0.0)  # idle, but one pod is unknown
+    assert loop.replicas == 3 and "1 pods with unknown figures" in d.reason
+    cluster.remove_pod("chat-c")
+    d = await loop.tick(5.0)  # a pod the Deployment should have and nobody reported: unknown too
+    assert loop.replicas == 3 and "1 pods with unknown figures" in d.reason
+    c = await servers(FakePod())
+    cluster.add_pod("chat-c", labels, c.port)
+
+    for how, t in (("failing", 10.0), ("malformed", 20.0)):
+        setattr(b, how, True)
+        d = await loop.tick(t)
+        assert loop.replicas == 3 and "1 pods with unknown figures" in d.reason, how
+        setattr(b, how, False)
+
+    await b.stop()  # connection refused
+    d = await loop.tick(30.0)
+    assert loop.replicas == 3 and d.signals["unknown"] == 1
+
+    # Every pod answers again: now the idle fleet may shrink, one step at a time.
+    await b.start()
+    cluster.remove_pod("chat-b")
+    cluster.add_pod("chat-b", labels, b.port)
+    d = await loop.tick(40.0)
+    assert loop.replicas == 2 and d.reason.startswith("scale down 3->2")
+    assert loop.events == [("Normal", "ScaledDown", d.reason)]
+
+
+async def test_status_is_rendered_and_a_restarted_operator_keeps_the_windows(servers, session):
+    cluster = Cluster()
+    cluster.create_md("chat", {"replicas": 1, "autoscaling": autoscaling()})
+    a = await servers(FakePod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    loop = Loop(cluster, session)
+    a.load(waiting=6, running=4, kv=0.5)
+    d = await loop.tick(100.0)
+    assert loop.replicas == 1 and "not stable" in d.reason
+
+    status = loop.status
+    assert status["desiredReplicas"] == 1 and status["recommendation"] == 3
+    assert status["reason"] == d.reason
+    assert status["signals"] == {
+        "pending": 0.0,
+        "ready": 1.0,
+        "starting": 0.0,
+        "unknown": 0.0,
+        "waitingPerReplica": 6.0,
+    }
+    assert status["lastScaleTime"] is None
+    assert from_rfc3339(status["lastDecisionTime"]) == 100.0
+    assert [r["replicas"] for r in status["history"]["recommendations"]] == [1, 3]
+
+    # The operator restarts (no memory at all): the window started at t=100 still holds at t=105 and is
+    # over at t=111, exactly as without a restart.
+    loop = Loop(cluster, session)
+    d = await loop.tick(105.0)
+    assert loop.replicas == 1 and "not stable" in d.reason
+    d = await loop.tick(111.0)
+    assert loop.replicas == 3 and d.reason.startswith("scale up 1->3")
+    status = loop.status
+    assert from_rfc3339(status["lastScaleTime"]) == 111.0 and status["lastScaleReason"] == d.reason
+    assert from_rfc3339(status["history"]["lastScaleUpTime"]) == 111.0
+
+
+async def test_a_manual_scale_is_undone_with_an_event(servers, session):
+    cluster = Cluster()
+    cluster.create_md("chat", {"replicas": 1, "autoscaling": autoscaling()})
+    a = await servers(FakePod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    loop = Loop(cluster, session)
+    await loop.tick(0.0)
+
+    cluster.scale("ModelDeployment", NS, "chat", 3)  # kubectl scale md/chat --replicas=3
+    d = await loop.tick(15.0)
+    assert loop.replicas == 1 and d.replicas == 1
+    type_, reason, message = loop.events[-1]
+    assert (type_, reason) == ("Normal", "ManualScaleOverridden")
+    assert message.startswith("replicas were set to 3 outside the autoscaler") and "now 1" in message
+    d = await loop.tick(30.0)
+    assert loop.replicas == 1 and len(loop.events) == 1
+
+
+async def test_vllm_metric_names_are_read_the_same(servers, session):
+    cluster = Cluster()
+    cluster.create_md(
+        "chat",
+        {
+            "replicas": 1,
+            "metrics": {"naming": "vllm"},
+            "autoscaling": autoscaling(targets={"kvCacheUsage": 0.5}),
+        },
+    )
+    a = await servers(FakePod(naming="vllm"))
+    assert b"vllm:kv_cache_usage_perc" in a.metrics.render()
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    loop = Loop(cluster, session)
+    a.load(running=8, kv=0.9)
+    d = await loop.tick(0.0)
+    assert d.signals["kv_cache_usage"] == pytest.approx(0.9) and d.recommendation == 2
+
+
+async def test_without_autoscaling_nothing_is_touched(session):
+    cluster = Cluster()
+    cluster.create_md("chat", {"replicas": 2})
+    loop = Loop(cluster, session)
+    assert await loop.tick(0.0) is None
+    assert loop.replicas == 2 and "status" not in cluster.md("chat") and loop.events == []
+
+
+# ------------------------------------------------------------------------------------------------- the pieces
+def test_pod_classification():
+    def pod(**status: Any) -> dict[str, Any]:
+        return {"metadata": {"name": "p"}, "spec": {}, "status": status}
+
+    ready = [{"type": "Ready", "status": "True"}]
+    assert pod_view(pod(podIP="10.0.0.7", conditions=ready)).url == "http://10.0.0.7:8000/metrics"
+    assert pod_view(pod(podIP="fd00::7", conditions=ready)).url == "http://[fd00::7]:8000/metrics"
+    assert pod_view(pod(phase="Pending")).state is PodState.STARTING  # not even scheduled yet
+    loading = [{"name": "runtime", "started": False, "restartCount": 0}]
+    assert pod_view(pod(phase="Running", containerStatuses=loading)).state is PodState.STARTING
+    went_unready = [{"name": "runtime", "started": True, "restartCount": 0}]
+    assert pod_view(pod(phase="Running", containerStatuses=went_unready)).state is PodState.UNKNOWN
+    crashed = [{"name": "runtime", "started": False, "restartCount": 2}]
+    assert pod_view(pod(phase="Running", containerStatuses=crashed)).state is PodState.UNKNOWN
+    leaving = pod(podIP="10.0.0.7", conditions=ready)
+    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert pod_view(leaving) is None
+    assert pod_view(pod(phase="Failed")) is None
+
+
+def test_stored_history_decides_exactly_like_the_full_one():
+    """Merging runs (and the RFC 3339 round trip) never changes a decision: replay a noisy load through the
+    policy twice, once carrying its History as is, once through status and back every period."""
+    spec = parse_model_deployment({"autoscaling": autoscaling(maxReplicas=8)}).autoscaling
+    rng = random.Random(7)
+    full, stored = History(), history_from_status(None)
+    current_full = current_stored = 2
+    t = 1_700_000_000.0
+    for _ in range(300):
+        t += rng.choice((3.0, 5.0, 7.5))
+        waiting = rng.choice((0, 0, 1, 2, 3, 5, 9))
+        samples = [PodSample(f"p{i}", PodState.READY, num_waiting=waiting) for i in range(current_full)]
+        d_full = decide(current_full, samples, spec, full, t)
+        d_stored = decide(current_stored, samples, spec, stored, t)
+        assert (d_stored.replicas, d_stored.reason) == (d_full.replicas, d_full.reason)
+        full, current_full = d_full.history, d_full.replicas
+        stored = history_from_status({"history": history_to_status(d_stored.history)})
+        current_stored = d_stored.replicas
+    assert len(merge_runs(full.recommendations)) <= len(full.recommendations)
+
+
+def test_scale_down_defaults_survive_the_crd():
+    """The API server fills an omitted scaleDown from the schema's field defaults: they must be the
+    policy's own (a 5-minute window, one replica at a time), not the scale-up ones."""
+    crd = build_crd("ModelDeployment")
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    down = spec["properties"]["autoscaling"]["properties"]["scaleDown"]["properties"]
+    defaults = {k: v["default"] for k, v in down.items()}
+    parsed = parse_model_deployment({"autoscaling": autoscaling(scaleDown={})}).autoscaling.scale_down
+    assert defaults == {"stabilizationWindowSeconds": 300.0, "maxStep": 1, "cooldownSeconds": 60.0}
+    assert parsed.model_dump(by_alias=True) == defaults
+
+
+@pytest.mark.parametrize(
+    ("autoscaling_spec", "message"),
+    [
+        ({"minReplicas": 4, "maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}}, "must be <= maxReplicas"),
+        ({"maxReplicas": 3, "targets": {}}, "set at least one of"),
+        ({"maxReplicas": 3000, "targets": {"kvCacheUsage": 0.8}}, "maxReplicas must be <= 1000"),
+        ({"minReplicas": 0, "maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}}, "needs routingPolicyRef"),
+        (
+            {"maxReplicas": 3, "targets": {"ttft": {"seconds": 1, "windowSeconds": 7200}}},
+            "windowSeconds must be <= 3600",
+        ),
+        ({"maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}, "scaleUp": {"cooldownSeconds": 9999}}, "3600"),
+    ],
+)
+def test_invalid_autoscaling_is_rejected_with_a_clear_message(autoscaling_spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_model_deployment({"autoscaling": autoscaling_spec})
+
+
+def test_the_crd_carries_the_same_rules_as_cel():
+    spec = build_crd("ModelDeployment")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"
+    ]
+    a = spec["properties"]["autoscaling"]
+    rules = [r["rule"] for r in a["x-kubernetes-validations"]]
+    assert "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas" in rules
+    assert any("has(self.ttft)" in r["rule"] for r in a["properties"]["targets"]["x-kubernetes-validations"])
+    assert any("routingPolicyRef" in r["rule"] for r in spec["x-kubernetes-validations"])
+    assert a["required"] == ["maxReplicas", "targets"]
+
+
+def test_a_removed_pod_stops_taking_requests_before_sigterm_and_drains():
+    spec = parse_model_deployment({})
+    config = build_runtime_config(spec, None)
+    pod = build_deployment("chat", spec, config)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": PRE_STOP_SECONDS}}
+    # The grace period runs from deletion: it must cover the preStop sleep and then the whole drain.
+    assert pod["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + math.ceil(config.server.drain_seconds)
