@@ -6,9 +6,9 @@ here is what `kubectl explain` shows; rules the schema can express are also emit
 (`CEL_RULES`), and `validate_*` re-checks them in the operator because a CRD may be installed without
 them (or edited by hand).
 
-Fields the runtime pods also have are declared with `runtime_field("section.name")`: their type, constraints
-and default come from `RuntimeConfig` (runtime/config.py), and builders.py copies each one to the same path
-(`runtime_values`), so a runtime default or enum cannot drift from the CRD and no mapping is written by hand.
+Fields the runtime pods also have are declared with `runtime_field("section.name")` (runtime_fields.py):
+their type, constraints and default come from `RuntimeConfig`, and builders.py copies each one to the same
+path, so a runtime default or enum cannot drift from the CRD and no mapping is written by hand.
 RoutingPolicy's spec *is* the router's `RoutingSpec` (runtime/router/config.py): the operator copies it
 verbatim into the router's config file, so the two can never disagree.
 """
@@ -16,13 +16,12 @@ verbatim into the router's config file, so the two can never disagree.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from tokenfleet.operator.autoscaling_policy import AutoscalingSpec
-from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.operator.runtime_fields import runtime_field
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.router.config import RoutingSpec
 
@@ -48,39 +47,6 @@ REF_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimePath:
-    """Marks a CRD field as the RuntimeConfig field at `path` (dotted: "cache.eviction")."""
-
-    path: str
-
-
-def runtime_field(path: str, description: str | None = None, **field: Any) -> Any:
-    """The type, constraints and default of a RuntimeConfig field, as the annotation of a CRD field.
-
-    `field` passes on to `Field` (e.g. an `alias`); `annotation=` narrows the type where the CRD needs a
-    structural schema (a union the runtime accepts from files but a CRD cannot express).
-    """
-    section, name = path.split(".")
-    info = RuntimeConfig.model_fields[section].annotation.model_fields[name]
-    annotation = field.pop("annotation", info.annotation)
-    default = Field(default=info.default, description=description or info.description, **field)
-    return Annotated[annotation, *info.metadata, RuntimePath(path), default]
-
-
-def runtime_values(spec: BaseModel) -> dict[str, Any]:
-    """{RuntimeConfig dotted path: value} of every field of `spec` (nested) declared with runtime_field."""
-    values: dict[str, Any] = {}
-    for name, info in type(spec).model_fields.items():
-        value = getattr(spec, name)
-        marker = next((m for m in info.metadata if isinstance(m, RuntimePath)), None)
-        if marker is not None:
-            values[marker.path] = value
-        elif isinstance(value, BaseModel):
-            values.update(runtime_values(value))
-    return values
 
 
 # --------------------------------------------------------------------------------------------- ModelDeployment

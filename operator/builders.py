@@ -18,7 +18,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, runtime_values, source_kind
+from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
+from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
 
 RUNTIME_PORT = 8000

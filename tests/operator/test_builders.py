@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment, runtime_values
+from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment
 from tokenfleet.operator.builders import (
     OPERATOR_SET_FIELDS,
     POD_DEFAULT_FIELDS,
@@ -17,6 +17,7 @@ from tokenfleet.operator.builders import (
     config_hash,
     selector_string,
 )
+from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import RuntimeConfig
 
 CPU = {"model": {"servedName": "smol"}, "engine": {"maxNumSeqs": 8, "maxWaiting": 10}}
