@@ -275,6 +275,17 @@ async def autoscale(
     return decision
 
 
+def autoscaling_changed(
+    ctx: OperatorContext, namespace: str, name: str, new: Any, status: Mapping[str, Any] | None
+) -> bool:
+    """`spec.autoscaling` changed to `new`; when it is gone, clear the old decision (spec.replicas is the
+    user's again, from its current value) and say whether status was written."""
+    if new or (status or {}).get("autoscaling") is None:
+        return False
+    ctx.kube.patch_status("ModelDeployment", namespace, name, {"autoscaling": None})
+    return True
+
+
 # ------------------------------------------------------------------------------------------------ kopf wiring
 def _autoscaling_on(spec: Mapping[str, Any], **_: Any) -> bool:
     return bool((spec or {}).get("autoscaling"))
@@ -301,9 +312,7 @@ def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_
                 logger.warning("autoscaler: no decision this period: %s", e)
 
     @kopf.on.field(*MD, field="spec.autoscaling", id="autoscaler-off", registry=registry)
-    def autoscaling_changed(
+    def autoscaling_field(
         memo: kopf.Memo, namespace: str, name: str, new: Any, status: Mapping[str, Any], **_: Any
     ) -> None:
-        # Autoscaling turned off: spec.replicas is the user's again, and the old decision must not linger.
-        if not new and (status or {}).get("autoscaling") is not None:
-            memo.ctx.kube.patch_status("ModelDeployment", namespace, name, {"autoscaling": None})
+        autoscaling_changed(memo.ctx, namespace, name, new, status)

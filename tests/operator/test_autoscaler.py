@@ -20,7 +20,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from tokenfleet.operator.api import parse_model_deployment
-from tokenfleet.operator.autoscaler import SCRAPE_TIMEOUT_SECONDS, ScrapeBook, autoscale, pod_view
+from tokenfleet.operator.autoscaler import (
+    SCRAPE_TIMEOUT_SECONDS,
+    ScrapeBook,
+    autoscale,
+    autoscaling_changed,
+    pod_view,
+)
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.autoscaling_status import (
     from_rfc3339,
@@ -401,6 +407,15 @@ async def test_a_manual_scale_is_undone_with_an_event(servers, session):
     assert message.startswith("replicas were set to 3 outside the autoscaler") and "now 1" in message
     d = await loop.tick(30.0)
     assert loop.replicas == 1 and len(loop.events) == 1
+
+    # Autoscaling removed: replicas are the user's again, the old decision goes, the loop stops touching it.
+    spec = cluster.md("chat")["spec"]
+    del spec["autoscaling"]
+    md = cluster.md("chat")
+    assert autoscaling_changed(loop.ctx, NS, "chat", None, md["status"])
+    assert "autoscaling" not in cluster.md("chat")["status"]
+    cluster.scale("ModelDeployment", NS, "chat", 3)
+    assert await loop.tick(45.0) is None and loop.replicas == 3
 
 
 async def test_vllm_metric_names_are_read_the_same(servers, session):
