@@ -28,11 +28,9 @@ TYPES = {"object": dict, "array": list, "string": str, "integer": int, "boolean"
 def _problems(node: dict[str, Any], value: Any, path: str = "$") -> list[str]:
     if not isinstance(value, TYPES.get(node.get("type", ""), object)):
         return [f"{path}: {value!r} is not {node['type']}"]
-    out = [
-        f"{path}: {value!r} not in {node['enum']}"
-        for _ in [0]
-        if "enum" in node and value not in node["enum"]
-    ]
+    out: list[str] = []
+    if "enum" in node and value not in node["enum"]:
+        out.append(f"{path}: {value!r} not in {node['enum']}")
     if isinstance(value, str):
         if "pattern" in node and not re.search(node["pattern"], value):
             out.append(f"{path}: {value!r} does not match {node['pattern']}")
