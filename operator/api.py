@@ -23,7 +23,7 @@ from pydantic.alias_generators import to_camel
 from tokenfleet.operator.autoscaling_policy import AutoscalingSpec
 from tokenfleet.operator.runtime_fields import runtime_field
 from tokenfleet.runtime.errors import ConfigError
-from tokenfleet.runtime.router.config import RoutingSpec
+from tokenfleet.runtime.router.config import RoutingSpec, SecretKeyRef
 
 GROUP = "serving.tokenfleet.dev"
 VERSION = "v1alpha1"
@@ -158,6 +158,11 @@ class ModelDeploymentSpec(_Spec):
         None, pattern=REF_PATTERN, max_length=63, description="RoutingPolicy whose router sends traffic here."
     )
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="Image holding the `tokenfleet` command.")
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret (same namespace) entry listing the API keys the pods require, one per line; "
+        "mounted as a file, so a rotation applies without restarting the pods.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelDeploymentSpec:

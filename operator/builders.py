@@ -21,9 +21,11 @@ from typing import Any
 from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
 from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
+from tokenfleet.runtime.router.config import SecretKeyRef
 
 RUNTIME_PORT = 8000
 CONFIG_DIR = "/etc/tokenfleet"
+KEYS_DIR = "/etc/tokenfleet-keys"
 RUNTIME_CONFIG_FILE = "runtime.yaml"
 MODELS_DIR = "/models"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
@@ -143,6 +145,7 @@ OPERATOR_SET_FIELDS = frozenset(
         "cache.cpu_offload_gib",
         "server.host",
         "server.port",
+        "server.api_key_file",  # the mounted `apiKeySecret`, when one is named
     }
 )
 # RuntimeConfig fields no custom resource exposes: every pod runs with the runtime's own default.
@@ -158,7 +161,6 @@ POD_DEFAULT_FIELDS = frozenset(
         "speculative.ngram_min",
         "speculative.ngram_max",
         "server.api_keys",  # keys belong in a Secret, not in a custom resource
-        "server.api_key_file",
         "server.max_body_bytes",
         "server.drain_seconds",
         "server.health_stall_seconds",
@@ -193,9 +195,23 @@ def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | Non
             # In a pod the server listens on every interface: the Service and the kubelet's probes reach it.
             "server.host": "0.0.0.0",
             "server.port": RUNTIME_PORT,
+            "server.api_key_file": api_key_path(spec.api_key_secret),
         }
     )
     return RuntimeConfig.model_validate(_nest(values))
+
+
+def api_key_path(secret: SecretKeyRef | None) -> str | None:
+    """Where a pod reads the keys of `secret` (mounted whole, so the kubelet's updates reach the file)."""
+    return f"{KEYS_DIR}/{secret.key}" if secret is not None else None
+
+
+def api_key_volume(secret: SecretKeyRef | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for an API-key Secret; no subPath, which would freeze the file."""
+    if secret is None:
+        return [], []
+    volume = {"name": "api-keys", "secret": {"secretName": secret.name, "defaultMode": 0o440}}
+    return [volume], [{"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True}]
 
 
 def _drop_path(tree: dict[str, Any], dotted: str) -> None:
@@ -300,6 +316,9 @@ def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig
         {"name": "tmp", "mountPath": "/tmp"},
         *mount.mounts,
     ]
+    key_volumes, key_mounts = api_key_volume(spec.api_key_secret)
+    volumes += key_volumes
+    mounts += key_mounts
     if gpu or spec.tensor_parallel_size > 1:
         # NCCL, CUDA IPC and torch.multiprocessing's shared tensors between tensor-parallel workers need
         # more shared memory than a container's default 64 MiB /dev/shm.

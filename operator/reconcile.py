@@ -326,7 +326,7 @@ def reconcile_routing_policy(
         builtin = source_kind(md_spec.model.source) == "builtin"
         backends.append(build_backend(md_name, namespace, config, builtin))
     try:
-        router_config = build_router_config(namespace, spec, backends)
+        router_config = build_router_config(namespace, spec, backends, body["metadata"].get("generation"))
     except ValueError as e:  # e.g. a modelRoute naming a backend that does not exist (yet)
         _write_policy_status(ctx, "RoutingPolicy", body, used_by, None, f"router config: {e}")
         return

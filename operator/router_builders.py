@@ -6,6 +6,12 @@ The router's config file is `RouterConfig` (runtime/router/config.py): the Routi
 Discovery is `kubernetes`: the router follows each backend Service's EndpointSlices so it can score pods
 one by one (prefix affinity needs per-pod state), which is why it gets a ServiceAccount bound to the
 `tokenfleet-router` ClusterRole (read EndpointSlices) in its own namespace only.
+
+The router applies most of its config live when the ConfigMap changes (`LIVE_FIELDS` of the router's
+config: the whole policy, the backends, the keys): the pod template carries a hash of the restart-only
+part only, so a RoutingPolicy edit updates the ConfigMap and the running routers, and rolls nothing. The
+file also names the policy's generation, which each router reports at `/v1/config` once applied.
+API keys come from the Secret entry `apiKeySecret` names, mounted whole so rotations reach the file.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from tokenfleet.operator.builders import (
     CONFIG_DIR,
     CONFIG_HASH_ANNOTATION,
     MANAGED_BY,
+    api_key_path,
+    api_key_volume,
     container_security_context,
     pod_security_context,
     service_url,
 )
 from tokenfleet.runtime.config import RuntimeConfig
-from tokenfleet.runtime.router.config import Backend, Discovery, RouterConfig, RoutingSpec
+from tokenfleet.runtime.router.config import Backend, Discovery, RouterConfig, RoutingSpec, restart_only
 
 ROUTER_PORT = 8080
 ROUTER_CONFIG_FILE = "router.yaml"
@@ -72,7 +80,9 @@ def build_backend(md_name: str, namespace: str, config: RuntimeConfig, builtin_m
     )
 
 
-def build_router_config(namespace: str, spec: RoutingSpec, backends: list[Backend]) -> RouterConfig:
+def build_router_config(
+    namespace: str, spec: RoutingSpec, backends: list[Backend], generation: int | None = None
+) -> RouterConfig:
     # Sorted: the file (and so the ConfigMap) must not change when the API lists objects in another order.
     ordered = tuple(sorted(backends, key=lambda b: b.name))
     return RouterConfig(
@@ -81,6 +91,8 @@ def build_router_config(namespace: str, spec: RoutingSpec, backends: list[Backen
         routing=spec,
         backends=ordered,
         discovery=Discovery(mode="kubernetes", namespace=namespace),
+        api_key_file=api_key_path(spec.api_key_secret),
+        generation=generation,
     )
 
 
@@ -136,9 +148,10 @@ def build_router_service(rp_name: str) -> dict[str, Any]:
 
 
 def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> dict[str, Any]:
-    """The router pods; the config file's hash on the template restarts them when backends change."""
+    """The router pods; the template hashes only the restart-only config, so policy edits roll nothing."""
     spec = config.routing
     names = router_names(rp_name)
+    key_volumes, key_mounts = api_key_volume(spec.api_key_secret)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     container = {
         "name": "router",
@@ -150,6 +163,7 @@ def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> d
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *key_mounts,
         ],
         "securityContext": container_security_context(),
         "startupProbe": {**probe, "failureThreshold": 24},
@@ -173,6 +187,7 @@ def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> d
                     "volumes": [
                         {"name": "config", "configMap": {"name": names.config_map}},
                         {"name": "tmp", "emptyDir": {}},
+                        *key_volumes,
                     ],
                     "securityContext": pod_security_context(),
                     "terminationGracePeriodSeconds": 30,
@@ -184,4 +199,6 @@ def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> d
 
 
 def _hash(config: RouterConfig) -> str:
-    return hashlib.sha256(router_config_yaml(config).encode()).hexdigest()[:16]
+    """Of the restart-only part: a change there needs new router processes; the rest they apply live."""
+    text = yaml.safe_dump(restart_only(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -47,14 +47,43 @@ def test_router_deployment_and_binding():
         "--config",
         "/etc/tokenfleet/router.yaml",
     ]
-    other = build_router_deployment(
-        "chat", build_router_config("ns", spec, [_backend("a"), _backend("b")]), "img:1"
-    )
     key = "serving.tokenfleet.dev/config-hash"
-    assert (
-        dep["spec"]["template"]["metadata"]["annotations"][key]
-        != other["spec"]["template"]["metadata"]["annotations"][key]
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    # Policy edits and backend changes are applied live by the routers: the pod template stays the same.
+    edited = parse_routing_policy(
+        {"strategy": "round-robin", "weights": {"prefix": 9}, "router": {"replicas": 5}}
     )
+    other = build_router_deployment(
+        "chat", build_router_config("ns", edited, [_backend("a"), _backend("b")], generation=7), "img:1"
+    )
+    assert other["spec"]["template"] == dep["spec"]["template"]
+    assert other["spec"]["replicas"] == 5
+    assert annotations[key] == other["spec"]["template"]["metadata"]["annotations"][key]
     rb = build_router_role_binding("chat")
     assert rb["roleRef"]["name"] == "tokenfleet-router"
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router"}]
+
+
+def test_router_keys_from_a_secret():
+    spec = parse_routing_policy({"apiKeySecret": {"name": "router-keys", "key": "tiers"}})
+    cfg = build_router_config("ns", spec, [_backend("a")], generation=3)
+    assert cfg.api_key_file == "/etc/tokenfleet-keys/tiers" and cfg.generation == 3
+    dep = build_router_deployment("chat", cfg, "img:1")
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "router-keys", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    mount = {"name": "api-keys", "mountPath": "/etc/tokenfleet-keys", "readOnly": True}
+    assert mount in pod["containers"][0]["volumeMounts"]  # the whole Secret: no subPath, rotation reaches it
+    assert "subPath" not in str(pod)
+
+
+def test_model_deployment_keys_from_a_secret():
+    from tokenfleet.operator.builders import build_deployment
+
+    md = parse_model_deployment({"apiKeySecret": {"name": "pod-keys"}})
+    config = build_runtime_config(md, None)
+    assert config.server.api_key_file == "/etc/tokenfleet-keys/keys"
+    pod = build_deployment("chat", md, config)["spec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": "pod-keys", "defaultMode": 0o440}} in pod["volumes"]
+    assert build_runtime_config(parse_model_deployment({}), None).server.api_key_file is None
