@@ -103,11 +103,24 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         out.pop("default", None)
         if not out.get("required"):
             out["default"] = {}
+        # Nor does a required property: the API server validates every default against the schema and
+        # its CEL rules (an empty `targets` fails "set at least one"), and a required field has none.
+        for name in out.get("required") or ():
+            out["properties"][name].pop("default", None)
     if out.get("type") == "array":
         out.setdefault("maxItems", MAX_ITEMS)
         if out.get("default") == []:
             del out["default"]
     return out
+
+
+def _without_defaults(node: Any) -> Any:
+    """The schema with every `default` removed (recursively)."""
+    if isinstance(node, list):
+        return [_without_defaults(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
 
 
 def _attach_rules(schema: dict[str, Any], rules: dict[str, list[dict[str, str]]]) -> None:
@@ -141,8 +154,9 @@ def build_crd(kind: str) -> dict[str, Any]:
     spec.setdefault("description", f"Desired state of the {kind}.")
     _attach_rules(spec, CEL_RULES.get(kind, {}))
     _attach_list_keys(spec, LIST_MAP_KEYS.get(kind, {}))
-    status = openapi_schema(info["status"])
-    status.pop("default", None)
+    # Status is written whole by the operator and never defaulted: a default would make the API server
+    # invent sub-objects (e.g. an empty `autoscaling` on every ModelDeployment, or one the operator cleared).
+    status = _without_defaults(openapi_schema(info["status"]))
     status["description"] = f"Observed state of the {kind}, written by the operator."
     subresources: dict[str, Any] = {"status": {}}
     if kind == "ModelDeployment":

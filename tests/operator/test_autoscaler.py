@@ -10,6 +10,7 @@ adding and removing pods. Time is passed in, so windows and cooldowns are exact.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import random
@@ -528,6 +529,14 @@ def test_the_crd_carries_the_same_rules_as_cel():
     assert any("has(self.ttft)" in r["rule"] for r in a["properties"]["targets"]["x-kubernetes-validations"])
     assert any("routingPolicyRef" in r["rule"] for r in spec["x-kubernetes-validations"])
     assert a["required"] == ["maxReplicas", "targets"]
+    # The API server validates defaults against the rules: an empty default `targets` would fail "set at
+    # least one" and the whole CRD would be rejected. A required field has no default.
+    assert "default" not in a["properties"]["targets"]
+    # Status is never defaulted: a cleared status.autoscaling must stay cleared.
+    status = build_crd("ModelDeployment")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "status"
+    ]
+    assert "default" not in json.dumps(status)
 
 
 def test_a_removed_pod_stops_taking_requests_before_sigterm_and_drains():
