@@ -105,14 +105,17 @@ def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodVie
 
 async def fetch_text(session: aiohttp.ClientSession, url: str) -> str | None:
     """The body of one /metrics scrape, or None when it failed (status, timeout, connection, size)."""
+    body = bytearray()
     try:
         async with session.get(url) as response:
             if response.status != 200:
                 return None
-            body = await response.content.read(MAX_METRICS_BYTES + 1)
+            # Chunk by chunk to the end (a single read may stop at whatever has arrived), bounded.
+            async for chunk in response.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    return None
     except (aiohttp.ClientError, TimeoutError, OSError):
-        return None
-    if len(body) > MAX_METRICS_BYTES:
         return None
     return body.decode("utf-8", errors="replace")
 

@@ -9,6 +9,7 @@ adding and removing pods. Time is passed in, so windows and cooldowns are exact.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -136,6 +137,7 @@ class FakePod:
         self.metrics = ServerMetrics(MODEL, lambda: self.stats, naming)
         self.failing = False
         self.malformed = False
+        self.padding = 0  # bytes of other series before ours, sent in small pieces
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -147,6 +149,16 @@ class FakePod:
             return web.Response(status=500, text="engine gone")
         if self.malformed:
             return web.Response(text="tokenfleet:num_requests_waiting{model_name= 3\n")
+        if self.padding:
+            other = "".join(f'other_series{{i="{i}"}} 1\n' for i in range(self.padding // 20))
+            body = (other + "# EOF-less exposition goes on\n").encode() + self.metrics.render()
+            response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await response.prepare(request)
+            for start in range(0, len(body), 4096):
+                await response.write(body[start : start + 4096])
+                await asyncio.sleep(0.001)
+            await response.write_eof()
+            return response
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
     async def start(self) -> FakePod:
@@ -436,6 +448,19 @@ async def test_vllm_metric_names_are_read_the_same(servers, session):
     a.load(running=8, kv=0.9)
     d = await loop.tick(0.0)
     assert d.signals["kv_cache_usage"] == pytest.approx(0.9) and d.recommendation == 2
+
+
+async def test_a_large_metrics_page_arriving_in_pieces_is_read_whole(servers, session):
+    cluster = Cluster()
+    cluster.create_md(
+        "chat", {"replicas": 1, "autoscaling": autoscaling(scaleUp={"stabilizationWindowSeconds": 0})}
+    )
+    a = await servers(FakePod())
+    a.padding = 300_000  # our series come last, after ~75 pieces
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    a.load(waiting=4, running=1)
+    d = await Loop(cluster, session).tick(0.0)
+    assert d.signals["waiting_per_replica"] == 4 and d.replicas == 2  # target 2 per replica
 
 
 async def test_without_autoscaling_nothing_is_touched(session):
