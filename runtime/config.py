@@ -38,7 +38,6 @@ class ModelConfig(_Strict):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto = triton on CUDA, torch elsewhere."
     )
-    seed: int = 0
 
     @property
     def name(self) -> str:

@@ -60,6 +60,10 @@ class ModelArch:
     dense_layers: frozenset[int] = frozenset()  # layers of a MoE model that keep a dense MLP (Qwen2-MoE)
     qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections, before RoPE
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    # Which shard of a tensor-parallel model this shape describes (tensor_parallel.shard_arch); the sizes
+    # above are then the shard's (its heads, KV heads, vocabulary rows, intermediate slices).
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

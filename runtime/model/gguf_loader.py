@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.arch import ModelArch, RopeScaling
-from tokenfleet.runtime.model.checkpoint import Checkpoint
+from tokenfleet.runtime.model.checkpoint import Checkpoint, Selector
 from tokenfleet.runtime.model.dequant import dequantize
 from tokenfleet.runtime.model.gguf_file import GGUFFile, GGUFTensor
 from tokenfleet.runtime.model.gguf_tokenizer import build_gguf_tokenizer, gguf_eos_token_ids
@@ -108,17 +109,44 @@ def gguf_arch(md: dict, tensors: dict[str, GGUFTensor]) -> ModelArch:
     )
 
 
-def gguf_weights(gguf: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named fp32 tensors, dequantized one at a time (peak memory: one tensor beyond the model)."""
+# Float tensors are stored as typed values [rows, cols], the rest as raw quantisation blocks [rows, bytes].
+_TYPED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _dequantize_part(tensor: GGUFTensor, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """fp32 values of the tensor, or of the rows / columns `part` names, dequantising only those when the
+    quantisation blocks allow (rows always; columns when the range falls on block boundaries)."""
+    if part is None:
+        return dequantize(tensor.data, tensor.qtype, tensor.shape)
+    dim, start, length = part
+    shape = list(tensor.shape)
+    shape[dim] = length
+    if dim == 0:
+        return dequantize(tensor.data[start : start + length], tensor.qtype, tuple(shape))
+    block, block_bytes = GGML_QUANT_SIZES[tensor.qtype]
+    if tensor.qtype in _TYPED:
+        return dequantize(tensor.data[:, start : start + length], tensor.qtype, tuple(shape))
+    if start % block == 0 and length % block == 0:
+        raw = tensor.data[:, start // block * block_bytes : (start + length) // block * block_bytes]
+        return dequantize(raw, tensor.qtype, tuple(shape))
+    return dequantize(tensor.data, tensor.qtype, tensor.shape)[:, start : start + length].contiguous()
+
+
+def gguf_weights(
+    gguf: GGUFFile, arch: ModelArch, select: Selector | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named fp32 tensors, dequantized one at a time (peak memory: one tensor beyond the model); with
+    `select`, only each tensor's selected part (a tensor-parallel shard) is dequantized."""
     for name, tensor in gguf.tensors.items():
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise ConfigError(f"GGUF tensor {name!r} has no place in a {arch.model_type} model")
-        weight = dequantize(tensor.data, tensor.qtype, tensor.shape)
-        if arch.model_type == "llama" and name.endswith("attn_q.weight"):
-            weight = unpermute_rope_rows(weight, arch.num_heads)
-        elif arch.model_type == "llama" and name.endswith("attn_k.weight"):
-            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
+        part = select(hf_name) if select is not None else None
+        weight = _dequantize_part(tensor, part)
+        # llama.cpp permutes rows within each head; a shard holds whole heads, so undo it per shard.
+        head_rows = weight.shape[0] // arch.head_dim
+        if arch.model_type == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            weight = unpermute_rope_rows(weight, head_rows)
         yield hf_name, weight
 
 
@@ -142,7 +170,7 @@ def load_gguf(path: Path) -> Checkpoint:
     return Checkpoint(
         arch=arch,
         tokenizer=tokenizer,
-        weights=lambda: gguf_weights(gguf, arch),
+        weights=lambda select=None: gguf_weights(gguf, arch, select),
         num_weights=len(gguf.tensors),
         name=path.stem,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tokenfleet.runtime.model import tensor_parallel
 from torch import nn
 
 
@@ -24,12 +25,17 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up are one [2 * I, H] matmul (one pass over x)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, all_reduce: bool = False
+    ):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        # Tensor parallel: this is one rank's intermediate slice, and down's output a partial sum.
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return tensor_parallel.all_reduce(out) if self.all_reduce else out

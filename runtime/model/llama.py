@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model import tensor_parallel
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from tokenfleet.runtime.model.layers import GatedMLP, RMSNorm
@@ -22,7 +23,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size,
 
 
 def _dense_mlp(arch: ModelArch) -> nn.Module:
-    return GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias, all_reduce=arch.tp_size > 1)
 
 
 # "dense" | "moe" -> builder. The MoE layer registers itself here with one entry.
@@ -92,6 +93,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps) if arch.qk_norm else None
         self.clip_qkv = arch.clip_qkv
+        self.all_reduce = arch.tp_size > 1  # o_proj is row-parallel: its output is a partial sum
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -107,7 +109,8 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return tensor_parallel.all_reduce(out) if self.all_reduce else out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,7 +170,12 @@ class LlamaForCausalLM(nn.Module):
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """`num_layers` runs only the first layers (self-speculative drafting); default all."""
-        x = self.model.embed_tokens(input_ids)
+        if self.arch.tp_size > 1:
+            x = tensor_parallel.vocab_parallel_embedding(
+                input_ids, self.model.embed_tokens.weight, self.arch.tp_rank
+            )
+        else:
+            x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(
             self.model.layers[: num_layers or len(self.model.layers)], kv_caches, strict=False
         ):
@@ -175,7 +183,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.arch.tp_size > 1:  # each rank holds a slice of the vocabulary
+            logits = tensor_parallel.all_gather_last_dim(logits, self.arch.tp_size)
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
 from tokenfleet.runtime.model.source import resolve_source
+from tokenfleet.runtime.model.tensor_parallel import shard_arch, shard_slice
 from tokenfleet.runtime.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -90,12 +92,20 @@ def _set_kernel_backend(model: torch.nn.Module, backend_name: str) -> None:
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device | str, progress: ProgressFn | None = None
+    model_config: ModelConfig,
+    device: torch.device | str,
+    progress: ProgressFn | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> LoadedModel:
+    """The model (with `tp_size` > 1: shard `tp_rank` of it, read slice by slice from the checkpoint;
+    `LoadedModel.arch` stays the whole model's shape, `model.arch` is the shard's)."""
     device = torch.device(device)
     source = resolve_source(model_config.model)
     checkpoint = CHECKPOINT_LOADERS[source.kind](source.path)
     arch = checkpoint.arch
+    shard = shard_arch(arch, tp_rank, tp_size)  # raises ConfigError when the model cannot be split so
+    select = None if tp_size == 1 else functools.partial(shard_slice, full=arch, rank=tp_rank, size=tp_size)
     dtype = resolve_dtype(model_config.dtype, device)
     max_model_len = resolve_max_model_len(arch, model_config.max_model_len)
     backend_name = resolve_backend_name(model_config.attention_backend, device)
@@ -106,11 +116,11 @@ def load_model(
     # any parameter unwritten, so no garbage survives; the RoPE tables (explicitly fp32) are recomputed.
     max_positions = max(max_model_len, arch.max_position_embeddings)
     with torch.device("meta"), _default_dtype(dtype):
-        model = LlamaForCausalLM(arch, backend, max_positions=max_positions)
+        model = LlamaForCausalLM(shard, backend, max_positions=max_positions)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty unties shared parameters
     model.model.rotary.build_tables()
-    model.load_weights(_tracked(checkpoint.weights(), checkpoint.num_weights, progress))
+    model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
     model.eval().requires_grad_(False)
     if model_config.quantization == "fp8":
         saved = quantize_model_fp8(model)

@@ -14,6 +14,7 @@ import re
 
 import torch
 from tokenfleet.kernels.moe import fused_moe, quantize_experts_fp8
+from tokenfleet.runtime.model import tensor_parallel
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.layers import GatedMLP
 from tokenfleet.runtime.model.llama import MLP_BUILDERS
@@ -56,6 +57,9 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         # "auto": Triton on CUDA tensors, the torch reference elsewhere; the loader aligns it with attention.
         self.kernel_backend = "auto"
+        # Tensor parallel: every expert (and the shared one) holds this rank's intermediate slice, so the
+        # block's output is a partial sum, reduced once.
+        self.all_reduce = arch.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fused_moe(
@@ -71,7 +75,7 @@ class MoEBlock(nn.Module):
         )
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return tensor_parallel.all_reduce(out) if self.all_reduce else out
 
     @torch.no_grad()
     def quantize_experts_fp8(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.arch import arch_from_hf_config
-from tokenfleet.runtime.model.checkpoint import Checkpoint
+from tokenfleet.runtime.model.checkpoint import Checkpoint, Selector
 from tokenfleet.runtime.model.tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -73,11 +73,18 @@ def _eos_ids(
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(files: list[Path], select: Selector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                part = select(name) if select is not None else None
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = part  # read only this rank's rows / columns
+                view = f.get_slice(name)
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, view[index]
 
 
 def load_hf_dir(directory: Path) -> Checkpoint:
@@ -116,7 +123,7 @@ def load_hf_dir(directory: Path) -> Checkpoint:
     return Checkpoint(
         arch=arch,
         tokenizer=tokenizer,
-        weights=lambda: _weights(files),
+        weights=lambda select=None: _weights(files, select),
         num_weights=num_weights,
         name=directory.name,
     )
