@@ -1,4 +1,4 @@
-"""Scheduler + KV cache manager overhead per step: 256 running sequences, a null model.
+"""Scheduler + KV cache manager overhead per step: 256 and 1,024 running sequences, a null model.
 
 The model is replaced by random token ids, so the time measured is all bookkeeping the engine pays on
 top of the forward pass each step: scheduling, block allocation, prefix-cache hashing and caching of
@@ -64,21 +64,16 @@ def calibration_us() -> float:
     return 1e6 * min(runs) / 2000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
+def run(num_seqs: int, steps: int, block_size: int) -> None:
     rng = random.Random(0)
-    scheduler = build(args.seqs, args.steps, args.block_size, rng)
+    scheduler = build(num_seqs, steps, block_size, rng)
     while any(r.num_output_tokens == 0 for r in scheduler.running) or scheduler.num_waiting:
         one_step(scheduler, rng)  # prefill everything: the measured steps are all decodes
-    assert scheduler.num_running == args.seqs
+    assert scheduler.num_running == num_seqs
     walls, cpus = [], []
-    for _ in range(args.steps):
+    for _ in range(steps):
         n, wall, cpu = one_step(scheduler, rng)
-        assert n == args.seqs
+        assert n == num_seqs
         walls.append(wall)
         cpus.append(cpu)
     walls.sort()
@@ -91,13 +86,23 @@ def main() -> None:
     normalised_ms = cpu_ms * REFERENCE_CALIBRATION_US / calib
     verdict = "OK" if normalised_ms <= TARGET_MS else "ABOVE TARGET"
     print(
-        f"scheduler+kv overhead, {args.seqs} running seqs, block {args.block_size}, {args.steps} steps:\n"
-        f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / args.seqs:.2f} us/seq)\n"
+        f"scheduler+kv overhead, {num_seqs} running seqs, block {block_size}, {steps} steps:\n"
+        f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)\n"
         f"  wall mean {wall_ms:.3f} ms/step  p50 {p50_ms:.3f}  p99 {p99_ms:.3f}\n"
         f"  calibration: sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
         f"a reference core -> {normalised_ms:.3f} ms/step normalised; target <= {TARGET_MS:.1f} ms: {verdict}\n"
         f"  preemptions {scheduler.num_preemptions_total}, kv usage {scheduler.kv.usage:.0%}"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    for num_seqs in args.seqs:
+        run(num_seqs, args.steps, args.block_size)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.engine.drain_rate import DrainRate
 from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -74,10 +75,13 @@ class AsyncEngine:
         self._ingested = 0  # adds taken in (engine thread writes)
         self._busy_since: float | None = None  # when the current unfinished work was last making progress
         self._last_progress = time.monotonic()
+        self._drain = DrainRate()  # completions seen on the event loop, for Retry-After on a 429
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> AsyncEngine:
-        return cls(EngineCore(config))
+        core = EngineCore(config)
+        core.prefill_pins()  # before any client request: the first ones already hit the pinned prefixes
+        return cls(core)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -94,14 +98,11 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
+        self.core.shutdown()  # tensor-parallel workers
 
     @property
     def started(self) -> bool:
         return self._thread is not None and self._dead is None
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._queues)
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -120,12 +121,12 @@ class AsyncEngine:
             raise EngineDeadError("the engine has not been started")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self.core.validate(prompt_token_ids, params)
+        self.core.check_admission(prompt_token_ids, params)  # the scheduler's check, before queueing
         waiting = self._stats.num_waiting + (self._submitted - self._ingested)
         if waiting >= self.config.scheduler.max_waiting:
             raise Overloaded(
                 f"the waiting queue is full ({waiting} requests waiting)",
-                retry_after=self._retry_after(),
+                retry_after=self._drain.retry_after(waiting),
             )
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
@@ -180,6 +181,7 @@ class AsyncEngine:
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+        self.core.check_health()  # a dead tensor-parallel worker
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
         busy_since = self._busy_since
@@ -192,8 +194,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def _retry_after(self) -> float:
-        return 1.0
+    async def compile_grammar(self, spec) -> None:
+        """Compile (and cache) a structured-output grammar in a worker thread, off the event loop, so the
+        engine thread finds it compiled when the request arrives. Raises InvalidRequest for a bad spec."""
+        if spec is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.core.grammars.compile, spec)
 
     # ---- the engine thread ------------------------------------------------------------------------
 
@@ -227,6 +232,7 @@ class AsyncEngine:
                 self._stats = core.stats()
                 if outputs:
                     self._deliver(outputs)
+                core.check_health()  # a worker that died while the engine was idle ends the loop too
         except BaseException as e:  # the loop is dead: every waiter must hear it, /health must say it
             logger.exception("engine loop died")
             self._dead = e
@@ -264,6 +270,8 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._deliver_on_loop, outputs)
 
     def _deliver_on_loop(self, outputs: list[RequestOutput]) -> None:
+        if num_finished := sum(out.finished for out in outputs):
+            self._drain.record(time.monotonic(), num_finished)
         for out in outputs:
             q = self._queues.get(out.request_id)
             if q is not None:

@@ -8,6 +8,7 @@ needs the model and its tensors, and runs on the engine thread only:
 - pinned prefixes: each entry of `cache.pinned_prefixes` is a text (tokenized without added special
   tokens: write it as it starts the rendered prompt, e.g. "<|im_start|>system\\n...") or a list of token
   ids. A new pin is computed by a max_tokens=1 request; when it is freed the manager pins its full blocks.
+  Constructing this class only queues those requests; at start-up `EngineCore.prefill_pins()` runs them.
   Pins no longer listed are released;
 - `apply(cache)`: the live fields of a new CacheConfig (config reload; see config_watch.py).
 """
@@ -44,11 +45,8 @@ class CachePolicyRuntime:
         self._bytes_per_block = sum(
             t[0].numel() * t.element_size() for pair in core.runner.kv_caches for t in pair
         )
+        # Queues the prefill requests of new pins; the engine's owner runs them (`EngineCore.prefill_pins`).
         self.apply(core.config.cache)
-        # At start-up nothing else runs yet: compute the pins now, so the first requests already hit them
-        # (and offline callers never see the internal requests' outputs).
-        while core.has_unfinished():
-            core.step()
 
     def _run_transfers(self, transfers: list[KVTransfer]) -> None:
         assert self.host_buffers is not None
@@ -72,6 +70,9 @@ class CachePolicyRuntime:
                 cpu_offload_gib,
                 self._bytes_per_block,
             )
+        if num_slots > 0 and self._core.workers is not None:
+            logger.warning("the KV host tier is not supported with tensor parallelism: offload stays off")
+            num_slots = 0
         if num_slots < 1 or not km.enable_caching:
             if km.host is not None:
                 logger.info("KV host tier off")

@@ -6,7 +6,7 @@ import copy
 import itertools
 from collections.abc import Callable, Sequence
 
-from tokenfleet.runtime.config import CacheConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from tokenfleet.runtime.config import CacheConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig
 from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -18,8 +18,10 @@ Prompt = str | list[int]
 class LLM:
     """Runs many prompts through one continuous-batching engine and returns whole outputs in order.
 
-    Keyword arguments are fields of ModelConfig, CacheConfig or SchedulerConfig (e.g. `block_size=16`,
-    `num_blocks=64`, `max_num_batched_tokens=32`, `dtype="float32"`), or pass a full `config=`.
+    Keyword arguments are fields of ModelConfig, CacheConfig, SchedulerConfig or ParallelConfig (e.g.
+    `block_size=16`, `num_blocks=64`, `max_num_batched_tokens=32`, `tensor_parallel_size=2`), or pass a full
+    `config=`. With tensor parallelism, `shutdown()` stops the worker processes (they also stop with this
+    process).
     """
 
     def __init__(
@@ -31,11 +33,16 @@ class LLM:
         **overrides: object,
     ):
         config = config or RuntimeConfig()
-        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}}
+        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
         if model is not None:
             sections["model"]["model"] = model
         for key, value in overrides.items():
-            for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            for name, cls in (
+                ("model", ModelConfig),
+                ("cache", CacheConfig),
+                ("scheduler", SchedulerConfig),
+                ("parallel", ParallelConfig),
+            ):
                 if key in cls.model_fields:
                     sections[name][key] = value
                     break
@@ -51,8 +58,12 @@ class LLM:
         # Re-validate: model_copy(update=...) skips validation.
         self.config = RuntimeConfig.model_validate(config.model_dump())
         self.engine = EngineCore(self.config, loaded=loaded)
+        self.engine.prefill_pins()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -1,5 +1,10 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass and one sampling pass.
 
+`execute` reads as the data flow: `prepare_inputs` (tensors from the scheduler's output) -> `forward`
+(the model writes the step's KV and returns the logits of the rows to sample) -> `sample` (plain rows)
+-> `verify` (rows with speculative proposals). The first two need nothing but the scheduler's output,
+which is what a tensor-parallel worker receives each step.
+
 It owns the device-side state: the model, the paged KV cache tensors (one K and one V tensor per layer,
 `[num_blocks, block_size, num_kv_heads, head_dim]`), the per-request seeded generators and the speculative
 draft, if any. Everything it reads about requests comes from the scheduler's output and the Request
@@ -14,13 +19,14 @@ bonus token. Requests without proposals go through the plain sampler, unchanged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.config import CacheConfig, ModelConfig
 from tokenfleet.runtime.engine.logprobs import compute_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
+from tokenfleet.runtime.engine.parallel.workers import TPWorkers
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
@@ -28,6 +34,7 @@ from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Propos
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
 from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model.attention.base import AttentionMetadata
 from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
 from tokenfleet.runtime.model.loader import LoadedModel
 
@@ -51,7 +58,7 @@ def kv_cache_dtype(cache: CacheConfig, loaded: LoadedModel) -> torch.dtype:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
-    arch = loaded.arch
+    arch = loaded.model.arch  # this rank's shard
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
@@ -83,6 +90,19 @@ def num_kv_blocks(
 
 
 @dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One step's model inputs, built from the SchedulerOutput alone."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn_meta: AttentionMetadata
+    logit_rows: torch.Tensor  # int64 [N]: rows of the hidden states to compute logits for
+    sample_ids: tuple[str, ...]  # one row each, first in logit_rows
+    verify_ids: tuple[str, ...]  # k + 1 rows each, after the sample rows
+    verify_drafts: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs | None]]
@@ -96,13 +116,15 @@ class ModelRunner:
         device: torch.device,
         num_blocks: int,
         proposer: Proposer | None = None,
+        workers: TPWorkers | None = None,
     ):
         self.loaded = loaded
+        self.workers = workers  # tensor parallel (rank 0): each step goes to the other ranks first
         self.model = loaded.model
         self.device = device
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        arch = loaded.arch
+        arch = loaded.model.arch  # the shard's: its KV heads only under tensor parallelism
         dtype = kv_cache_dtype(cache_config, loaded)
         shape = (num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
@@ -140,15 +162,39 @@ class ModelRunner:
         """Forget per-request state (its seeded generator) once the request is finished or aborted."""
         self._generators.pop(request_id, None)
 
+    # ---- the step: prepare inputs -> forward -> logits -> sample -> verify ---------------------------------
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> ModelRunnerOutput:
+        if self.workers is not None:
+            self.workers.broadcast(output)
+        inputs = self.prepare_inputs(output)
+        try:
+            logits = self.forward(inputs)
+        except RuntimeError:  # a collective failed: name the worker that died, if one did
+            if self.workers is not None:
+                self.workers.check()
+            raise
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        num_sample = len(inputs.sample_ids)
+        if num_sample:
+            self.sample(logits[:num_sample], [requests[rid] for rid in inputs.sample_ids], sampled, logprobs)
+        if inputs.verify_ids:
+            verify_reqs = [requests[rid] for rid in inputs.verify_ids]
+            self.verify(logits[num_sample:], verify_reqs, inputs.verify_drafts, sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
+        """Token ids, positions and paged-attention metadata of one step, from the scheduler's output only
+        (no Request objects: a tensor-parallel worker builds the same inputs from the same message)."""
         input_ids: list[int] = []
         positions: list[int] = []
         seq_specs: list[SeqSpec] = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_ids: list[str] = []
         verify_rows: list[int] = []  # k + 1 rows per request with proposals
-        verify_reqs: list[Request] = []
+        verify_ids: list[str] = []
         verify_drafts: list[tuple[int, ...]] = []
         for sched in output.scheduled:
             spec = sched.spec_token_ids
@@ -161,44 +207,60 @@ class ModelRunner:
             if spec:
                 last = len(input_ids) - 1
                 verify_rows.extend(range(last - len(spec), last + 1))
-                verify_reqs.append(requests[sched.request_id])
+                verify_ids.append(sched.request_id)
                 verify_drafts.append(spec)
             else:
                 sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(requests[sched.request_id])
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        meta = build_attention_metadata(seq_specs, self.block_size, self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        if self.proposer is not None:
-            self.proposer.observe(ids_t, pos_t, meta)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs | None]] = {}
-        if sample_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            generators = {r.request_id: g for r in sample_reqs if (g := self._generator(r)) is not None}
-            sampling_meta = SamplingMetadata.build(sample_reqs, generators, self.device)
-            result = self.sampler(logits, sampling_meta)
-            for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs, strict=True):
-                sampled[r.request_id] = [tok]
-                logprobs[r.request_id] = [lp]
-        if verify_reqs:
-            self._verify(hidden, verify_rows, verify_reqs, verify_drafts, sampled, logprobs)
-        return ModelRunnerOutput(sampled, logprobs)
+                sample_ids.append(sched.request_id)
+        device = self.device
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            attn_meta=build_attention_metadata(seq_specs, self.block_size, device),
+            logit_rows=torch.tensor(sample_rows + verify_rows, dtype=torch.long, device=device),
+            sample_ids=tuple(sample_ids),
+            verify_ids=tuple(verify_ids),
+            verify_drafts=tuple(verify_drafts),
+        )
 
-    def _verify(
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the step's tokens (writing their KV); logits [rows, V] of the rows to sample from:
+        first one row per plain sample, then k + 1 rows per request with k proposals."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
+        if self.proposer is not None:
+            self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        if inputs.logit_rows.numel() == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+
+    def sample(
         self,
-        hidden: torch.Tensor,
-        rows: list[int],
+        logits: torch.Tensor,
         reqs: list[Request],
-        drafts: list[tuple[int, ...]],
         sampled: dict[str, list[int]],
         logprobs: dict[str, list[TokenLogprobs | None]],
     ) -> None:
-        """Rejection-sample the proposals of `reqs`; adds their emitted tokens (and logprobs) to the dicts."""
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        """One token per request (row i is reqs[i]'s last position); adds them (and logprobs) to the dicts."""
         generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
-        batch = build_verify_batch(reqs, drafts, generators, self.device)
+        sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
+        result = self.sampler(logits, sampling_meta)
+        for r, tok, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+            sampled[r.request_id] = [tok]
+            logprobs[r.request_id] = [lp]
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        drafts: Sequence[tuple[int, ...]],
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprobs | None]],
+    ) -> None:
+        """Rejection-sample the proposals of `reqs` (k + 1 logit rows each); adds their emitted tokens (and
+        logprobs) to the dicts."""
+        generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
+        batch = build_verify_batch(reqs, list(drafts), generators, self.device)
         emitted = self.rejection_sampler(logits, batch)
         want = [r.sampling_params.logprobs for r in reqs]
         lp_rows: list[int] = []
@@ -222,7 +284,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose(self, batch: list[ProposalInput]) -> list[list[int]]:
-        """The draft's proposals for the next step (the engine allocated KV slots when the draft writes KV)."""
+        """The draft's proposals for the next step (model drafts write KV into the scheduler's look-ahead
+        slots)."""
         if self.proposer is None or not batch:
             return [[] for _ in batch]
         return self.proposer.propose(batch)

@@ -10,32 +10,41 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    `num_computed_tokens` ahead, the rest of the prompt gets a chunk. Strict FCFS: when the head cannot
    be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
 
+The scheduler is the only one that allocates KV slots. A speculative draft that writes KV (a draft model,
+self-speculation) needs slots for the positions it will propose after the step: a chunk that samples also
+gets `num_lookahead_tokens` slots past its last token (vLLM's look-ahead slots), capped by the request's
+length limit, so the draft can run between steps without allocating anything itself.
+
 A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
-rule covers resumption. Synchronous, deterministic, no torch: one engine thread owns all of this state.
+rule covers resumption. Synchronous, deterministic, no torch, no clock: one engine thread owns all of this
+state, and a simulator can drive it on virtual time.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.engine.admission import AdmissionLimits
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request, RequestStatus
-from tokenfleet.runtime.engine.scheduler_output import (
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerStats,
-)
-from tokenfleet.runtime.errors import CapacityError, ConfigError, ContextLengthExceeded, InvalidRequest
+from tokenfleet.runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.runtime.engine.waiting_queue import WaitingQueue
+from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
 _new_tuple = tuple.__new__
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ):
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
@@ -47,13 +56,13 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.admission = AdmissionLimits(
+            max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_blocks
+        )
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
-        # Waiting heap of (priority, arrival_time, order, request); `order` (fixed at add) breaks ties and
-        # makes entries unique. Aborted entries are dropped lazily: an entry is live only while
-        # `_waiting_order[id]` equals its order.
-        self._waiting: list[tuple[int, float, int, Request]] = []
-        self._waiting_order: dict[str, int] = {}
+        self.waiting = WaitingQueue()
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
         # (length limit, EOS + stop token ids, min_tokens).
@@ -71,7 +80,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting_order)
+        return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -79,47 +88,35 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_preemptions_total=self.num_preemptions_total,
-            kv_cache_usage=self.kv.usage,
-            num_free_blocks=self.kv.num_free_blocks,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-        )
+    def max_spec_tokens(self, request: Request, k: int) -> int:
+        """How many of `k` proposals `request` may take in its next step (0: none).
+
+        All accepted proposals plus the bonus token must stay within the length limit; with look-ahead
+        slots, a draft may write KV only where this request holds slots.
+        """
+        limit = self._stop_info[request.request_id][0]
+        k = min(k, limit - request.num_tokens - 1)
+        if self.num_lookahead_tokens and k > 0:
+            held = len(self.kv.get_block_ids(request.request_id)) * self.kv.block_size
+            k = min(k, held - request.num_computed_tokens)
+        return max(k, 0)
 
     # ---- admission and removal -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Take a request (raises InvalidRequest / ContextLengthExceeded / CapacityError; see admission.py)."""
         rid = request.request_id
         if rid in self._requests:
             raise InvalidRequest(f"duplicate request id {rid!r}", param="request_id")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if num_prompt >= self.max_model_len:
-            raise ContextLengthExceeded(
-                f"the prompt has {num_prompt} tokens; the context length is {self.max_model_len}",
-                param="prompt",
-            )
-        # The last token is never fed back, so a sequence of final length L holds L - 1 tokens of KV.
-        # One that cannot fit the whole cache would be preempted forever: refuse it now.
-        if not self.kv.can_fit(self._length_limit(request) - 1):
-            raise CapacityError(
-                f"prompt ({num_prompt} tokens) + max_tokens cannot fit in the KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)",
-                param="max_tokens",
-            )
+        params = request.sampling_params
+        limit = self.admission.check(request.num_prompt_tokens, params.max_tokens)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
-        params = request.sampling_params
         eos = frozenset() if params.ignore_eos else request.eos_token_ids
         stop_ids = eos | frozenset(params.stop_token_ids)
-        self._stop_info[rid] = (self._length_limit(request), stop_ids, params.min_tokens)
-        self._order[rid] = next(self._counter)
-        self._push_waiting(request)
+        self._stop_info[rid] = (limit, stop_ids, params.min_tokens)
+        order = self._order[rid] = next(self._counter)
+        self.waiting.push(request, order)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request in any state (stop string found, abort); frees its blocks. None if unknown."""
@@ -131,7 +128,7 @@ class Scheduler:
         if request.status is _RUNNING:
             self.running.remove(request)
         else:
-            self._waiting_order.pop(request_id, None)
+            self.waiting.remove(request_id)
         request.status = status
         self._release(request)
         return request
@@ -152,6 +149,7 @@ class Scheduler:
         running = self.running
         allocate = self.kv.allocate_slots
         block_ids = self.kv.get_block_ids
+        lookahead = self.num_lookahead_tokens
 
         i = 0
         while i < len(running) and budget > 0:
@@ -164,16 +162,18 @@ class Scheduler:
             num_missing = num_tokens - start
             num_new = num_missing if num_missing < budget else budget
             spec: tuple[int, ...] = ()
-            if request.spec_token_ids and num_new == num_missing:
-                # Each accepted proposal adds a token: stay within max_tokens / the context length.
-                num_spec = min(
-                    len(request.spec_token_ids),
-                    budget - num_new,
-                    self._stop_info[request.request_id][0] - num_tokens - 1,
-                )
-                if num_spec > 0:
-                    spec = tuple(request.spec_token_ids[:num_spec])
-            while allocate(request, num_new + len(spec)) is None:
+            num_slots = num_new
+            if num_new == num_missing:  # this chunk samples
+                limit = self._stop_info[request.request_id][0]
+                if request.spec_token_ids:
+                    # Each accepted proposal adds a token: stay within max_tokens / the context length.
+                    num_spec = min(len(request.spec_token_ids), budget - num_new, limit - num_tokens - 1)
+                    if num_spec > 0:
+                        spec = tuple(request.spec_token_ids[:num_spec])
+                        num_slots += num_spec
+                if lookahead:
+                    num_slots = min(num_slots + lookahead, limit - 1 - start)
+            while allocate(request, num_slots) is None:
                 victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
                 victim = running.pop(victim_index)
                 vid = victim.request_id
@@ -218,33 +218,38 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left."""
         chunked = self.config.enable_chunked_prefill
+        waiting = self.waiting
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._peek_waiting()
+            request = waiting.peek()
             if request is None:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            num_tokens = request.num_tokens
+            num_new = num_tokens - num_hit_tokens
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            end = num_hit_tokens + num_new
+            num_slots = num_new
+            if end == num_tokens and self.num_lookahead_tokens:
+                limit = self._stop_info[request.request_id][0]
+                num_slots = min(num_new + self.num_lookahead_tokens, limit - 1 - num_hit_tokens)
+            if self.kv.allocate_slots(request, num_slots, hits) is None:
                 break
-            heapq.heappop(self._waiting)
+            waiting.pop()
             rid = request.request_id
-            del self._waiting_order[rid]
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)
-            end = num_hit_tokens + num_new
             scheduled[rid] = ScheduledRequest(
                 rid,
                 tuple(token_slice(request, num_hit_tokens, end)),
                 num_hit_tokens,
                 self.kv.get_block_ids(rid),
-                end == request.num_tokens,
+                end == num_tokens,
             )
             budget -= num_new
         return budget
@@ -295,7 +300,9 @@ class Scheduler:
                 request.status = status
                 finished.append(request)
             elif len(new_token_ids) <= num_spec:
-                self.kv.free_blocks_beyond(request, num_tokens)
+                # Rejected proposals: give back the slots past what the next step (and its draft) uses.
+                keep = min(num_tokens + self.num_lookahead_tokens, limit - 1)
+                self.kv.free_blocks_beyond(request, max(keep, num_tokens))
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
             for request in finished:
@@ -303,13 +310,6 @@ class Scheduler:
         return finished
 
     # ---- helpers -----------------------------------------------------------------------------------------
-
-    def _length_limit(self, request: Request) -> int:
-        """The most tokens (prompt + output) this request may ever have."""
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            return self.max_model_len
-        return min(request.num_prompt_tokens + max_tokens, self.max_model_len)
 
     def _stop_token_status(self, request: Request, token_id: int) -> RequestStatus:
         """`token_id` is an EOS or stop token (and min_tokens are out): EOS wins, as in vLLM."""
@@ -328,7 +328,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.spec_token_ids = []
         self.num_preemptions_total += 1
-        self._push_waiting(request)
+        self.waiting.push(request, self._order[request.request_id])
 
     def _release(self, request: Request) -> None:
         """Forget a request that reached a finished status; frees its blocks."""
@@ -341,21 +341,3 @@ class Scheduler:
             self._aborted_ids.append(rid)
         else:
             self._finished_ids.append(rid)
-
-    def _push_waiting(self, request: Request) -> None:
-        order = self._order[request.request_id]
-        self._waiting_order[request.request_id] = order
-        heapq.heappush(self._waiting, (request.priority, request.arrival_time, order, request))
-        # Lazily dropped entries of aborted requests must not pile up.
-        if len(self._waiting) > 2 * len(self._waiting_order) + 64:
-            self._waiting = [e for e in self._waiting if self._waiting_order.get(e[3].request_id) == e[2]]
-            heapq.heapify(self._waiting)
-
-    def _peek_waiting(self) -> Request | None:
-        waiting = self._waiting
-        while waiting:
-            _, _, order, request = waiting[0]
-            if self._waiting_order.get(request.request_id) == order:
-                return request
-            heapq.heappop(waiting)
-        return None

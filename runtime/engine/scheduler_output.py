@@ -43,16 +43,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot for metrics (`tokenfleet:num_requests_running`, `kv_cache_usage_perc`, ...)."""
-
-    num_running: int
-    num_waiting: int
-    num_preemptions_total: int
-    kv_cache_usage: float  # fraction of blocks in use, 0..1
-    num_free_blocks: int
-    prefix_cache_queries: int  # tokens looked up in the prefix cache (once per admission)
-    prefix_cache_hits: int  # of which served from the cache

@@ -232,7 +232,7 @@ def test_stop_conditions():
 def test_context_length_ends_generation_and_finish_from_outside():
     s = make(max_model_len=10)
     s.add_request(r := mkreq("r", 8, max_tokens=None))
-    s.add_request(other := mkreq("other", 4, max_tokens=50))
+    s.add_request(other := mkreq("other", 4, max_tokens=6))
     _, fin = step(s)
     assert fin == []
     _, fin = step(s)
@@ -252,10 +252,53 @@ def test_admission_errors():
         s.add_request(mkreq("fits", 3))
     with pytest.raises(ContextLengthExceeded):
         s.add_request(mkreq("long", 64))
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest, match="empty") as empty:
         s.add_request(mkreq("empty", 0))
+    assert not isinstance(empty.value, ContextLengthExceeded)  # an empty prompt is not a length problem
     with pytest.raises(ConfigError):
         make(budget=32, max_model_len=64, chunked=False)
+    assert s.num_waiting == 1  # refused requests leave nothing behind
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "error"),
+    [
+        (15, None, None),  # max_model_len - 1: exactly one token may be generated
+        (15, 1, None),
+        (15, 2, ContextLengthExceeded),  # max_tokens overflow: refused, not clamped
+        (16, None, ContextLengthExceeded),  # max_model_len: nothing left to generate
+        (16, 1, ContextLengthExceeded),
+        (10, 6, None),  # prompt + max_tokens == max_model_len
+        (10, 7, ContextLengthExceeded),
+    ],
+)
+def test_admission_at_the_context_length(num_prompt, max_tokens, error):
+    s = make(max_model_len=16)
+    r = mkreq("r", num_prompt, max_tokens=max_tokens)
+    if error is not None:
+        with pytest.raises(error, match="context length"):
+            s.add_request(r)
+        assert s.num_waiting == 0
+        return
+    s.add_request(r)
+    while not r.is_finished:
+        step(s)
+    expected = 16 if max_tokens is None else num_prompt + max_tokens
+    assert r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == expected
+    assert_all_free(s)
+
+
+def test_capacity_counts_the_kv_a_sequence_can_hold():
+    """A sequence of final length L writes L - 1 tokens of KV: exactly the whole cache is admissible."""
+    s = make(num_blocks=4, max_model_len=64)  # 16 slots
+    s.add_request(r := mkreq("r", 16, max_tokens=1))  # 16 slots of prompt KV; its one token is never fed
+    with pytest.raises(CapacityError):
+        s.add_request(mkreq("r2", 16, max_tokens=2))  # 17 slots
+    with pytest.raises(CapacityError):
+        s.add_request(mkreq("r3", 1, max_tokens=None))  # may reach the context length: 63 slots
+    _, fin = step(s)
+    assert fin == [r] and r.output_token_ids == [TOKEN]
+    assert_all_free(s)
 
 
 def test_without_chunked_prefill_only_whole_prompts_are_admitted():
@@ -277,8 +320,7 @@ def test_prefix_cache_hits_start_ahead():
     (sb,) = out.scheduled
     assert (sb.start_pos, sb.token_ids) == (8, (8, 9, 10))
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
-    stats = s.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (21, 8)
+    assert (s.kv.prefix_queries, s.kv.prefix_hits) == (21, 8)
 
 
 def test_speculative_tokens_are_scheduled_and_rejected_ones_rolled_back():
@@ -351,3 +393,31 @@ def test_random_add_abort_finish_never_leaks(seed):
         step(s)
     assert s.num_preemptions_total > 0  # the pool is tight enough to exercise preemption
     assert_all_free(s)
+
+
+def test_lookahead_slots_are_allocated_with_each_sampling_chunk_and_capped_by_the_length_limit():
+    """A draft that writes KV proposes into slots the scheduler allocated: k past each sampling chunk."""
+    km = KVCacheManager(64, BS, enable_caching=True, hash_extra=hash_extra("m"))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), km, 256, num_lookahead_tokens=3)
+    s.add_request(r := mkreq("r", 6, max_tokens=4))  # length limit 10: at most 9 slots
+    out, _ = step(s)
+    assert counts(out) == {"r": 6} and len(s.kv.get_block_ids("r")) == 3  # 6 + 3 look-ahead slots
+    # The draft writes positions 6.. (the last token + proposals): as many as the held slots allow.
+    assert s.max_spec_tokens(r, 5) == 2  # 7 tokens; 2 proposals + the bonus reach the limit of 10
+    r.spec_token_ids = [11, 12]
+    out = s.schedule()
+    assert out.scheduled[0].spec_token_ids == (11, 12) and len(out.scheduled[0].block_ids) == 3  # capped at 9
+    s.update(out, {"r": [11, 99]})  # one accepted, one rejected: keeps the slots the next draft needs
+    assert r.num_tokens == 9 and len(s.kv.get_block_ids("r")) == 3
+    assert s.max_spec_tokens(r, 5) == 0  # one token left to generate: nothing to verify it against
+    step(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH
+    assert_all_free(s)
+
+
+def test_a_draft_never_gets_more_proposals_than_slots_held():
+    km = KVCacheManager(64, BS, enable_caching=True, hash_extra=hash_extra("m"))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), km, 256, num_lookahead_tokens=2)
+    s.add_request(r := mkreq("r", 4, max_tokens=50))
+    step(s)  # 4 + 2 slots: 2 blocks
+    assert s.max_spec_tokens(r, 8) == 4  # positions 4..7 are held (the second block), not 8

@@ -84,10 +84,6 @@ class BlockPool:
         return len(self._empty) + len(self._evictable)
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref count > 0); free cached blocks count as free."""
         return 1.0 - self.num_free_blocks / len(self._blocks)

@@ -98,7 +98,9 @@ class KVCacheManager:
         self.num_miss_blocks = 0
 
     @classmethod
-    def from_config(cls, cache: CacheConfig, num_blocks: int, model_name: str) -> KVCacheManager:
+    def from_config(
+        cls, cache: CacheConfig, num_blocks: int, model_name: str, clock: Clock = time.monotonic
+    ) -> KVCacheManager:
         return cls(
             num_blocks=num_blocks,
             block_size=cache.block_size,
@@ -107,6 +109,7 @@ class KVCacheManager:
             eviction=cache.eviction,
             ttl_seconds=cache.ttl_seconds,
             max_pinned_fraction=cache.max_pinned_fraction,
+            clock=clock,
         )
 
     # ---- cache policy ---------------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""OutputProcessor: a step's new tokens -> RequestOutput deltas (text, logprobs, finish, timings).
+
+It keeps, per live request, the Request and its incremental detokenizer. After the scheduler applied a
+step (`Scheduler.update`), `process` turns what each request appended into one delta: it detokenizes,
+detects stop strings (ending the request through `stop`, which the engine wires to the scheduler), and
+stamps first-token / finish times from the injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+
+from tokenfleet.runtime.engine.detokenizer import IncrementalDetokenizer
+from tokenfleet.runtime.engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from tokenfleet.runtime.engine.request import Request
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    want_logprobs: bool
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stop: Callable[[str], None], clock: Clock):
+        self._tokenizer = tokenizer
+        self._stop = stop  # ends a request whose text hit a stop string (the scheduler frees its KV)
+        self._clock = clock
+        self._tracked: dict[str, _Tracked] = {}
+        self.generation_tokens_total = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._tracked)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tracked
+
+    def get(self, request_id: str) -> Request:
+        return self._tracked[request_id].request
+
+    def add(self, request: Request) -> None:
+        params = request.sampling_params
+        self._tracked[request.request_id] = _Tracked(
+            request,
+            IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, params),
+            params.logprobs is not None,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its final (empty) delta, None if unknown."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        return self._output(tracked, [], "", None, finished=True, reason="abort")
+
+    def process(
+        self,
+        num_before: Mapping[str, int],
+        logprobs: Mapping[str, list[TokenLogprobs | None]],
+        finished: set[str],
+    ) -> tuple[list[RequestOutput], Collection[str]]:
+        """One delta per request in `num_before` (its output length before the step); the ids that ended.
+
+        `finished` holds the ids the scheduler finished in the step; stop strings add to it.
+        """
+        now = self._clock()
+        outputs: list[RequestOutput] = []
+        for rid, before in num_before.items():
+            tracked = self._tracked[rid]
+            req = tracked.request
+            # With speculation a request may get several tokens, and the scheduler drops those after a
+            # stop (EOS, max_tokens): what it appended is what the request produced.
+            new_ids = req.output_token_ids[before:]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.generation_tokens_total += len(new_ids)
+            # A stop *token* ends the text before it (its text is not emitted); EOS is special anyway.
+            text_ids = new_ids[:-1] if isinstance(req.stop_reason, int) and rid in finished else new_ids
+            delta = tracked.detokenizer.update(text_ids)
+            if tracked.detokenizer.stop_reason is not None and rid not in finished:
+                self._stop(rid)
+                req.stop_reason = tracked.detokenizer.stop_reason
+                finished.add(rid)
+            if rid in finished:
+                delta += tracked.detokenizer.flush()
+            lps = logprobs.get(rid, [])[: len(new_ids)] if tracked.want_logprobs else None
+            outputs.append(
+                self._output(
+                    tracked,
+                    new_ids,
+                    delta,
+                    [lp for lp in lps if lp is not None] if lps else None,
+                    finished=rid in finished,
+                    reason=req.status.finish_reason,
+                )
+            )
+        for rid in finished:
+            self._tracked.pop(rid, None)
+        return outputs, finished
+
+    def _output(
+        self,
+        tracked: _Tracked,
+        new_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        *,
+        finished: bool,
+        reason: str | None,
+    ) -> RequestOutput:
+        req = tracked.request
+        metrics = None
+        if finished:
+            metrics = RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=self._clock(),
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(new_ids),
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            stop_reason=req.stop_reason if finished else None,
+            metrics=metrics,
+        )

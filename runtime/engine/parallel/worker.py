@@ -1,0 +1,98 @@
+"""A tensor-parallel worker process (ranks 1 .. N-1): loads its shard, then runs every step it is sent.
+
+Protocol over its pipe to rank 0 (pickled tuples):
+  worker -> rank 0   ("ready", num_blocks) once its shard is loaded (the KV blocks its memory allows),
+                     or ("error", message) when loading failed;
+  rank 0 -> worker   ("start", num_blocks): the agreed block count (the smallest over the ranks); both
+                     sides then join the process group; after that, each step's SchedulerOutput, and None
+                     to stop.
+For a step the worker builds the same inputs as rank 0 from the same message (`prepare_inputs`) and runs
+the same forward on its shard (all-reduces and the logits' all-gather are collectives every rank joins);
+sampling happens on rank 0 only.
+
+A worker never outlives rank 0: it asks the kernel for SIGKILL when the thread that started it dies
+(prctl PR_SET_PDEATHSIG), and it exits when its pipe reports EOF (rank 0 closed it or died).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (the thread that spawned it) dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def init_process_group(init_method: str, rank: int, size: int, backend: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def worker_main(
+    rank: int, size: int, init_method: str, config_json: str, conn: Connection, parent_pid: int
+) -> None:
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 coordinates
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(message)s")
+    import torch
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks
+    from tokenfleet.runtime.engine.parallel.workers import collective_timeout_s, rank_device, threads_per_rank
+    from tokenfleet.runtime.model.loader import load_model
+
+    try:
+        config = RuntimeConfig.model_validate_json(config_json)
+        device = rank_device(config.model, rank)
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(size))
+        else:
+            torch.cuda.set_device(device)
+        loaded = load_model(config.model, device, tp_rank=rank, tp_size=size)
+        num_blocks = num_kv_blocks(config.cache, loaded, device, kv_cache_dtype(config.cache, loaded))
+    except Exception as e:  # reported to rank 0, which fails start-up with it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+    conn.send(("ready", num_blocks))
+    try:
+        _, num_blocks = conn.recv()  # ("start", the block count every rank uses)
+    except EOFError:
+        return
+    init_process_group(
+        init_method, rank, size, "nccl" if device.type == "cuda" else "gloo", collective_timeout_s(config)
+    )
+    runner = ModelRunner(loaded, config.cache, device, num_blocks)
+    while True:
+        try:
+            output = conn.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if output is None:
+            break
+        runner.forward(runner.prepare_inputs(output))
+    conn.close()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
