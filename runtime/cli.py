@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokenfleet.runtime.generate_cli", "generate text offline and stream it to the terminal"),
     "route": ("tokenfleet.runtime.router.main", "run the cache-aware router"),
     "operator": ("tokenfleet.operator.main", "run the Kubernetes operator (kopf)"),
+    "simulate": ("tokenfleet.sim.cli", "simulate a fleet on a virtual clock; plan capacity"),
 }
 
 

@@ -1,0 +1,107 @@
+"""What a simulation runs: the model, the fleet, the engine and router settings, autoscaling, SLO and traffic.
+
+One pydantic model, loadable from YAML/JSON (`tokenfleet simulate run --config`) or built from CLI flags.
+Engine and router sections *are* the runtime's own `SchedulerConfig` and `RoutingSpec`, so a simulated
+setting means what it means in a pod; the autoscaling section is the operator's `AutoscalingSpec`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tokenfleet.operator.autoscaling_policy import AutoscalingSpec
+from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.router.config import RoutingSpec
+from tokenfleet.sim.errors import SimInputError
+from tokenfleet.sim.hardware import GPUS, gpu_profile
+from tokenfleet.sim.workload import WorkloadSpec
+
+GPU_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_waiting=100_000)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SLO(_Model):
+    """A request is good when both hold; a fleet meets the SLO when the p99s do."""
+
+    ttft_s: float = Field(2.0, gt=0, description="TTFT p99 bound (seconds).")
+    tpot_s: float = Field(
+        0.05, gt=0, description="TPOT p99 bound (seconds per output token after the first)."
+    )
+
+
+class FleetSpec(_Model):
+    gpu: str = Field("h100-sxm", description="A GPU profile name, or `cpu` (the calibrated profile).")
+    tp: int = Field(1, ge=1, le=8, description="Tensor-parallel GPUs per replica.")
+    replicas: int = Field(1, ge=0, description="Replicas at t=0 (ready, no cold start).")
+    weights: Literal["bfloat16", "fp8"] = "bfloat16"
+    kv_cache: Literal["bfloat16", "fp8"] = "bfloat16"
+    cpu_profile: Path | None = Field(None, description="`cpu`: the file `simulate calibrate` wrote.")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="`cpu`: KV cache budget per replica.")
+    price_per_gpu_hour: float | None = Field(None, ge=0, description="USD; default: the GPU's table price.")
+
+    @model_validator(mode="after")
+    def _check(self) -> FleetSpec:
+        if self.gpu != "cpu":
+            gpu = gpu_profile(self.gpu, "fleet.gpu")
+            if self.tp > gpu.max_tp:
+                raise SimInputError("fleet.tp", f"{gpu.name} allows tp <= {gpu.max_tp}, got {self.tp}")
+        elif self.tp != 1:
+            raise SimInputError("fleet.tp", "the cpu profile has no tensor parallelism", "1")
+        return self
+
+
+class SimConfig(_Model):
+    model: str = Field(
+        "llama-3-8b", description="A preset, a HF config.json / checkpoint directory, or a .gguf."
+    )
+    fleet: FleetSpec = FleetSpec()
+    scheduler: SchedulerConfig = GPU_SCHEDULER
+    routing: RoutingSpec = RoutingSpec(max_in_flight_per_endpoint=1024)
+    block_size: int = Field(16, description="KV block size (tokens).")
+    eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
+    ttl_seconds: float | None = Field(None, gt=0)
+    autoscaling: AutoscalingSpec | None = None
+    autoscale_interval_s: float = Field(15.0, gt=0)
+    cold_start_s: float = Field(60.0, ge=0, description="From a new replica's creation to Ready.")
+    probe_interval_s: float = Field(0.5, gt=0, description="How often the router polls each pod's load.")
+    slo: SLO = SLO()
+    workload: WorkloadSpec = WorkloadSpec()
+    trace: Path | None = Field(None, description="JSONL trace to replay instead of the generator.")
+    timeline_points: int = Field(240, ge=2)
+    run_until_s: float | None = Field(None, gt=0, description="Keep the clock running (idle) until then.")
+    drain_limit_s: float = Field(1800.0, gt=0, description="Stop this long after the last arrival.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise SimInputError("block_size", f"got {self.block_size}", "8, 16, 32, 64, 128")
+        if self.fleet.replicas == 0 and self.autoscaling is None:
+            raise SimInputError("fleet.replicas", "0 replicas need autoscaling to ever serve anything")
+        return self
+
+    @classmethod
+    def load(cls, path: Path) -> SimConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise SimInputError("config", f"cannot read {path}: {e}") from e
+        return parse_config(data)
+
+
+def parse_config(data: dict) -> SimConfig:
+    """Validate, turning pydantic's report into one error that names the first bad field."""
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        raise SimInputError(field, err["msg"]) from None
+
+
+GPU_NAMES = (*GPUS, "cpu")

@@ -1,0 +1,163 @@
+"""`tokenfleet simulate plan`: the cheapest fleets (GPU type x TP x replicas x routing) that meet an SLO.
+
+For every (GPU, TP, routing) candidate whose weights fit, the fewest replicas that meet the SLO are found by
+bisection over [1, max_replicas] (more replicas never hurt latency here: the SLO check is monotone in
+practice), each probe one full simulation of the same seeded traffic. Candidates are ranked by cost per
+hour (replicas x TP x price). Before searching, a candidate whose *single-sequence* decode step is already
+slower than the TPOT bound, or whose prefill of the mean prompt alone exceeds the TTFT bound, is dropped as
+impossible; if every candidate is, the SLO itself is reported as impossible, naming the bound.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from tokenfleet.sim.api import build_workload, simulate
+from tokenfleet.sim.config import SimConfig
+from tokenfleet.sim.cost_model import BatchShape, RooflineCost
+from tokenfleet.sim.errors import SimInputError
+from tokenfleet.sim.hardware import gpu_profile
+from tokenfleet.sim.model_profile import model_profile
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    gpu: str
+    tp: int
+    routing: str
+    replicas: int
+    met: bool
+    cost_per_hour: float
+    ttft_p99: float
+    tpot_p99: float
+    goodput: float
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, stream=sys.stderr, width: int = 30) -> None:
+        self.total, self.done, self.stream, self.width = max(total, 1), 0, stream, width
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        filled = int(self.width * min(self.done / self.total, 1.0))
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label:<40}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _floor_latencies(config: SimConfig, gpu: str, tp: int) -> tuple[float, float]:
+    """(fastest TPOT, fastest TTFT of a mean prompt) on an otherwise idle replica."""
+    model = model_profile(config.model).with_precision(config.fleet.weights, config.fleet.kv_cache)
+    cost = RooflineCost(gpu_profile(gpu), model, tp)
+    w = config.workload
+    p = w.system_prompt_tokens + w.user_tokens
+    tpot = cost.step_seconds(BatchShape(1, 1, 1, p, p))
+    ttft = cost.step_seconds(BatchShape(p, 1, 1, p * (p + 1) / 2, p))
+    return tpot, ttft
+
+
+def plan(
+    config: SimConfig,
+    gpus: list[str],
+    tps: list[int],
+    routings: list[str],
+    max_replicas: int,
+    top: int = 5,
+    progress: Progress | None = None,
+) -> tuple[list[Candidate], list[Candidate]]:
+    """(feasible fleets cheapest first, closest infeasible ones best goodput first)."""
+    build_workload(config)  # a bad trace fails before any search
+    combos = []
+    impossible = []
+    model = model_profile(config.model).with_precision(config.fleet.weights, config.fleet.kv_cache)
+    for gpu in gpus:
+        profile = gpu_profile(gpu, "gpus")
+        for tp in tps:
+            if tp > profile.max_tp:
+                continue
+            if RooflineCost(profile, model, tp).num_kv_blocks(config.block_size) < 64:
+                continue  # the weights leave (almost) no KV cache
+            tpot, ttft = _floor_latencies(config, profile.name, tp)
+            if tpot > config.slo.tpot_s or ttft > config.slo.ttft_s:
+                impossible.append((profile.name, tp, tpot, ttft))
+                continue
+            combos.extend((profile.name, tp, r) for r in routings)
+    if not combos:
+        if impossible:
+            best = min(impossible, key=lambda c: c[2])
+            raise SimInputError(
+                "slo",
+                f"no candidate can meet TPOT <= {config.slo.tpot_s} s / TTFT <= {config.slo.ttft_s} s even at batch 1: "
+                f"the fastest is {best[0]} tp={best[1]} with TPOT {best[2]:.4f} s, TTFT {best[3]:.4f} s",
+            )
+        raise SimInputError("gpus", f"{config.model} fits on none of {gpus} with tp in {tps}")
+    steps = max(1, max_replicas.bit_length() + 1)
+    progress = progress or Progress(len(combos) * steps)
+    progress.total = len(combos) * steps
+    feasible: list[Candidate] = []
+    closest: list[Candidate] = []
+    cache: dict[tuple, Candidate] = {}
+
+    def run(gpu: str, tp: int, routing: str, replicas: int) -> Candidate:
+        key = (gpu, tp, routing, replicas)
+        if key not in cache:
+            cfg = config.model_copy(
+                update={
+                    "fleet": config.fleet.model_copy(update={"gpu": gpu, "tp": tp, "replicas": replicas}),
+                    "routing": config.routing.model_copy(update={"strategy": routing}),
+                    "autoscaling": None,
+                }
+            )
+            r = simulate(cfg)
+            price = r["fleet"]["price_per_gpu_hour"]
+            cache[key] = Candidate(
+                gpu,
+                tp,
+                routing,
+                replicas,
+                r["slo"]["met"],
+                replicas * tp * price,
+                r["latency_s"]["ttft"]["p99"],
+                r["latency_s"]["tpot"]["p99"],
+                r["slo"]["goodput_fraction"],
+            )
+            progress.update(f"{gpu} tp{tp} {routing} x{replicas}")
+        return cache[key]
+
+    for gpu, tp, routing in combos:
+        lo, hi = 1, max_replicas
+        top_run = run(gpu, tp, routing, hi)
+        if not top_run.met:
+            closest.append(top_run)
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if run(gpu, tp, routing, mid).met:
+                hi = mid
+            else:
+                lo = mid + 1
+        feasible.append(run(gpu, tp, routing, lo))
+    progress.close()
+    feasible.sort(key=lambda c: (c.cost_per_hour, c.gpu, c.tp, c.routing))
+    closest.sort(key=lambda c: (-c.goodput, c.cost_per_hour, c.gpu, c.tp, c.routing))
+    return feasible[:top], closest[:top]
+
+
+def format_candidates(title: str, rows: list[Candidate]) -> str:
+    lines = [
+        title,
+        f"{'gpu':10} {'tp':>3} {'routing':16} {'replicas':>8} {'$/hour':>8} {'TTFT p99':>9} {'TPOT p99':>9} {'goodput':>8}",
+    ]
+    for c in rows:
+        lines.append(
+            f"{c.gpu:10} {c.tp:3d} {c.routing:16} {c.replicas:8d} {c.cost_per_hour:8.2f} "
+            f"{c.ttft_p99:9.3f} {c.tpot_p99:9.4f} {c.goodput:8.1%}"
+        )
+    return "\n".join(lines)

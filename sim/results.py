@@ -1,0 +1,227 @@
+"""What a simulation measured: latency percentiles, goodput under the SLO, cache hits, load spread, preemptions,
+replica-seconds, GPU-hours and cost — as a JSON-able dict (stable: same seed, same bytes) and a table.
+
+Per-request figures are what a client measures: TTFT = first token - arrival (router queueing included),
+TPOT = (last token - first token) / (output tokens - 1), E2E = last token - arrival; ITL is every gap between
+consecutive tokens of a request, kept in a histogram of 1%-wide log bins (there are too many to keep).
+A request is *good* when its TTFT <= slo.ttft_s and its TPOT <= slo.tpot_s; the fleet *meets* the SLO when
+the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+import numpy as np
+from tokenfleet.sim.hardware import gpu_profile, parse_prices
+
+_LOG_BIN = math.log(1.01)
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _pcts(values) -> dict[str, float]:
+    if len(values) == 0:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0, "max": 0.0}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": _r(p50), "p90": _r(p90), "p99": _r(p99), "mean": _r(a.mean()), "max": _r(a.max())}
+
+
+class Collector:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.num_arrived = 0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.e2e: list[float] = []
+        self.queue: list[float] = []
+        self.good = 0
+        self.num_finished = 0
+        self.rejected: list[str] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self.preempted_requests = 0
+        self.timeline: dict[str, list[float]] = {
+            k: [] for k in ("t", "waiting", "running", "kv_usage", "ready", "replicas", "ttft_p50")
+        }
+        self._tick_ttft: list[float] = []
+
+    # ---- feeds -----------------------------------------------------------------------------------------
+
+    def arrived(self, sreq) -> None:
+        self.num_arrived += 1
+
+    def admitted(self, record) -> None:
+        pass
+
+    def first_token(self, ttft: float) -> None:
+        self._tick_ttft.append(ttft)
+
+    def finished(self, rec) -> None:
+        if rec.rejected is not None:
+            self.rejected.append(rec.rejected)
+            return
+        req = rec.request
+        ttft = rec.first_token - req.arrival
+        n_out = len(req.output)
+        tpot = (rec.last_token - rec.first_token) / (n_out - 1) if n_out > 1 else 0.0
+        self.ttft.append(ttft)
+        self.tpot.append(tpot)
+        self.e2e.append(rec.last_token - req.arrival)
+        self.queue.append(rec.first_scheduled - req.arrival)
+        slo = self.config.slo
+        self.good += ttft <= slo.ttft_s and tpot <= slo.tpot_s
+        self.num_finished += 1
+        self.prompt_tokens += len(req.prompt)
+        self.cached_tokens += rec.num_cached_tokens
+        self.output_tokens += n_out
+        self.preempted_requests += rec.num_preemptions > 0
+
+    def tick(self, t: float, waiting: int, running: int, kv: float, ready: int, replicas: int) -> None:
+        tl = self.timeline
+        tl["t"].append(_r(t))
+        tl["waiting"].append(waiting)
+        tl["running"].append(running)
+        tl["kv_usage"].append(_r(kv))
+        tl["ready"].append(ready)
+        tl["replicas"].append(replicas)
+        tl["ttft_p50"].append(_r(float(np.median(self._tick_ttft))) if self._tick_ttft else 0.0)
+        self._tick_ttft = []
+
+    # ---- summary ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _itl_pcts(pods) -> dict[str, float]:
+        bins: dict[int, int] = defaultdict(int)
+        for pod in pods:
+            for k, n in pod.replica.itl_bins.items():
+                bins[k] += n
+        count = sum(bins.values())
+        if not count:
+            return _pcts([])
+        keys = sorted(bins)
+        out = {}
+        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+            rank, seen = q * count, 0
+            for k in keys:
+                seen += bins[k]
+                if seen >= rank:
+                    out[name] = _r(math.exp((k + 0.5) * _LOG_BIN))
+                    break
+        return out
+
+    def results(self, sim, end: float) -> dict:
+        cfg = self.config
+        pods = sim.pods
+        replica_seconds = sum(p.retired - p.created for p in pods.values())
+        gpus_per_replica = cfg.fleet.tp
+        gpu_hours = replica_seconds * gpus_per_replica / 3600.0
+        price = cfg.fleet.price_per_gpu_hour
+        if price is None:
+            price = parse_prices(None)[gpu_profile(cfg.fleet.gpu).name] if cfg.fleet.gpu != "cpu" else 0.0
+        served = {name: p.replica.num_served for name, p in pods.items()}
+        busy = {name: p.replica.busy_seconds / max(p.retired - p.created, 1e-9) for name, p in pods.items()}
+        unfinished = self.num_arrived - self.num_finished - len(self.rejected)
+        ttft, tpot = _pcts(self.ttft), _pcts(self.tpot)
+        met = (
+            ttft["p99"] <= cfg.slo.ttft_s
+            and tpot["p99"] <= cfg.slo.tpot_s
+            and unfinished == 0
+            and not self.rejected
+        )
+        duration = max(end, 1e-9)
+        return {
+            "config": json.loads(cfg.model_dump_json()),
+            "requests": {
+                "arrived": self.num_arrived,
+                "finished": self.num_finished,
+                "rejected": len(self.rejected),
+                "unfinished": unfinished,
+                "preempted": self.preempted_requests,
+            },
+            "latency_s": {
+                "ttft": ttft,
+                "tpot": tpot,
+                "itl": self._itl_pcts(pods.values()),
+                "e2e": _pcts(self.e2e),
+                "queue": _pcts(self.queue),
+            },
+            "slo": {
+                "ttft_s": cfg.slo.ttft_s,
+                "tpot_s": cfg.slo.tpot_s,
+                "met": bool(met),
+                "goodput_fraction": _r(self.good / self.num_arrived) if self.num_arrived else 0.0,
+                "goodput_rps": _r(self.good / duration),
+            },
+            "throughput": {
+                "requests_per_s": _r(self.num_finished / duration),
+                "output_tokens_per_s": _r(self.output_tokens / duration),
+            },
+            "cache": {
+                "prefix_hit_rate": _r(self.cached_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+            },
+            "load": {
+                "served_max": max(served.values(), default=0),
+                "served_min": min(served.values(), default=0),
+                "busy_fraction_max": _r(max(busy.values(), default=0.0)),
+                "busy_fraction_min": _r(min(busy.values(), default=0.0)),
+                "per_replica_served": served,
+            },
+            "preemptions": sum(p.replica.scheduler.num_preemptions_total for p in pods.values()),
+            "routing": dict(sorted(sim.router.decisions.items())),
+            "fleet": {
+                "cost_model": sim.cost.name,
+                "kv_blocks_per_replica": sim.cost.num_kv_blocks(cfg.block_size),
+                "replicas_peak": max(self.timeline["replicas"], default=cfg.fleet.replicas),
+                "replica_seconds": _r(replica_seconds),
+                "gpu_hours": _r(gpu_hours),
+                "price_per_gpu_hour": price,
+                "cost_usd": _r(gpu_hours * price),
+                "scale_events": [[_r(t), a, b, why] for t, a, b, why in sim.scale_events],
+            },
+            "virtual_seconds": _r(end),
+            "engine_steps": sum(p.replica.num_steps for p in pods.values()),
+            "timeline": self.timeline,
+        }
+
+
+def to_json(results: dict) -> str:
+    return json.dumps(results, sort_keys=True, indent=1, allow_nan=False)
+
+
+def table(results: dict) -> str:
+    lat = results["latency_s"]
+    rq, slo, fleet = results["requests"], results["slo"], results["fleet"]
+    lines = [
+        f"{'':10} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}",
+    ]
+    for key in ("ttft", "tpot", "itl", "e2e", "queue"):
+        v = lat[key]
+        lines.append(
+            f"{key.upper():10} " + " ".join(f"{v.get(p, 0.0):9.4f}" for p in ("p50", "p90", "p99", "mean"))
+        )
+    lines += [
+        "",
+        f"requests      {rq['arrived']} arrived, {rq['finished']} finished, {rq['rejected']} rejected, "
+        f"{rq['unfinished']} unfinished, {rq['preempted']} preempted ({results['preemptions']} preemptions)",
+        f"SLO           TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s: "
+        f"{'MET' if slo['met'] else 'MISSED'} (goodput {slo['goodput_fraction']:.1%}, {slo['goodput_rps']} req/s)",
+        f"throughput    {results['throughput']['requests_per_s']} req/s, {results['throughput']['output_tokens_per_s']} output tok/s",
+        f"prefix cache  {results['cache']['prefix_hit_rate']:.1%} of prompt tokens hit",
+        f"load          served per replica max {results['load']['served_max']} / min {results['load']['served_min']}; "
+        f"busy max {results['load']['busy_fraction_max']:.0%} / min {results['load']['busy_fraction_min']:.0%}",
+        f"routing       {results['routing']}",
+        f"fleet         {fleet['cost_model']}, peak {fleet['replicas_peak']} replicas, {fleet['replica_seconds']:.0f} replica-s, "
+        f"{fleet['gpu_hours']:.3f} GPU-h, ${fleet['cost_usd']:.2f} at ${fleet['price_per_gpu_hour']}/GPU-h, "
+        f"{len(fleet['scale_events'])} scale events",
+        f"simulated     {results['virtual_seconds']} s, {results['engine_steps']} engine steps",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The router's decision on the virtual clock, built from the router's own parts.
+
+The strategy (`scoring.make_strategy`: round-robin, least-load, prefix-affinity with the hot-spot guard,
+session affinity), the exact prefix index fed by the replicas' real KV events, the recent-routes bridge
+(on the simulation clock) and the prompt block hashes (`prompt_blocks.token_block_hashes`) are the
+router's code. What this file adds is what `Fleet.pick` does around them without its network parts: the
+candidates' load is max(the pod's last polled running + waiting, the router's own in-flight count), as
+the router computes it; an endpoint at `max_in_flight_per_endpoint` is skipped while another is below it,
+and when all are at the limit (or none is ready) the request waits in the router's queue in
+(priority, arrival) order until one frees up.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
+from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tokenfleet.runtime.router.config import RoutingSpec
+from tokenfleet.runtime.router.fleet import RECENT_ROUTES_TTL_S
+from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
+from tokenfleet.runtime.router.prompt_blocks import token_block_hashes
+from tokenfleet.runtime.router.scoring import Candidate, RouteQuery, make_strategy
+from tokenfleet.sim.workload import SimRequest
+
+
+@dataclass(slots=True)
+class EndpointView:
+    """The router's view of one pod: last polled load report plus its own in-flight count."""
+
+    name: str
+    reported_load: int = 0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_load, self.in_flight)
+
+
+class SimRouter:
+    def __init__(
+        self,
+        spec: RoutingSpec,
+        block_size: int,
+        model_name: str,
+        clock: Callable[[], float],
+        index_blocks: int = 200_000,
+    ) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.extra = hash_extra(model_name)
+        self.strategy = make_strategy(spec)
+        self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
+        self.exact = ExactPrefixIndex(on_removal=self.recent.forget)
+        self.endpoints: dict[str, EndpointView] = {}
+        self._queue: list[tuple[int, float, int, SimRequest]] = []
+        self._order = 0
+        self.decisions: dict[str, int] = {}
+
+    # ---- membership and reports -----------------------------------------------------------------------
+
+    def add_endpoint(self, name: str) -> None:
+        self.endpoints[name] = EndpointView(name)
+
+    def remove_endpoint(self, name: str) -> None:
+        self.endpoints.pop(name, None)
+        self.exact.clear(name)
+        self.recent.forget(name)
+
+    def report(self, name: str, load: int, kv_usage: float) -> None:
+        ep = self.endpoints.get(name)
+        if ep is not None:
+            ep.reported_load = load
+            ep.kv_usage = kv_usage
+
+    def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
+        if name not in self.endpoints:
+            return
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.exact.stored(name, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.exact.removed(name, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.exact.clear(name)
+
+    # ---- routing ----------------------------------------------------------------------------------------
+
+    def hash_prompt(self, sreq: SimRequest) -> None:
+        if not sreq.block_hashes:
+            sreq.block_hashes = token_block_hashes(sreq.prompt, self.block_size, self.extra, None)
+
+    def pick(self, sreq: SimRequest) -> str | None:
+        """The endpoint for this request, or None: no endpoint below the in-flight limit (it must queue)."""
+        eps = [ep for ep in self.endpoints.values() if ep.in_flight < self.spec.max_in_flight_per_endpoint]
+        if not eps:
+            return None
+        self.hash_prompt(sreq)
+        hashes = sreq.block_hashes
+        ids = [ep.name for ep in eps]
+        held = self.exact.match(hashes, ids)
+        recent = self.recent.match(hashes, ids)
+        candidates = [
+            Candidate(ep.name, ep.load, ep.kv_usage, max(held[ep.name], recent[ep.name])) for ep in eps
+        ]
+        decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session), candidates)
+        self.recent.record(decision.endpoint_id, hashes)
+        self.endpoints[decision.endpoint_id].in_flight += 1
+        self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        return decision.endpoint_id
+
+    def release(self, name: str) -> None:
+        ep = self.endpoints.get(name)
+        if ep is not None:
+            ep.in_flight -= 1
+
+    # ---- the router's queue ------------------------------------------------------------------------------
+
+    def enqueue(self, sreq: SimRequest) -> None:
+        self._order += 1
+        heapq.heappush(self._queue, (sreq.priority, sreq.arrival, self._order, sreq))
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def dispatch_queued(self) -> list[tuple[SimRequest, str]]:
+        """Route queued requests, best first, while endpoints have room."""
+        out = []
+        while self._queue:
+            sreq = self._queue[0][3]
+            name = self.pick(sreq)
+            if name is None:
+                break
+            heapq.heappop(self._queue)
+            out.append((sreq, name))
+        return out

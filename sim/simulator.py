@@ -1,0 +1,295 @@
+"""The discrete-event loop: arrivals, engine steps, load polls, autoscaling decisions and cold starts on one
+virtual clock.
+
+Events are (time, sequence number, kind, payload) in a heap; the sequence number makes equal-time events
+run in the order they were scheduled, so a run is a pure function of its config and seed. Each replica
+steps back to back while it has work (an engine loop), waking when a request arrives. The router picks a
+Ready replica for every arrival; KV events reach its prefix index at the end of the step that caused them
+(the pod publishes after every step and the router long-polls), load reports every `probe_interval_s`.
+Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample per replica and sets the
+count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
+what they hold and then leave (a lossless scale-down).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
+from tokenfleet.operator.pod_metrics import histogram_quantile
+from tokenfleet.runtime.server.metrics import TTFT_BUCKETS
+from tokenfleet.sim.config import SimConfig
+from tokenfleet.sim.cost_model import CostModel
+from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
+from tokenfleet.sim.results import Collector
+from tokenfleet.sim.router import SimRouter
+from tokenfleet.sim.workload import SimRequest
+
+ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK = range(7)
+
+
+class _Pod:
+    __slots__ = ("created", "draining", "ready", "replica", "retired", "tokens")
+
+    def __init__(self, replica: SimReplica, created: float, ready: bool) -> None:
+        self.replica = replica
+        self.created = created
+        self.ready = ready
+        self.draining = False
+        self.retired: float | None = None
+        self.tokens: deque[tuple[float, int]] = deque()  # (time, generated total) for the tokens/s window
+
+
+class Simulation:
+    def __init__(
+        self, config: SimConfig, workload, cost: CostModel, model_name: str, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.workload = workload
+        self.cost = cost
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._arrivals: Iterator[SimRequest] = iter(workload.arrivals())
+        self._arrivals_done = False
+        self._pending_followups = 0
+        self.collector = Collector(config)
+        self.router = SimRouter(config.routing, config.block_size, model_name, self.clock)
+        self.replica_config = ReplicaConfig(
+            config.scheduler,
+            config.block_size,
+            max_model_len,
+            config.eviction,
+            config.ttl_seconds,
+            model_name,
+        )
+        self.pods: dict[str, _Pod] = {}
+        self._names = itertools.count()
+        self.history = History()
+        self.scale_events: list[tuple[float, int, int, str]] = []
+        self.last_arrival = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def _push(self, t: float, kind: int, payload: object = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    # ---- replicas -----------------------------------------------------------------------------------------
+
+    def _add_pod(self, ready: bool) -> _Pod:
+        name = f"replica-{next(self._names)}"
+        replica = SimReplica(name, self.cost, self.replica_config, self.clock, self.collector.first_token)
+        pod = _Pod(replica, self.now, ready)
+        self.pods[name] = pod
+        if ready:
+            self.router.add_endpoint(name)
+        else:
+            self._push(self.now + self.config.cold_start_s, READY, name)
+        return pod
+
+    def _live(self) -> list[_Pod]:
+        return [p for p in self.pods.values() if p.retired is None and not p.draining]
+
+    def _retire_if_idle(self, pod: _Pod) -> None:
+        if pod.draining and pod.retired is None and not pod.replica.has_work() and not pod.replica.busy:
+            pod.retired = self.now
+
+    def _scale_to(self, target: int, reason: str) -> None:
+        live = self._live()
+        current = len(live)
+        if target > current:
+            for _ in range(target - current):
+                self._add_pod(ready=self.config.cold_start_s == 0)
+        elif target < current:
+            # Starting pods go first (newest first), then the least loaded Ready ones.
+            order = sorted(
+                live,
+                key=lambda p: (
+                    p.ready,
+                    p.replica.num_running + p.replica.num_waiting,
+                    -p.created,
+                    p.replica.name,
+                ),
+            )
+            for pod in order[: current - target]:
+                pod.draining = True
+                self.router.remove_endpoint(pod.replica.name)
+                if not pod.ready:
+                    pod.retired = self.now
+                self._retire_if_idle(pod)
+        if target != current:
+            self.scale_events.append((self.now, current, target, reason))
+
+    # ---- events -------------------------------------------------------------------------------------------
+
+    def _next_arrival(self) -> None:
+        try:
+            sreq = next(self._arrivals)
+        except StopIteration:
+            self._arrivals_done = True
+            return
+        self._push(sreq.arrival, ARRIVAL, sreq)
+
+    def _route(self, sreq: SimRequest) -> None:
+        name = self.router.pick(sreq)
+        if name is None:
+            self.router.enqueue(sreq)
+            return
+        self._deliver(sreq, name)
+
+    def _deliver(self, sreq: SimRequest, name: str) -> None:
+        pod = self.pods[name]
+        record = pod.replica.add(sreq, self.now)
+        self.collector.admitted(record)
+        if record.rejected is not None:
+            self.router.release(name)
+            self.collector.finished(record)
+            return
+        if not pod.replica.busy:
+            self._start_step(pod)
+
+    def _start_step(self, pod: _Pod) -> None:
+        duration = pod.replica.start_step(self.now)
+        if duration is not None:
+            self._push(self.now + duration, STEP, pod)
+        else:
+            self._retire_if_idle(pod)
+
+    def _step_done(self, pod: _Pod) -> None:
+        replica = pod.replica
+        done = replica.finish_step(self.now)
+        events = replica.take_events()
+        if events:
+            self.router.apply_events(replica.name, events)
+        for rec in done:
+            self._finished(rec, pod)
+        self._start_step(pod)
+        if done and self.router.num_queued:
+            for sreq, name in self.router.dispatch_queued():
+                self._deliver(sreq, name)
+
+    def _finished(self, rec: RequestRecord, pod: _Pod) -> None:
+        self.router.release(pod.replica.name)
+        self.collector.finished(rec)
+        follow = self.workload.follow_up(rec.request, self.now)
+        if follow is not None:
+            self._pending_followups += 1
+            self._push(follow.arrival, FOLLOW_UP, follow)
+
+    def _probe(self) -> None:
+        for pod in self._live():
+            if pod.ready:
+                r = pod.replica
+                self.router.report(r.name, r.num_running + r.num_waiting, r.kv_usage)
+
+    def _sample(self, pod: _Pod, window_s: float, quantile: float) -> PodSample:
+        r = pod.replica
+        if not pod.ready:
+            return PodSample(r.name, PodState.STARTING)
+        ttfts = r.ttft_window(self.now, window_s)
+        ttft = None
+        if ttfts:
+            # The operator sees TTFT through the server's histogram buckets: so does the simulation.
+            counts = [sum(1 for v in ttfts if v <= le) for le in TTFT_BUCKETS]
+            buckets = [*zip(TTFT_BUCKETS, counts, strict=True), (float("inf"), len(ttfts))]
+            ttft = histogram_quantile(quantile, buckets)
+        pod.tokens.append((self.now, r.generation_tokens_total))
+        while len(pod.tokens) > 1 and self.now - pod.tokens[1][0] >= window_s:
+            pod.tokens.popleft()
+        t0, n0 = pod.tokens[0]
+        rate = (r.generation_tokens_total - n0) / (self.now - t0) if self.now > t0 else 0.0
+        return PodSample(r.name, PodState.READY, r.num_waiting, r.num_running, r.kv_usage, ttft, rate)
+
+    def _autoscale(self) -> None:
+        spec = self.config.autoscaling
+        assert spec is not None
+        window, quantile = (
+            (spec.targets.ttft.window_seconds, spec.targets.ttft.percentile)
+            if spec.targets.ttft
+            else (60.0, 0.9)
+        )
+        live = self._live()
+        samples = [self._sample(p, window, quantile) for p in live]
+        pending = self.router.num_queued
+        d = decide(len(live), samples, spec, self.history, self.now, pending_requests=pending)
+        self.history = d.history
+        self._scale_to(d.replicas, d.reason)
+        if self.router.num_queued:
+            for sreq, name in self.router.dispatch_queued():
+                self._deliver(sreq, name)
+
+    def _tick(self) -> None:
+        pods = [p for p in self.pods.values() if p.retired is None]
+        ready = [p for p in pods if p.ready and not p.draining]
+        waiting = sum(p.replica.num_waiting for p in pods) + self.router.num_queued
+        running = sum(p.replica.num_running for p in pods)
+        kv = sum(p.replica.kv_usage for p in ready) / len(ready) if ready else 0.0
+        self.collector.tick(
+            self.now, waiting, running, kv, len(ready), len([p for p in pods if not p.draining])
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        if not self._arrivals_done or self._pending_followups or self.router.num_queued:
+            return False
+        return not any(
+            p.replica.busy or p.replica.has_work() for p in self.pods.values() if p.retired is None
+        )
+
+    def run(self):
+        cfg = self.config
+        for _ in range(cfg.fleet.replicas):
+            self._add_pod(ready=True)
+        self._next_arrival()
+        self._push(0.0, PROBE)
+        if cfg.autoscaling is not None:
+            self._push(0.0, SCALE)
+        horizon = cfg.run_until_s or (cfg.trace and self.workload.duration_s) or cfg.workload.duration_s
+        tick = float(horizon) / cfg.timeline_points
+        self._push(0.0, TICK)
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            if kind == STEP:
+                self._step_done(payload)
+            elif kind == ARRIVAL:
+                self.last_arrival = t
+                self._next_arrival()
+                self.collector.arrived(payload)
+                self._route(payload)
+            elif kind == FOLLOW_UP:
+                self._pending_followups -= 1
+                self.collector.arrived(payload)
+                self._route(payload)
+            elif kind == PROBE:
+                self._probe()
+                self._push(t + cfg.probe_interval_s, PROBE)
+            elif kind == SCALE:
+                self._autoscale()
+                self._push(t + cfg.autoscale_interval_s, SCALE)
+            elif kind == READY:
+                pod = self.pods[payload]
+                if pod.retired is None and not pod.draining:
+                    pod.ready = True
+                    self.router.add_endpoint(payload)
+                    for sreq, name in self.router.dispatch_queued():
+                        self._deliver(sreq, name)
+            elif kind == TICK:
+                self._tick()
+                self._push(t + tick, TICK)
+            if kind != STEP and self._idle() and (cfg.run_until_s is None or t >= cfg.run_until_s):
+                break
+            if self._arrivals_done and t > self.last_arrival + cfg.drain_limit_s:
+                break
+        end = self.now
+        for pod in self.pods.values():
+            if pod.retired is None:
+                pod.retired = end
+        return self.collector.results(self, end)

@@ -1,0 +1,168 @@
+"""Workloads: seeded generators and JSONL trace replay, both yielding `SimRequest`s in arrival order.
+
+Prompts are real token-id sequences (random ids from the seed), because the prefix cache and the router
+hash real tokens: tenants share a system prompt (tenants drawn with Zipf popularity), multi-turn sessions
+extend their own previous prompt + answer, long-document requests carry a big unique body.
+
+Arrivals: `poisson` (exponential gaps), `gamma` (gaps with coefficient of variation `burstiness` > 1:
+bursts and lulls at the same mean rate), `diurnal` (a Poisson process whose rate follows a sine of
+`diurnal_period_s` between (1 - amplitude) and (1 + amplitude) x rate, by thinning).
+
+Sessions are closed-loop: a session's next turn arrives `think_time_s` (exponential) after its previous
+turn *finished* in the simulation (`Workload.follow_up`), so its prompt can reuse the KV of the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+VOCAB_LOW, VOCAB_HIGH = 100, 30000
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    request_id: str
+    arrival: float
+    prompt: list[int]
+    output: list[int]  # the tokens the "model" will produce (fixed in advance: exact length, reusable KV)
+    priority: int = 0
+    session: str | None = None
+    tenant: str | None = None
+    turn: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # filled once (router), shared with the replica
+
+
+class WorkloadSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arrival: Literal["poisson", "gamma", "diurnal"] = "poisson"
+    rate: float = Field(10.0, gt=0, description="Mean arrivals per second (first turns and single requests).")
+    duration_s: float = Field(60.0, gt=0, description="Arrivals stop after this many seconds.")
+    burstiness: float = Field(2.0, ge=1.0, description="gamma: coefficient of variation of the gaps.")
+    diurnal_period_s: float = Field(3600.0, gt=0)
+    diurnal_amplitude: float = Field(0.5, ge=0, lt=1)
+    num_tenants: int = Field(20, ge=1)
+    zipf_s: float = Field(1.1, gt=0, description="Tenant popularity exponent.")
+    system_prompt_tokens: int = Field(512, ge=0)
+    user_tokens: int = Field(128, ge=1, description="Mean unique prompt tokens per request.")
+    output_tokens: int = Field(128, ge=1, description="Mean output tokens.")
+    length_sigma: float = Field(0.5, ge=0, description="Lognormal spread of user and output lengths.")
+    session_fraction: float = Field(0.0, ge=0, le=1, description="Share of arrivals that open a session.")
+    turns_mean: float = Field(3.0, ge=1)
+    think_time_s: float = Field(5.0, ge=0)
+    long_doc_fraction: float = Field(0.0, ge=0, le=1)
+    long_doc_tokens: int = Field(4096, ge=1)
+    high_priority_fraction: float = Field(0.0, ge=0, le=1, description="Priority 0; the rest get 1.")
+    max_prompt_tokens: int = Field(7000, ge=2, description="Session prompts stop growing here (turns end).")
+    seed: int = 0
+
+
+class Workload:
+    """A seeded generator: `arrivals()` once, then `follow_up()` as session turns finish."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+        self._rng = np.random.Generator(np.random.PCG64(spec.seed))
+        self._content = np.random.Generator(np.random.PCG64(spec.seed + 1_000_003))
+        ranks = np.arange(1, spec.num_tenants + 1, dtype=np.float64)
+        weights = ranks ** (-spec.zipf_s)
+        self._tenant_p = weights / weights.sum()
+        self._system = [self._tokens(spec.system_prompt_tokens) for _ in range(spec.num_tenants)]
+        self._turns_left: dict[str, int] = {}
+        self._count = 0
+
+    # ---- randomness -----------------------------------------------------------------------------------
+
+    def _tokens(self, n: int) -> list[int]:
+        return self._content.integers(VOCAB_LOW, VOCAB_HIGH, size=n).tolist()
+
+    def _length(self, mean: int) -> int:
+        s = self.spec.length_sigma
+        if s == 0:
+            return mean
+        # Lognormal with the given mean: mu = ln(mean) - s^2 / 2.
+        return max(1, round(float(self._content.lognormal(math.log(mean) - s * s / 2, s))))
+
+    def _gaps(self) -> Iterator[float]:
+        spec, rng = self.spec, self._rng
+        if spec.arrival == "poisson":
+            while True:
+                yield float(rng.exponential(1.0 / spec.rate))
+        elif spec.arrival == "gamma":
+            shape = 1.0 / spec.burstiness**2
+            while True:
+                yield float(rng.gamma(shape, 1.0 / (spec.rate * shape)))
+        else:
+            peak = spec.rate * (1 + spec.diurnal_amplitude)
+            t = 0.0
+            while True:
+                gap = 0.0
+                while True:
+                    step = float(rng.exponential(1.0 / peak))
+                    gap += step
+                    phase = 2 * math.pi * (t + gap) / spec.diurnal_period_s
+                    rate = spec.rate * (1 + spec.diurnal_amplitude * math.sin(phase))
+                    if rng.random() * peak <= rate:
+                        break
+                t += gap
+                yield gap
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def arrivals(self) -> Iterator[SimRequest]:
+        spec = self.spec
+        t = 0.0
+        for gap in self._gaps():
+            t += gap
+            if t >= spec.duration_s:
+                return
+            yield self._new_request(t)
+
+    def _new_request(self, t: float) -> SimRequest:
+        spec, rng = self.spec, self._rng
+        tenant = int(rng.choice(spec.num_tenants, p=self._tenant_p))
+        prompt = list(self._system[tenant])
+        if rng.random() < spec.long_doc_fraction:
+            prompt += self._tokens(spec.long_doc_tokens)
+        prompt += self._tokens(self._length(spec.user_tokens))
+        prompt = prompt[: spec.max_prompt_tokens]
+        self._count += 1
+        rid = f"r{self._count}"
+        session = None
+        if rng.random() < spec.session_fraction:
+            session = f"s{self._count}"
+            self._turns_left[session] = max(0, int(rng.geometric(1.0 / spec.turns_mean)) - 1)
+        priority = 0 if rng.random() < spec.high_priority_fraction else 1
+        return SimRequest(
+            rid, t, prompt, self._tokens(self._length(spec.output_tokens)), priority, session, f"t{tenant}"
+        )
+
+    def follow_up(self, previous: SimRequest, finished_at: float) -> SimRequest | None:
+        """The session's next turn (its prompt extends the previous prompt + answer), or None."""
+        session = previous.session
+        if session is None or self._turns_left.get(session, 0) <= 0:
+            self._turns_left.pop(session, None)
+            return None
+        self._turns_left[session] -= 1
+        prompt = previous.prompt + previous.output + self._tokens(self._length(self.spec.user_tokens))
+        if len(prompt) > self.spec.max_prompt_tokens:
+            self._turns_left.pop(session, None)
+            return None
+        self._count += 1
+        think = float(self._rng.exponential(self.spec.think_time_s)) if self.spec.think_time_s else 0.0
+        return SimRequest(
+            f"r{self._count}",
+            finished_at + think,
+            prompt,
+            self._tokens(self._length(self.spec.output_tokens)),
+            previous.priority,
+            session,
+            previous.tenant,
+            previous.turn + 1,
+        )

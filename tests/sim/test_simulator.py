@@ -1,0 +1,158 @@
+"""The simulator end to end: determinism, conservation, routing and cache behaviour, autoscaling, preemption."""
+
+from __future__ import annotations
+
+import json
+
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
+from tokenfleet.sim.api import simulate
+from tokenfleet.sim.config import parse_config
+from tokenfleet.sim.cost_model import LinearCost
+from tokenfleet.sim.model_profile import model_profile
+from tokenfleet.sim.results import to_json
+from tokenfleet.sim.router import SimRouter
+from tokenfleet.sim.workload import Workload, WorkloadSpec
+
+
+def small(**kw) -> dict:
+    base = {
+        "model": "8b",
+        "fleet": {"gpu": "h100", "replicas": 3},
+        "workload": {"rate": 8, "duration_s": 20, "num_tenants": 6, "system_prompt_tokens": 256, "seed": 1},
+    }
+    for key, value in kw.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+def run(**kw) -> dict:
+    return simulate(parse_config(small(**kw)))
+
+
+def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():
+    kw = {"workload": {"session_fraction": 0.3, "arrival": "gamma"}}
+    a, b = to_json(run(**kw)), to_json(run(**kw))
+    assert a == b
+    c = to_json(run(workload={"session_fraction": 0.3, "arrival": "gamma", "seed": 2}))
+    assert c != a
+
+
+def test_every_request_finishes_with_exactly_its_tokens():
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(small(workload={"session_fraction": 0.5, "turns_mean": 3, "think_time_s": 1.0}))
+    model = build_model(config)
+    sim = Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+    r = sim.run()
+    rq = r["requests"]
+    assert rq["arrived"] > 160  # first turns + follow-ups
+    assert rq["finished"] == rq["arrived"] and rq["unfinished"] == 0 and rq["rejected"] == 0
+    # Tokens the replicas produced (one per sampled position) == the requests' own output lengths.
+    produced = sum(p.replica.generation_tokens_total for p in sim.pods.values())
+    assert produced == sim.collector.output_tokens
+    assert r["latency_s"]["ttft"]["p50"] > 0 and r["latency_s"]["tpot"]["p50"] > 0
+    assert r["latency_s"]["e2e"]["p50"] > r["latency_s"]["ttft"]["p50"]
+    # Follow-up turns extend their own prefix: sessions hit the cache beyond the shared system prompts.
+    assert r["cache"]["prefix_hit_rate"] > 0.3
+
+
+def test_prefix_affinity_hits_the_cache_more_than_round_robin():
+    rr = run(routing={"strategy": "round-robin", "maxInFlightPerEndpoint": 1024}, fleet={"replicas": 4})
+    pa = run(routing={"strategy": "prefix-affinity", "maxInFlightPerEndpoint": 1024}, fleet={"replicas": 4})
+    assert pa["cache"]["prefix_hit_rate"] > rr["cache"]["prefix_hit_rate"] + 0.02
+    assert pa["routing"].get("prefix_hit", 0) > 0
+    assert rr["routing"] == {"round_robin": rr["requests"]["arrived"]}
+
+
+def test_router_hashes_are_the_replicas_own():
+    """The router hashes a prompt once and hands the hashes to the replica: they must be the engine's."""
+    router = SimRouter(parse_config(small()).routing, 16, "llama-3-8b", lambda: 0.0)
+    sreq = next(iter(Workload(WorkloadSpec(seed=3, system_prompt_tokens=100)).arrivals()))
+    router.hash_prompt(sreq)
+    assert sreq.block_hashes == block_hashes_for(sreq.prompt, 16, hash_extra("llama-3-8b"))
+    assert len(sreq.block_hashes) == len(sreq.prompt) // 16
+
+
+def test_tiny_kv_cache_preempts_and_still_finishes_everything():
+    model = model_profile("8b")
+    cost = LinearCost(
+        0.01, 1e-5, 1e-4, 0.0, 0.0, kv_cache_bytes=600 * 16 * model.kv_bytes_per_token, model=model
+    )
+    config = parse_config(small(fleet={"replicas": 1}, workload={"rate": 4, "output_tokens": 400}))
+    r = simulate(config, cost=cost)
+    assert r["preemptions"] > 0 and r["requests"]["preempted"] > 0
+    assert r["requests"]["unfinished"] == 0
+    assert r["fleet"]["kv_blocks_per_replica"] == 600
+
+
+def test_autoscaling_follows_a_burst_and_loses_nothing_on_scale_down():
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 6,
+        "targets": {"waitingRequestsPerReplica": 2, "kvCacheUsage": 0.6},
+        "scaleDown": {"stabilizationWindowSeconds": 30, "maxStep": 2, "cooldownSeconds": 10},
+    }
+    r = run(
+        fleet={"replicas": 1},
+        autoscaling=autoscaling,
+        autoscale_interval_s=5,
+        cold_start_s=20,
+        run_until_s=400,
+        workload={"rate": 40, "duration_s": 10, "output_tokens": 200, "user_tokens": 400},
+    )
+    events = r["fleet"]["scale_events"]
+    ups = [e for e in events if e[2] > e[1]]
+    downs = [e for e in events if e[2] < e[1]]
+    assert ups and downs
+    assert r["fleet"]["replicas_peak"] > 1
+    assert r["requests"]["unfinished"] == 0 and r["requests"]["finished"] == r["requests"]["arrived"]
+    assert r["timeline"]["replicas"][-1] == 1  # back to minReplicas after the burst
+
+
+def test_scale_to_zero_and_back_serves_the_first_request_after_the_cold_start(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    lines = [{"t": i * 0.5, "prompt_tokens": 200, "output_tokens": 20} for i in range(10)]
+    lines.append({"t": 300.0, "prompt_tokens": 200, "output_tokens": 20})
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    autoscaling = {
+        "minReplicas": 0,
+        "maxReplicas": 2,
+        "targets": {"waitingRequestsPerReplica": 4},
+        "scaleToZeroAfterSeconds": 60,
+        "scaleDown": {"stabilizationWindowSeconds": 10},
+    }
+    r = run(
+        fleet={"replicas": 1},
+        autoscaling=autoscaling,
+        autoscale_interval_s=5,
+        cold_start_s=30,
+        trace=str(trace),
+    )
+    events = r["fleet"]["scale_events"]
+    assert any(e[2] == 0 for e in events), events
+    back = [e for e in events if e[1] == 0 and e[2] == 1]
+    assert back and back[0][0] >= 300.0
+    assert r["requests"]["finished"] == 11
+    assert r["latency_s"]["ttft"]["max"] >= 30.0  # the late request waited for the cold start, and was served
+
+
+def test_kv_events_feed_the_routers_exact_index():
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(small(fleet={"replicas": 2}))
+    model = build_model(config)
+    sim = Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+    sim.run()
+    for name, pod in sim.pods.items():
+        held = sim.router.exact.num_blocks(name)
+        assert held > 0
+        assert held == sum(1 for b in pod.replica.kv.pool.blocks if b.block_hash is not None)
