@@ -21,9 +21,13 @@ LAYOUTS = {"8B": (32, 8, 128), "70B": (64, 8, 128)}  # (q heads, kv heads, head 
 KV_BUDGET_BYTES = 12 * 2**30  # per tensor set; larger cases are listed as skipped
 
 
-def _decode_inputs(
+def _decode_kernel(
     ctx: BenchContext, batch: int, context: int, hq: int, hkv: int, d: int, block_size: int = 16
-):
+) -> partial:
+    """paged_decode_attention of one new token per sequence over a fresh cache, ready to time; keyword
+    arguments added to the partial (block_n, num_splits) override the launcher's defaults."""
+    from tokenfleet.kernels.paged_attention import paged_decode_attention
+
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, hkv, d, device=ctx.device, dtype=ctx.dtype)
@@ -33,12 +37,16 @@ def _decode_inputs(
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=ctx.device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=ctx.device)
     q = torch.randn(batch, hq, d, device=ctx.device, dtype=ctx.dtype)
-    return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
+    return partial(
+        paged_decode_attention,
+        *(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5),
+        max_query_len=1,
+        max_seq_len=context,
+    )
 
 
 def _decode_row(ctx: BenchContext, layout: str, batch: int, context: int) -> Row:
     import torch.nn.functional as F
-    from tokenfleet.kernels.paged_attention import paged_decode_attention
 
     hq, hkv, d = LAYOUTS[layout]
     params = {"layout": layout, "batch": batch, "context": context, "hq": hq, "hkv": hkv, "d": d}
@@ -46,22 +54,10 @@ def _decode_row(ctx: BenchContext, layout: str, batch: int, context: int) -> Row
     kv_bytes = 2 * batch * context * hkv * d * ctx.dtype.itemsize
     if kv_bytes > KV_BUDGET_BYTES or ctx.out_of_time():
         return Row("decode", case, params, note="skipped")
-    q, k_cache, v_cache, block_tables, seq_lens, qsl = _decode_inputs(ctx, batch, context, hq, hkv, d)
-    ms = time_ms(
-        partial(
-            paged_decode_attention,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            qsl,
-            d**-0.5,
-            max_query_len=1,
-            max_seq_len=context,
-        )
-    )
-    del k_cache, v_cache
+    kernel = _decode_kernel(ctx, batch, context, hq, hkv, d)
+    ms = time_ms(kernel)
+    q = kernel.args[0]
+    del kernel  # frees the paged cache before the peer's contiguous copy is allocated
     # Peer: SDPA over contiguous K/V [B, Hkv, ctx, D] (GQA through enable_gqa).
     kc = torch.randn(batch, hkv, context, d, device=ctx.device, dtype=ctx.dtype)
     vc = torch.randn_like(kc)
@@ -93,32 +89,16 @@ def bench_decode(ctx: BenchContext) -> list[Row]:
 
 def _decode_tile_sweep(ctx: BenchContext) -> list[Row]:
     """Key-tile width and split count at the target shape (batch 32, context 4k, 8B layout): tuning data."""
-    from tokenfleet.kernels.paged_attention import paged_decode_attention
-
     hq, hkv, d = LAYOUTS["8B"]
     batch, context = 32, 4096
-    q, k_cache, v_cache, block_tables, seq_lens, qsl = _decode_inputs(ctx, batch, context, hq, hkv, d)
+    kernel = _decode_kernel(ctx, batch, context, hq, hkv, d)
     kv_bytes = 2 * batch * context * hkv * d * ctx.dtype.itemsize
     rows = []
     for block_n in (16, 32, 64, 128):
         for num_splits in (1, 2, 4, 8):
             if ctx.out_of_time():
                 return rows
-            kernel = partial(
-                paged_decode_attention,
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
-                qsl,
-                d**-0.5,
-                max_query_len=1,
-                max_seq_len=context,
-                block_n=block_n,
-                num_splits=num_splits,
-            )
-            ms = time_ms(kernel)
+            ms = time_ms(partial(kernel, block_n=block_n, num_splits=num_splits))
             gbps = kv_bytes / ms / 1e6
             params = {"batch": batch, "context": context, "block_n": block_n, "num_splits": num_splits}
             rows.append(
@@ -140,9 +120,13 @@ def _causal_flops(num_new: int, context: int, hq: int, d: int) -> float:
     return 4.0 * hq * d * visible
 
 
-def _prefill_inputs(
+def _prefill_kernel(
     ctx: BenchContext, tokens: int, prefix: int, hq: int, hkv: int, d: int, block_size: int = 16
-):
+) -> partial:
+    """prefill_attention of `tokens` new tokens after `prefix` cached ones, ready to time; keyword arguments
+    added to the partial (tiles, warps, stages) override the launcher's defaults."""
+    from tokenfleet.kernels.prefill_attention import prefill_attention
+
     q = torch.randn(tokens, hq, d, device=ctx.device, dtype=ctx.dtype)
     k = torch.randn(tokens, hkv, d, device=ctx.device, dtype=ctx.dtype)
     v = torch.randn_like(k)
@@ -152,34 +136,25 @@ def _prefill_inputs(
     block_tables = torch.randperm(blocks, device=ctx.device).view(1, blocks).int()
     seq_lens = torch.tensor([prefix + tokens], dtype=torch.int32, device=ctx.device)
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device=ctx.device)
-    return q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl
+    return partial(
+        prefill_attention,
+        *(q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl, d**-0.5),
+        max_query_len=tokens,
+    )
 
 
 def _prefill_row(ctx: BenchContext, layout: str, tokens: int, prefix: int) -> Row:
     import torch.nn.functional as F
-    from tokenfleet.kernels.prefill_attention import prefill_attention
 
     hq, hkv, d = LAYOUTS[layout]
     params = {"layout": layout, "tokens": tokens, "prefix": prefix, "hq": hq, "hkv": hkv, "d": d}
     case = f"{layout} {tokens} tok" + (f" +{prefix} cached" if prefix else "")
     if ctx.out_of_time():
         return Row("prefill", case, params, note="skipped")
-    q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl = _prefill_inputs(ctx, tokens, prefix, hq, hkv, d)
-    ms = time_ms(
-        partial(
-            prefill_attention,
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            qsl,
-            d**-0.5,
-            max_query_len=tokens,
-        )
-    )
+    kernel = _prefill_kernel(ctx, tokens, prefix, hq, hkv, d)
+    ms = time_ms(kernel)
+    q = kernel.args[0]
+    del kernel
     # Peer: SDPA on contiguous [1, H, L, D]; with a cached prefix the causal mask is shifted by it.
     total = prefix + tokens
     qp = q.transpose(0, 1)[None]
@@ -217,11 +192,9 @@ def bench_prefill(ctx: BenchContext) -> list[Row]:
 
 def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
     """Tile shapes / warps / stages at the target shape (4k tokens, head dim 128): tuning data."""
-    from tokenfleet.kernels.prefill_attention import prefill_attention
-
     hq, hkv, d = LAYOUTS["8B"]
     tokens = 4096
-    q, k, v, k_cache, v_cache, block_tables, seq_lens, qsl = _prefill_inputs(ctx, tokens, 0, hq, hkv, d)
+    kernel = _prefill_kernel(ctx, tokens, 0, hq, hkv, d)
     flops = _causal_flops(tokens, 0, hq, d)
     configs = [
         (128, 64, 8, 3),
@@ -235,37 +208,20 @@ def _prefill_tile_sweep(ctx: BenchContext) -> list[Row]:
     for block_m, block_n, warps, stages in configs:
         if ctx.out_of_time():
             break
+        tiles = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         try:
-            kernel = partial(
-                prefill_attention,
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
-                qsl,
-                d**-0.5,
-                max_query_len=tokens,
-                block_m=block_m,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
-            )
-            ms = time_ms(kernel)
+            ms = time_ms(partial(kernel, **tiles))
         except Exception as e:  # e.g. out of shared memory for a config: record it, keep sweeping
             rows.append(
                 Row("prefill_tiles", f"{block_m}x{block_n} w{warps} s{stages}", note=f"failed: {e!s:.80}")
             )
             continue
         tflops = flops / ms / 1e9
-        params = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         rows.append(
             Row(
                 "prefill_tiles",
                 f"{block_m}x{block_n} w{warps} s{stages}",
-                params,
+                tiles,
                 ms=ms,
                 tflops=tflops,
                 frac_of_peak=tflops / ctx.matmul_tflops,

@@ -88,14 +88,20 @@ def check_scale(name: str, scale: object, device: torch.device) -> torch.Tensor:
 
 
 def check_kv_cache_pair(
-    k_cache: object, v_cache: object, *, num_kv_heads: int, head_dim: int
+    k_cache: object, v_cache: object, *, num_kv_heads: int, head_dim: int, like: tuple[str, torch.dtype]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches: [num_blocks, block_size, num_kv_heads, head_dim], same shape and dtype."""
+    """K and V caches: [num_blocks, block_size, num_kv_heads, head_dim], same shape, dtype and strides (the
+    kernels take one set of cache strides), in the dtype of the named tensor `like` = (name, dtype) or fp8."""
     dtypes = (*COMPUTE_DTYPES, FP8_DTYPE)
     k = check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes, shape=(None, None, num_kv_heads, head_dim))
     v = check_tensor("v_cache", v_cache, ndim=4, dtypes=dtypes, shape=tuple(k.shape))
     if v.dtype != k.dtype:
         raise TypeError(f"v_cache has dtype {v.dtype}, k_cache has {k.dtype}: they must match")
+    name, dtype = like
+    if k.dtype not in (dtype, FP8_DTYPE):
+        raise TypeError(f"k_cache has dtype {k.dtype}: expected {dtype} (the {name} dtype) or fp8 e4m3")
+    if k.stride() != v.stride():
+        raise ValueError(f"k_cache strides {k.stride()} differ from v_cache strides {v.stride()}")
     block_size = k.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"k_cache block_size (dim 1) must be a power of two, got {block_size}")
@@ -156,11 +162,9 @@ def check_paged_args(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of the kv heads ({num_kv_heads})")
-    k_cache, v_cache = check_kv_cache_pair(k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if k_cache.dtype not in (q.dtype, FP8_DTYPE):
-        raise TypeError(f"k_cache has dtype {k_cache.dtype}: expected {q.dtype} (the q dtype) or fp8 e4m3")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+    k_cache, v_cache = check_kv_cache_pair(
+        k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim, like=("q", q.dtype)
+    )
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
     seq_lens = check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
     query_start_loc = check_tensor(

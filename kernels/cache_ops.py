@@ -93,13 +93,9 @@ def write_kv_cache(
     key = check_tensor("key", key, ndim=3, dtypes=COMPUTE_DTYPES)
     num_tokens, num_kv_heads, head_dim = key.shape
     value = check_tensor("value", value, ndim=3, dtypes=(key.dtype,), shape=tuple(key.shape))
-    k_cache, v_cache = check_kv_cache_pair(k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if k_cache.dtype not in (key.dtype, FP8_DTYPE):
-        raise TypeError(
-            f"k_cache has dtype {k_cache.dtype}: expected {key.dtype} (the key dtype) or fp8 e4m3"
-        )
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache strides {k_cache.stride()} differ from v_cache strides {v_cache.stride()}")
+    k_cache, v_cache = check_kv_cache_pair(
+        k_cache, v_cache, num_kv_heads=num_kv_heads, head_dim=head_dim, like=("key", key.dtype)
+    )
     slot_mapping = check_tensor(
         "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), shape=(num_tokens,)
     )

@@ -170,7 +170,7 @@ def _check_scales(scaling: str, a_scale: torch.Tensor, b_scale: torch.Tensor, m:
             )
 
 
-def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:  # a [M, K] and b [N, K], fp8
     for name, t in (("a", a), ("b", b)):
         if t.dtype != FP8_DTYPE:
             raise TypeError(f"{name} must be {FP8_DTYPE}, got {t.dtype}")
@@ -184,6 +184,18 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"b is on {b.device}, a on {a.device}: they must share a device")
 
 
+def _check_gemm(a, a_scale, b, b_scale, scaling: str) -> None:
+    """What the kernel and its reference both require of their operands."""
+    _check_scaling(scaling)
+    _check_operands(a, b)
+    _check_scales(scaling, a_scale, b_scale, a.shape[0], b.shape[0], a.shape[1])
+
+
+def _check_scaling(scaling: str) -> None:
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
+
+
 def fp8_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -194,14 +206,11 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Triton FP8 GEMM: returns (a·s_a)(b·s_b)ᵀ + bias as [M, N] `out_dtype`."""
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
+    _check_gemm(a, a_scale, b, b_scale, scaling)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    _check_operands(a, b)
     m, k = a.shape
     n = b.shape[0]
-    _check_scales(scaling, a_scale, b_scale, m, n, k)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_floating_point()):
         raise ValueError(f"bias must be a float [N={n}] vector, got {bias.dtype} {tuple(bias.shape)}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -234,10 +243,7 @@ def fp8_gemm_ref(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Torch reference: dequantise both operands to fp32, matmul, add bias, cast."""
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
-    _check_operands(a, b)
-    _check_scales(scaling, a_scale, b_scale, a.shape[0], b.shape[0], a.shape[1])
+    _check_gemm(a, a_scale, b, b_scale, scaling)
     if scaling == "block":
         a_f = dequantize_fp8(a, a_scale, ACTIVATION_GROUPS["per_group"])
         b_f = dequantize_fp8(b, b_scale, WEIGHT_GROUPS["block"])
@@ -283,8 +289,7 @@ def fp8_linear(
     `input_scale` is given —, per-token, or per-128-group). Both backends quantise identically, so the
     torch path (CPU) and the Triton path (CUDA) agree up to fp32 summation order.
     """
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling {scaling!r} is unknown; expected one of {SCALINGS}")
+    _check_scaling(scaling)
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend not in LINEAR_BACKENDS:

@@ -30,9 +30,15 @@ from tokenfleet.kernels._utils import (
     interpreter_active,
     next_power_of_2,
 )
+from tokenfleet.kernels.attention_tiles import (
+    LOG2E,
+    dequantize,
+    online_softmax,
+    paged_kv_offsets,
+    served_sequence,
+)
 from tokenfleet.kernels.fp8_format import FP8_DTYPE
 
-LOG2E = tl.constexpr(1.4426950408889634)
 # Rows of one program: query heads per kv head x query tokens per sequence. Past this, use prefill_attention.
 MAX_DECODE_ROWS = 128
 
@@ -75,9 +81,7 @@ def _paged_decode_kernel(
     pid_seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(seq_ids_ptr + pid_seq).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq, q_start, q_len = served_sequence(seq_ids_ptr, query_start_loc_ptr, pid_seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -112,27 +116,23 @@ def _paged_decode_kernel(
     for start_n in range(key_start, key_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < key_end
-        # Physical block ids go int64 before the multiply: caches can exceed 2**31 elements.
-        phys = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=key_valid, other=0)
-        kv_off = phys.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off
+        kv_off = paged_kv_offsets(
+            block_tables_ptr, seq, offs_n, key_valid, kv_head_off, stride_bt, stride_cb, stride_cs, BLOCK_SIZE
+        )
         kv_mask = key_valid[None, :] & d_valid[:, None]
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [D, N]
         if FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            k = dequantize(k, k_scale, q.dtype)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax(tl.where(visible, qk, float("-inf")), m_i, l_i)
+        # V is loaded after the scores, so its [N, D] tile is not held in registers across the QK dot.
         v = tl.load(
             v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=tl.trans(kv_mask), other=0.0
         )  # [N, D]
         if FP8:
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            v = dequantize(v, v_scale, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -167,9 +167,7 @@ def _split_reduce_kernel(
 ):
     pid_seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(seq_ids_ptr + pid_seq).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    _, q_start, q_len = served_sequence(seq_ids_ptr, query_start_loc_ptr, pid_seq)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
     s_valid = offs_s < NUM_SPLITS

@@ -28,9 +28,14 @@ from tokenfleet.kernels._utils import (
     interpreter_active,
     next_power_of_2,
 )
+from tokenfleet.kernels.attention_tiles import (
+    LOG2E,
+    dequantize,
+    online_softmax,
+    paged_kv_offsets,
+    served_sequence,
+)
 from tokenfleet.kernels.fp8_format import FP8_DTYPE
-
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -41,12 +46,9 @@ def _softmax_step(
     qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -88,9 +90,7 @@ def _prefill_kernel(
     pid_seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
-    seq = tl.load(seq_ids_ptr + pid_seq).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq, q_start, q_len = served_sequence(seq_ids_ptr, query_start_loc_ptr, pid_seq)
     m_start = tile * BLOCK_M
     if m_start >= q_len:
         return  # the grid is sized for the longest sequence
@@ -112,7 +112,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # 1. Cached prefix through the block table. Block ids go int64 before the multiply (>2**31 elements).
+    # 1. Cached prefix through the block table.
     if FP8:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
@@ -120,8 +120,9 @@ def _prefill_kernel(
     for start_n in range(0, context_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < context_len
-        phys = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=key_valid, other=0)
-        kv_off = phys.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_off
+        kv_off = paged_kv_offsets(
+            block_tables_ptr, seq, offs_n, key_valid, kv_head_off, stride_bt, stride_cb, stride_cs, BLOCK_SIZE
+        )
         k = tl.load(
             k_cache_ptr + kv_off[None, :] + offs_d[:, None],
             mask=key_valid[None, :] & d_valid[:, None],
@@ -133,8 +134,8 @@ def _prefill_kernel(
             other=0.0,
         )
         if FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            k = dequantize(k, k_scale, q.dtype)
+            v = dequantize(v, v_scale, q.dtype)
         acc, m_i, l_i = _softmax_step(
             acc, m_i, l_i, q, k, v, qk_scale, key_valid[None, :], CAUSAL=True, DOT_PRECISION=DOT_PRECISION
         )
