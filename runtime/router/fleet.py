@@ -70,6 +70,14 @@ class Fleet:
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
+    def _scheduled(self, endpoint_id: str, hashes: list[bytes]) -> None:
+        """A pod started a request (from any router): its prefix is being computed there."""
+        if hashes:
+            self.scheduled.record(endpoint_id, hashes)
+        work = getattr(self.strategy, "work", None)
+        if work is not None:
+            work.observed(endpoint_id)
+
     def _evicted(self, endpoint_id: str) -> None:
         """The pod reported an eviction: from now on its events alone say what it holds."""
         self.recent.forget(endpoint_id)
@@ -119,7 +127,7 @@ class Fleet:
                 )
             ]
             if d.kv_events:
-                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact, self.scheduled)
+                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact, self._scheduled)
                 self._followers[ep.id] = follower
                 tasks.append(asyncio.create_task(follower.run()))
             self._tasks[ep.id] = tasks
@@ -229,8 +237,13 @@ class Fleet:
             if not eps:
                 continue
             matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
-            candidates = [Candidate(ep.id, ep.load, ep.kv_cache_usage, matches.get(ep.id, 0)) for ep in eps]
-            decision = self.strategy.choose(RouteQuery(num_blocks, session_key), candidates)
+            live = self.kv_events_live()
+            candidates = [
+                Candidate(ep.id, ep.load, ep.kv_cache_usage, matches.get(ep.id, 0), live.get(ep.id, False))
+                for ep in eps
+            ]
+            first = next((h[0] for h in approx.values() if h), b"")
+            decision = self.strategy.choose(RouteQuery(num_blocks, session_key, first), candidates)
             if target.fallback:
                 decision = Decision(decision.endpoint_id, "fallback", decision.prefix_blocks)
             ep = self.endpoints.by_id[decision.endpoint_id]

@@ -4,18 +4,20 @@
 the pod's exact entries are dropped (they would go stale silently) and `live` turns False, so routing falls
 back to the approximate index for that pod until a resync succeeds. A new follower (a router that just
 started) gets the pod's whole cached set in its first reply, so its index is warm after one round trip.
-`scheduled` events (blocks a pod started to prefill) go to a short-lived index of their own: they say
-"being computed there", not "held there", and expire unless `stored` events confirm them.
+`scheduled` events (a pod started a request; the hashes of its prompt's blocks) go to `on_scheduled`: the
+fleet keeps them in a short-lived index of their own ("being computed there", not "held there") and
+counts them as work the pod received.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
+from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,11 @@ class StreamPosition:
     hash_extra: tuple[str | int | None, ...]
 
 
+OnScheduled = Callable[[str, list[bytes]], None]
+
+
 def apply_reply(
-    index: ExactPrefixIndex, endpoint_id: str, reply: dict, scheduled: RecentRoutes | None = None
+    index: ExactPrefixIndex, endpoint_id: str, reply: dict, on_scheduled: OnScheduled | None = None
 ) -> StreamPosition:
     """Apply one `/v1/kv-events` reply; raises ValueError on a malformed one (the caller resyncs)."""
     try:
@@ -50,8 +55,8 @@ def apply_reply(
         elif kind == "cleared":
             index.clear(endpoint_id)
         elif kind == "scheduled":
-            if scheduled is not None and hashes:
-                scheduled.record(endpoint_id, hashes)
+            if on_scheduled is not None:
+                on_scheduled(endpoint_id, hashes)
         else:
             raise ValueError(f"unknown kv event type {kind!r}")
     return position
@@ -66,7 +71,7 @@ class KVEventFollower:
         base_url: str,
         endpoint_id: str,
         index: ExactPrefixIndex,
-        scheduled: RecentRoutes | None = None,
+        on_scheduled: OnScheduled | None = None,
         wait_seconds: float = 2.0,
         retry_seconds: float = 1.0,
     ) -> None:
@@ -74,7 +79,7 @@ class KVEventFollower:
         self._url = base_url.rstrip("/") + "/v1/kv-events"
         self.endpoint_id = endpoint_id
         self._index = index
-        self._scheduled = scheduled
+        self._on_scheduled = on_scheduled
         self._wait = wait_seconds
         self._retry = retry_seconds
         self.position: StreamPosition | None = None
@@ -89,7 +94,7 @@ class KVEventFollower:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status)
             reply = await resp.json()
-        self.position = apply_reply(self._index, self.endpoint_id, reply, self._scheduled)
+        self.position = apply_reply(self._index, self.endpoint_id, reply, self._on_scheduled)
         self.live = True
 
     def _drop(self) -> None:

@@ -24,6 +24,8 @@ but blind to other router replicas, the pod's figure is complete but one poll ol
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,12 +40,14 @@ class Candidate:
     load: int
     kv_usage: float = 0.0
     prefix_blocks: int = 0
+    reports_work: bool = False  # its KV-event stream is followed: it announces each request it starts
 
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
     num_blocks: int = 0
     session_key: str | None = None
+    prefix_key: bytes = b""  # the prompt's first block hash: ties go where every router sends this prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,10 @@ def combined_scores(candidates: Sequence[Candidate], query: RouteQuery, weights:
         + weights.kv_usage * (1.0 - min(max(c.kv_usage, 0.0), 1.0))
         for c, qs in zip(candidates, q, strict=True)
     ]
+
+
+def _rendezvous(key: bytes, endpoint_id: str) -> bytes:
+    return hashlib.blake2b(key + endpoint_id.encode(), digest_size=8).digest()
 
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
@@ -114,13 +122,23 @@ class RoundRobin(Strategy):
 
 
 class WorkBound:
-    """The endpoints chosen by the last `window` decisions, and who is over the work bound."""
+    """The requests the candidates were recently sent: the last `window` of them, per endpoint.
 
-    def __init__(self, window: int) -> None:
+    For a pod whose KV events this router follows, the count comes from the pod itself: one `scheduled`
+    event per request it starts, whoever routed it, so every router replica counts the same work and
+    bounds it the same way (own counts would diverge across replicas and split a popular prefix over
+    more pods). This router's own decision for such a pod counts provisionally until the pod's next
+    event (or `provisional_s`), which covers the lag. For other pods the router's decisions are the count.
+    """
+
+    def __init__(self, window: int, provisional_s: float = 5.0, clock=time.monotonic) -> None:
         self._recent: deque[str] = deque(maxlen=window)
         self._counts: Counter[str] = Counter()
+        self._provisional: dict[str, deque[float]] = {}
+        self._provisional_s = provisional_s
+        self._clock = clock
 
-    def record(self, endpoint_id: str) -> None:
+    def _push(self, endpoint_id: str) -> None:
         if len(self._recent) == self._recent.maxlen:
             gone = self._recent[0]
             self._counts[gone] -= 1
@@ -129,21 +147,43 @@ class WorkBound:
         self._recent.append(endpoint_id)
         self._counts[endpoint_id] += 1
 
+    def record(self, endpoint_id: str, reported: bool = False) -> None:
+        """This router sent a request there; `reported`: the pod's own events will count it."""
+        if reported:
+            self._provisional.setdefault(endpoint_id, deque()).append(self._clock())
+        else:
+            self._push(endpoint_id)
+
+    def observed(self, endpoint_id: str) -> None:
+        """The pod started a request (its `scheduled` event)."""
+        self._push(endpoint_id)
+        pending = self._provisional.get(endpoint_id)
+        if pending:
+            pending.popleft()
+
     def count(self, endpoint_id: str) -> int:
-        return self._counts[endpoint_id]
+        pending = self._provisional.get(endpoint_id)
+        if pending:
+            horizon = self._clock() - self._provisional_s
+            while pending and pending[0] < horizon:
+                pending.popleft()
+        return self._counts[endpoint_id] + (len(pending) if pending else 0)
 
     def eligible(self, candidates: Sequence[Candidate], max_ratio: float) -> list[Candidate]:
         """Candidates whose count + 1 stays within max_ratio x (least count + 1); never empty (the
         least-served candidate always is)."""
-        cap = max_ratio * (min(self._counts[c.endpoint_id] for c in candidates) + 1)
-        return [c for c in candidates if self._counts[c.endpoint_id] + 1 <= cap]
+        counts = {c.endpoint_id: self.count(c.endpoint_id) for c in candidates}
+        cap = max_ratio * (min(counts.values()) + 1)
+        return [c for c in candidates if counts[c.endpoint_id] + 1 <= cap]
 
 
 class WeightedScore(Strategy):
     """Work bound, hot-spot guard, then the weighted sum of scorers; `use_prefix` False gives least-load.
 
-    Ties (typically: idle pods, none holding the prefix) rotate instead of always going to the first id, so
-    new prefixes spread over the fleet even before load figures move.
+    Ties (typically: idle pods, none holding the prefix) are broken by rendezvous hashing of the prompt's
+    first block over the tied endpoints: new prefixes spread over the fleet even before load figures move,
+    and every router replica sends the same prefix (and its overflow) to the same pod. Prompts without a
+    full block rotate.
     """
 
     use_prefix = True
@@ -160,7 +200,8 @@ class WeightedScore(Strategy):
 
     def _choose(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
         decision = self._decide(query, candidates)
-        self.work.record(decision.endpoint_id)
+        chosen = next(c for c in candidates if c.endpoint_id == decision.endpoint_id)
+        self.work.record(decision.endpoint_id, chosen.reports_work)
         return decision
 
     def _decide(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
@@ -188,8 +229,11 @@ class WeightedScore(Strategy):
             (c for c, s in zip(candidates, scores, strict=True) if s >= top - 1e-9),
             key=lambda c: c.endpoint_id,
         )
-        c = best[self._ties % len(best)]
-        self._ties += len(best) > 1
+        if len(best) > 1 and query.prefix_key:
+            c = max(best, key=lambda c: _rendezvous(query.prefix_key, c.endpoint_id))
+        else:
+            c = best[self._ties % len(best)]
+            self._ties += len(best) > 1
         reason = "prefix_hit" if self.use_prefix and c.prefix_blocks > 0 and weights.prefix > 0 else "load"
         return Decision(c.endpoint_id, reason, c.prefix_blocks)
 
@@ -211,6 +255,10 @@ class SessionAffinity(Strategy):
         super().__init__(spec)
         self._ring = BoundedLoadRing(())
         self._fallback = PrefixAffinity(spec)
+
+    @property
+    def work(self) -> WorkBound:
+        return self._fallback.work
 
     def update(self, spec: RoutingSpec) -> None:
         super().update(spec)

@@ -41,7 +41,11 @@ import json  # noqa: E402
 
 import tokenizers  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra  # noqa: E402
-from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
+from tokenfleet.runtime.engine.kv_cache.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockStored,
+    PrefillScheduled,
+)
 from tokenfleet.runtime.kv_wire import LoadReport  # noqa: E402
 from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
 from tokenfleet.runtime.router.prompt_blocks import prompt_token_ids  # noqa: E402
@@ -86,6 +90,10 @@ class FakePod:
         self.gate: asyncio.Event | None = None  # stream waits on it after the first event
         self.delay = 0.0
         self.running = 0
+        self.query_blocks = 0
+        self.prefill_seconds = 0.0  # > 0: blocks are stored only after this "prefill"
+        self.announce_prefills = True  # ... and announced as `scheduled` when it starts
+        self._prefilling: dict[bytes, asyncio.Event] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -120,16 +128,32 @@ class FakePod:
             return web.json_response({"error": {"message": "wrong model"}}, status=404)
         ids = prompt_token_ids(request.path, body, self.tokenizer) or []
         hashes = block_hashes_for(ids, self.block_size, self.extra)
+        self.query_blocks += len(hashes)
+        # A prefix this pod is computing right now is reused once that computation is done (as chunked
+        # prefill caches blocks chunk by chunk), so following a prefill to its pod pays off.
+        pending = [self._prefilling[h] for h in hashes if h not in self.cached and h in self._prefilling]
+        if pending:
+            await pending[-1].wait()
         for h in hashes:
             if h not in self.cached:
                 break
             self.hit_blocks += 1
-        new = [h for h in hashes if h not in self.cached]
-        if new:
-            self.cached.update(new)
-            self.log.publish([BlockStored(tuple(new), None, (), self.block_size)])
         self.running += 1
         try:
+            new = [h for h in hashes if h not in self.cached]
+            # A real pod announces the prefill, computes it, then stores the blocks.
+            if self.announce_prefills and hashes:
+                self.log.publish([PrefillScheduled(tuple(hashes))])
+            if self.prefill_seconds:
+                done = asyncio.Event()
+                self._prefilling.update(dict.fromkeys(new, done))
+                await asyncio.sleep(self.prefill_seconds)
+                for h in new:
+                    self._prefilling.pop(h, None)
+                done.set()
+            if new:
+                self.cached.update(new)
+                self.log.publish([BlockStored(tuple(new), None, (), self.block_size)])
             if self.delay:
                 await asyncio.sleep(self.delay)
             if not payload.get("stream"):

@@ -163,3 +163,29 @@ def test_a_live_update_keeps_the_history():
     assert same is s and s.spec.weights.prefix == 5 and s.work.count("a") + s.work.count("b") == 1
     other = make_strategy(spec(strategy="round-robin"), s)
     assert other is not s
+
+
+def test_work_reported_by_the_pods_is_counted_the_same_by_every_router():
+    from tokenfleet.runtime.router.scoring import WorkBound
+
+    now = [0.0]
+    a, b = WorkBound(64, clock=lambda: now[0]), WorkBound(64, clock=lambda: now[0])
+    a.record("p0", reported=True)  # router a sent a request to p0: counted until p0 reports it
+    assert (a.count("p0"), b.count("p0")) == (1, 0)
+    for router in (a, b):  # p0 announces that request; p1 one that another router sent
+        router.observed("p0")
+        router.observed("p1")
+    assert [(r.count("p0"), r.count("p1")) for r in (a, b)] == [(1, 1), (1, 1)]
+    a.record("p1", reported=True)
+    now[0] = 10.0  # a request the pod never reported (no full block) stops counting after a while
+    assert a.count("p1") == 1
+
+
+def test_ties_go_to_the_same_pod_from_every_router():
+    key = bytes(range(16))
+    cands = [Candidate(f"p{i}", load=0) for i in range(4)]
+    picks = {make_strategy(spec()).choose(RouteQuery(8, None, key), cands).endpoint_id for _ in range(3)}
+    assert len(picks) == 1
+    spread = {make_strategy(spec()).choose(RouteQuery(8, None, bytes([k]) * 16), cands).endpoint_id
+              for k in range(32)}  # fmt: skip
+    assert len(spread) == 4  # different prefixes still spread over the pods
