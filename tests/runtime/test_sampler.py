@@ -281,3 +281,54 @@ def test_mismatched_rows_are_rejected():
     reqs = [make_request()]
     with pytest.raises(ValueError):
         Sampler()(torch.zeros((2, 10)), SamplingMetadata.build(reqs, {}, "cpu"))
+
+
+# --- grammar bitmasks ------------------------------------------------------------------------------
+
+
+def _bitmask(rows: int, vocab: int, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """[rows, ceil(V/32)] int32; rows in `allowed` permit only those tokens, the others everything."""
+    bits = torch.ones((rows, (vocab + 31) // 32 * 32), dtype=torch.bool)
+    for row, tokens in allowed.items():
+        bits[row] = False
+        bits[row, tokens] = True
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    words = (bits.view(rows, -1, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_grammar_bitmask_restricts_only_its_rows():
+    from dataclasses import replace
+
+    vocab = 100
+    reqs = [make_request(temperature=1.0, seed=i) for i in range(3)] + [make_request(temperature=0.0)]
+    logits = random_logits(4, vocab, seed=0)
+    allowed = {0: [3, 50, 99], 3: [7, 8]}
+    base = SamplingMetadata.build(reqs, seeded_generators(reqs), "cpu")
+    meta = replace(base, grammar_rows=(0, 3), grammar_bitmask=_bitmask(4, vocab, allowed))
+    free = Sampler()(logits, SamplingMetadata.build(reqs, seeded_generators(reqs), "cpu")).token_ids
+    for _ in range(20):
+        out = Sampler()(logits, replace(meta, generators=(None,) * 4)).token_ids
+        assert out[0] in allowed[0]
+        assert out[3] == max(allowed[3], key=lambda t: logits[3, t].item())  # greedy: best allowed
+    constrained = Sampler()(
+        logits, replace(meta, generators=tuple(seeded_generators(reqs).get(r.request_id) for r in reqs))
+    )
+    assert constrained.token_ids[1:3] == free[1:3]  # unconstrained rows draw exactly as before
+
+
+def test_rejection_sampler_never_accepts_a_draft_the_grammar_forbids():
+    from dataclasses import replace
+
+    from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyBatch
+
+    vocab = 64
+    req = make_request(temperature=0.0)
+    logits = torch.full((3, vocab), -5.0)
+    logits[:, 9] = 5.0  # the model is sure of token 9 everywhere...
+    meta = SamplingMetadata.build([req] * 3, {}, "cpu")
+    # ...but the grammar allows only 4 or 5 after the last known token.
+    meta = replace(meta, grammar_rows=(0,), grammar_bitmask=_bitmask(3, vocab, {0: [4, 5]}))
+    batch = VerifyBatch(meta=meta, draft_token_ids=((9, 9),), greedy=(True,), generators=(None,))
+    (emitted,) = RejectionSampler()(logits, batch)
+    assert emitted[0] in (4, 5) and len(emitted) == 1
