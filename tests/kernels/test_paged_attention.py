@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.kernels._utils import FP8_DTYPE, make_paged_batch
+from tokenfleet.kernels._utils import make_paged_batch
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
 from tokenfleet.kernels.paged_attention import paged_attention_ref, paged_decode_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

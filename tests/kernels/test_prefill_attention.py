@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.kernels._utils import FP8_DTYPE, make_paged_batch
+from tokenfleet.kernels._utils import make_paged_batch
+from tokenfleet.kernels.fp8_format import FP8_DTYPE
 from tokenfleet.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
