@@ -177,7 +177,8 @@ async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> di
         {
             "port": 0,
             "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(pod_urls)],
-            "routing": routing,
+            # On a shared CPU machine a queued prefill can leave a stream silent for minutes: not a failure.
+            "routing": {**routing, "retries": {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900}},
             "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": 0.2},
         }
     )

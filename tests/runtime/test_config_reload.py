@@ -113,3 +113,22 @@ async def test_the_polling_task_picks_up_a_swap(tmp_path: Path):
         assert watcher.effective.cache.max_pinned_fraction == 0.5
     finally:
         await watcher.stop()
+
+
+def test_one_loader_validates_files_and_overrides(tmp_path):
+    import pytest
+    from tokenfleet.runtime.config_file import with_overrides
+    from tokenfleet.runtime.errors import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 9000}\n")
+    config = RuntimeConfig.load(path)
+    assert config.server.port == 9000
+    assert with_overrides(config, {"model": None}) is config  # None: no override
+    with pytest.raises(ConfigError, match="override"):
+        with_overrides(config, {"server": {"port": 70000}})
+    path.write_text("server: {port: nope}\n")
+    with pytest.raises(ConfigError, match="invalid runtime config"):
+        RuntimeConfig.load(path)
+    with pytest.raises(ConfigError, match="invalid runtime config"):
+        RuntimeConfig.load(tmp_path / "missing.yaml")

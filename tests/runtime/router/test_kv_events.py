@@ -119,3 +119,20 @@ async def test_follower_drops_stale_state_when_the_stream_is_gone(serve_app):
     assert not follower.live and idx.match(H, ["p"]) == {"p": 0}
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def test_scheduled_prefills_reach_the_router_but_are_not_cached_blocks():
+    from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
+
+    log = KVEventLog(16, EXTRA)
+    hashes = tuple(block_hashes_for(list(range(48)), 16, EXTRA))
+    log.publish([PrefillScheduled(hashes)])
+    seen: list[tuple[str, list[bytes]]] = []
+    index = ExactPrefixIndex()
+    reply = log.read(0, log.epoch)
+    apply_reply(index, "pod", reply, lambda ep, hs: seen.append((ep, hs)))
+    assert seen == [("pod", list(hashes))] and index.num_blocks("pod") == 0
+    # A new subscriber's snapshot holds only what is cached.
+    snapshot = log.read(None, None)
+    assert [e["type"] for e in snapshot["events"]] == ["cleared", "stored"]
+    assert snapshot["events"][1]["block_hashes"] == []

@@ -56,3 +56,13 @@ def test_route_serves_health_and_metrics(tmp_path, free_ports):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_command_line_overrides_are_validated_like_the_file(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("port: 0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.runtime.cli", "route", "--config", str(path), "--port", "70000"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "invalid router config override ['port']" in proc.stderr
