@@ -64,6 +64,20 @@ class NotServed(Exception):
         self.kind = kind
 
 
+class NamespaceTerminating(Exception):
+    """A create refused because its namespace is being deleted: nothing to reconcile there any more."""
+
+
+def _namespace_terminating(body: str) -> bool:
+    # The NamespaceLifecycle admission plugin's refusal: 403 with a cause of reason NamespaceTerminating
+    # (an authorization failure is a 403 too, but never has that cause).
+    try:
+        causes = (json.loads(body).get("details") or {}).get("causes") or []
+    except ValueError:
+        return False
+    return any(cause.get("reason") == "NamespaceTerminating" for cause in causes)
+
+
 class Kube:
     """Thin, synchronous (kopf runs sync handlers in its thread pool) wrapper over ApiClient.call_api."""
 
@@ -90,6 +104,8 @@ class Kube:
         data = response.read()
         text = data.decode() if data else ""
         if not 200 <= response.status <= 299:
+            if response.status == 403 and _namespace_terminating(text):
+                raise NamespaceTerminating(path)
             raise ApiException.from_response(http_resp=response, body=text, data=None)
         return json.loads(text) if text else None
 

@@ -11,9 +11,10 @@ fresh (`Kube.get`), so its status is computed from what is stored now.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from tokenfleet.operator.builders import (
     service_url,
 )
 from tokenfleet.operator.inference_pool import PoolSupport, build_inference_pool
-from tokenfleet.operator.kube import Kube, NotServed
+from tokenfleet.operator.kube import Kube, NamespaceTerminating, NotServed
 from tokenfleet.operator.router_builders import (
     ROUTER_PORT,
     build_backend,
@@ -136,7 +137,23 @@ def _announce(
 
 
 # --------------------------------------------------------------------------------------------- ModelDeployment
+@contextlib.contextmanager
+def _unless_namespace_goes(namespace: str, logger: logging.Logger) -> Iterator[None]:
+    """A namespace being deleted refuses new children: stop quietly, its objects are going away anyway."""
+    try:
+        yield
+    except NamespaceTerminating:
+        logger.debug("namespace %s is being deleted: nothing more to create there", namespace)
+
+
 def reconcile_model_deployment(
+    ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
+) -> None:
+    with _unless_namespace_goes(namespace, logger):
+        _reconcile_model_deployment(ctx, watched, namespace, name, logger)
+
+
+def _reconcile_model_deployment(
     ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
 ) -> None:
     body = ctx.kube.get("ModelDeployment", namespace, name)
@@ -298,6 +315,13 @@ def _write_policy_status(
 
 # ----------------------------------------------------------------------------------------------- RoutingPolicy
 def reconcile_routing_policy(
+    ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
+) -> None:
+    with _unless_namespace_goes(namespace, logger):
+        _reconcile_routing_policy(ctx, watched, namespace, name, logger)
+
+
+def _reconcile_routing_policy(
     ctx: OperatorContext, watched: Watched, namespace: str, name: str, logger: logging.Logger
 ) -> None:
     body = ctx.kube.get("RoutingPolicy", namespace, name)

@@ -5,6 +5,7 @@ here; the e2e suite runs the same code against a real one."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from tokenfleet.operator.builders import RUNTIME_PORT
 from tokenfleet.operator.inference_pool import PoolSupport
-from tokenfleet.operator.kube import KINDS, NotServed
+from tokenfleet.operator.kube import KINDS, NamespaceTerminating, NotServed, _namespace_terminating
 from tokenfleet.operator.reconcile import (
     OperatorContext,
     Watched,
@@ -34,6 +35,7 @@ class FakeKube:
     def __init__(self, served: set[str] | None = None):
         self.served = set(KINDS) - {"InferencePool"} if served is None else served
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.terminating: set[str] = set()  # namespaces being deleted: no new objects there
         self.calls: list[tuple[str, str, str]] = []
         self._uid = 0
 
@@ -62,6 +64,8 @@ class FakeKube:
         key = self._key(obj["kind"], meta["namespace"], meta["name"])
         stored = copy.deepcopy(obj)
         before = self.objects.get(key)
+        if before is None and meta["namespace"] in self.terminating:
+            raise NamespaceTerminating(meta["namespace"])
         if before is None:
             self._uid += 1
             stored["metadata"].update(uid=f"uid-{self._uid}", generation=1)
@@ -340,3 +344,27 @@ def test_without_the_inference_pool_crd_everything_else_reconciles_and_it_is_sai
     for name in ("a", "b"):
         _reconcile(ctx, kube, name)
     assert kube.names("InferencePool") == ["a", "b"]
+
+
+def test_a_namespace_being_deleted_stops_the_reconcile_quietly(clock, events, caplog):
+    """Its objects go with it; a create refused there is no error (and no 403 in the log)."""
+    kube = FakeKube(served=set(KINDS))
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "late", {})
+    kube.terminating.add(NS)
+    with caplog.at_level(logging.DEBUG, logger=LOG.name):
+        _reconcile(ctx, kube, "late")
+    assert kube.names("Deployment") == [] and "status" not in kube.obj("ModelDeployment", "late")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_only_the_namespace_lifecycle_refusal_counts_as_terminating():
+    refusal = {
+        "kind": "Status",
+        "code": 403,
+        "reason": "Forbidden",
+        "details": {"causes": [{"reason": "NamespaceTerminating", "field": "metadata.namespace"}]},
+    }
+    rbac = {"kind": "Status", "code": 403, "reason": "Forbidden", "details": {"kind": "deployments"}}
+    assert _namespace_terminating(json.dumps(refusal))
+    assert not _namespace_terminating(json.dumps(rbac)) and not _namespace_terminating("not json")
