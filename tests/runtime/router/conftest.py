@@ -90,13 +90,14 @@ class FakePod:
         self.gate: asyncio.Event | None = None  # stream waits on it after the first event
         self.delay = 0.0
         self.running = 0
+        self.loading = False
         self.query_blocks = 0
         self.prefill_seconds = 0.0  # > 0: blocks are stored only after this "prefill"
         self.announce_prefills = True  # ... and announced as `scheduled` when it starts
         self._prefilling: dict[bytes, asyncio.Event] = {}
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._loading_gate])
         app.add_routes(
             [
                 web.post("/v1/completions", self.generate),
@@ -107,6 +108,13 @@ class FakePod:
             ]
         )
         return app
+
+    @web.middleware
+    async def _loading_gate(self, request, handler):
+        """While `loading`, the pod answers as a real one does before its model is in: /load and /ready 503."""
+        if self.loading and request.path in ("/load", "/ready", "/v1/kv-events"):
+            return web.json_response({"status": "loading"}, status=503)
+        return await handler(request)
 
     async def health(self, request):
         return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)

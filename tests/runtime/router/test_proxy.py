@@ -265,3 +265,34 @@ async def test_bad_bodies_are_400_at_the_router(serve_app, start_router, make_po
     ):
         assert r.status == 400
     assert pod.requests == []
+
+
+async def test_requests_sent_while_pods_load_are_all_served_once_they_are_ready(
+    serve_app, start_router, make_pod, free_ports, wait_until
+):
+    """Router and pods start together: the pods say "loading" (503) for a while, one is not even listening
+    yet. Nothing is refused and nothing is ejected; everything is served once the pods are up."""
+    early_port, late_port = free_ports(2)
+    early, late = make_pod(), make_pod()
+    early.loading = True
+    routing = {"queueTimeoutSeconds": 20}
+    backends = [
+        backend("early", f"http://127.0.0.1:{early_port}"),
+        backend("late", f"http://127.0.0.1:{late_port}"),
+    ]
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(serve_app(early.app(), early_port))
+        url, router = await stack.enter_async_context(start_router(backends, routing, wait_ready=False))
+        burst = [asyncio.create_task(post(url, completion(prompt=f"w{i}"))) for i in range(8)]
+        await asyncio.sleep(0.5)  # probes see "loading" and a closed port many times over
+        assert not any(t.done() for t in burst)
+        assert router.fleet.gate.num_waiting("m") == 8
+        early.loading = False
+        await stack.enter_async_context(serve_app(late.app(), late_port))  # the slow one comes up too
+        results = await asyncio.wait_for(asyncio.gather(*burst), 10)
+        assert [status for status, _, _ in results] == [200] * 8
+        for ep in router.fleet.endpoints.by_id.values():
+            assert router.metrics.ejections.labels(ep.id)._value.get() == 0
+        await wait_until(
+            lambda: all(router.fleet.available(ep) for ep in router.fleet.endpoints.by_id.values())
+        )
