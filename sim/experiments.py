@@ -1,0 +1,131 @@
+"""Reproducible GPU-scale experiments whose tables live in docs/simulator.md.
+
+    python -m tokenfleet.sim.experiments routing [--duration 30] [--rate 200]
+    python -m tokenfleet.sim.experiments speed [--duration 20] [--replicas 16] [--rate 880]
+
+`routing`: the routing benchmark's question at GPU scale — 16 H100 replicas of an 8B model, 150 tenants
+with 4,000-token system prompts (600k prefix tokens: more than one replica's KV cache holds), Zipf
+popularity, short user turns; one seeded arrival pattern, one row per strategy: round-robin, least-load,
+prefix affinity without the work bound ("prefix-exact"), with it (the default, "prefix-balanced"), and
+session affinity (30% of arrivals open sessions in every run so the rows stay comparable).
+
+`speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
+one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tokenfleet.sim.api import simulate
+from tokenfleet.sim.config import parse_config
+
+ROUTINGS = {
+    "round-robin": {"strategy": "round-robin"},
+    "least-load": {"strategy": "least-load"},
+    "prefix-exact": {"strategy": "prefix-affinity", "balance": {"maxRatio": None}},
+    "prefix-balanced": {"strategy": "prefix-affinity"},
+    "session-affinity": {"strategy": "session-affinity"},
+}
+
+
+def routing(
+    duration: float, rate: float, replicas: int = 16, tenants: int = 150, seed: int = 0
+) -> list[tuple]:
+    rows = []
+    for label, routing_spec in ROUTINGS.items():
+        config = parse_config(
+            {
+                "model": "llama-3-8b",
+                "fleet": {"gpu": "h100-sxm", "replicas": replicas},
+                "routing": {**routing_spec, "maxInFlightPerEndpoint": 4096},
+                "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+                "workload": {
+                    "rate": rate,
+                    "duration_s": duration,
+                    "num_tenants": tenants,
+                    "zipf_s": 1.1,
+                    "system_prompt_tokens": 4000,
+                    "user_tokens": 200,
+                    "output_tokens": 150,
+                    "session_fraction": 0.3,
+                    "turns_mean": 3,
+                    "think_time_s": 5,
+                    "seed": seed,
+                },
+            }
+        )
+        t0 = time.perf_counter()
+        r = simulate(config)
+        wall = time.perf_counter() - t0
+        lat, load = r["latency_s"], r["load"]
+        rows.append(
+            (
+                label,
+                r["cache"]["prefix_hit_rate"],
+                lat["ttft"]["p50"],
+                lat["ttft"]["p99"],
+                lat["tpot"]["p50"],
+                lat["e2e"]["p50"],
+                r["slo"]["goodput_fraction"],
+                load["served_max"] / max(load["served_min"], 1),
+                r["preemptions"],
+                wall,
+            )
+        )
+        print(_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = "| routing | prefix hit | TTFT p50 s | TTFT p99 s | TPOT p50 s | E2E p50 s | goodput | max/min served | preemptions | wall s |"
+
+
+def _row(r: tuple) -> str:
+    return (
+        f"| {r[0]} | {r[1]:.1%} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.4f} | {r[5]:.3f} | {r[6]:.1%} | {r[7]:.2f} "
+        f"| {r[8]} | {r[9]:.0f} |"
+    )
+
+
+def speed(duration: float, replicas: int, rate: float) -> None:
+    config = parse_config(
+        {
+            "model": "llama-3-8b",
+            "fleet": {"gpu": "h100-sxm", "replicas": replicas},
+            "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": 4096},
+            "workload": {"rate": rate, "duration_s": duration, "num_tenants": 150, "seed": 0},
+        }
+    )
+    t0 = time.perf_counter()
+    r = simulate(config)
+    wall = time.perf_counter() - t0
+    busy = r["load"]["busy_fraction_max"], r["load"]["busy_fraction_min"]
+    per_hour = wall / r["virtual_seconds"] * 3600
+    print(
+        f"{replicas} replicas, {rate} req/s for {duration} s: {r['requests']['finished']} requests, "
+        f"{r['engine_steps']} steps, {r['throughput']['output_tokens_per_s']:.0f} output tok/s, "
+        f"TPOT p50 {r['latency_s']['tpot']['p50'] * 1000:.1f} ms, TTFT p50 {r['latency_s']['ttft']['p50'] * 1000:.0f} ms, "
+        f"busy {busy[1]:.0%}..{busy[0]:.0%}; simulated {r['virtual_seconds']} s in {wall:.1f} s wall "
+        f"({wall / r['engine_steps'] * 1e6:.0f} us/step) -> one hour of this traffic: {per_hour / 60:.0f} min"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenfleet.sim.experiments")
+    p.add_argument("experiment", choices=["routing", "speed"])
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--rate", type=float)
+    p.add_argument("--replicas", type=int, default=16)
+    args = p.parse_args(argv)
+    if args.experiment == "routing":
+        print(HEADER)
+        print("|" + "---|" * 10)
+        routing(args.duration, args.rate or 200.0, args.replicas)
+    else:
+        speed(args.duration, args.replicas, args.rate or 880.0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
