@@ -290,10 +290,19 @@ class ModelDeploymentStatus(_Spec):
     autoscaling: AutoscalingStatus | None = None
 
 
+class RouterGeneration(_Spec):
+    pod: str
+    generation: int | None = Field(None, description="The policy generation it runs; null = not readable.")
+
+
 class PolicyStatus(_Spec):
     observed_generation: int | None = None
     used_by: tuple[str, ...] = Field((), description="ModelDeployments referencing this policy.")
     endpoint: str | None = Field(None, description="RoutingPolicy: URL of the router Service.")
+    routers: tuple[RouterGeneration, ...] = Field(
+        (),
+        description="RoutingPolicy: each ready router pod and the generation it applied (edits apply live).",
+    )
     conditions: tuple[Condition, ...] = ()
 
 

@@ -48,7 +48,9 @@ from tokenfleet.operator.router_builders import (
     build_router_service,
     build_router_service_account,
     router_names,
+    router_selector,
 )
+from tokenfleet.operator.router_status import fetch_metrics, routers_status
 from tokenfleet.operator.status import (
     ReconcileOutcome,
     model_deployment_status,
@@ -302,9 +304,10 @@ def _write_policy_status(
     used_by: list[str],
     endpoint: str | None,
     error: str | None,
+    routers: list[dict[str, Any]] | None = None,
 ) -> None:
     meta = body["metadata"]
-    status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error)
+    status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error, routers)
     if status_changed(body.get("status"), status):
         ctx.kube.patch_status(kind, meta["namespace"], meta["name"], status)
         if error:
@@ -363,7 +366,10 @@ def _reconcile_routing_policy(
     ]
     _adopt_and_apply(ctx, body, children)
     endpoint = service_url(router_names(name).service, namespace, ROUTER_PORT)
-    _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None)
+    # Routers apply policy edits live: report which generation each router pod runs.
+    selector = ",".join(f"{k}={v}" for k, v in router_selector(name).items())
+    routers = routers_status(ctx.kube.list("Pod", namespace, selector), fetch_metrics)
+    _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None, routers)
 
 
 def reconcile_routers(ctx: OperatorContext, watched: Watched, namespace: str, logger: logging.Logger) -> None:

@@ -166,9 +166,15 @@ def status_changed(previous: dict[str, Any] | None, new: dict[str, Any]) -> bool
 
 
 def policy_status(
-    generation: int, used_by: list[str], endpoint: str | None, error: str | None
+    generation: int,
+    used_by: list[str],
+    endpoint: str | None,
+    error: str | None,
+    routers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    extra = {} if routers is None else {"routers": routers}  # RoutingPolicy: generation per router pod
     return {
+        **extra,
         "observedGeneration": generation,
         "usedBy": sorted(used_by),
         "endpoint": endpoint,

@@ -87,3 +87,43 @@ def test_model_deployment_keys_from_a_secret():
     pod = build_deployment("chat", md, config)["spec"]["template"]["spec"]
     assert {"name": "api-keys", "secret": {"secretName": "pod-keys", "defaultMode": 0o440}} in pod["volumes"]
     assert build_runtime_config(parse_model_deployment({}), None).server.api_key_file is None
+
+
+def _router_pod(name: str, ip: str | None, ready: bool = True, deleting: bool = False) -> dict:
+    meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {"metadata": meta, "status": {"podIP": ip, "conditions": conditions}}
+
+
+def test_routing_policy_status_reports_the_generation_each_router_applied():
+    from tokenfleet.operator.router_status import routers_status
+
+    metrics = {
+        "http://10.0.0.1:8080/metrics": "# HELP x\ntokenfleet:router_config_generation 4.0\n",
+        "http://10.0.0.2:8080/metrics": "tokenfleet:router_config_generation 3.0\n",  # not swapped in yet
+        "http://10.0.0.3:8080/metrics": None,  # unreachable
+    }
+    pods = [
+        _router_pod("r-b", "10.0.0.2"),
+        _router_pod("r-a", "10.0.0.1"),
+        _router_pod("r-c", "10.0.0.3"),
+        _router_pod("r-starting", "10.0.0.4", ready=False),
+        _router_pod("r-leaving", "10.0.0.5", deleting=True),
+    ]
+    assert routers_status(pods, metrics.get) == [
+        {"pod": "r-a", "generation": 4},
+        {"pod": "r-b", "generation": 3},
+        {"pod": "r-c", "generation": None},
+    ]
+    assert routers_status([], metrics.get) == []
+
+
+async def test_the_router_exports_the_generation_the_operator_reads(tmp_path):
+    from tokenfleet.operator.router_status import applied_generation
+    from tokenfleet.runtime.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    metrics.config_generation.set(7)
+    assert applied_generation(metrics.render().decode()) == 7
+    metrics.config_generation.set(-1)  # a hand-written file names no generation
+    assert applied_generation(metrics.render().decode()) is None
