@@ -9,10 +9,13 @@ from pathlib import Path
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, log_path: Path, resync_seconds: float = 3.0):
+    def __init__(
+        self, kubeconfig: Path, log_path: Path, resync_seconds: float = 3.0, autoscale_seconds: float = 3.0
+    ):
         self.kubeconfig = kubeconfig
         self.log_path = log_path
         self.resync_seconds = resync_seconds
+        self.autoscale_seconds = autoscale_seconds
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -21,6 +24,7 @@ class OperatorProcess:
             sys.executable, "-m", "tokenfleet.runtime.cli", "operator",
             "--kubeconfig", str(self.kubeconfig),
             "--resync-seconds", str(self.resync_seconds),
+            "--autoscale-seconds", str(self.autoscale_seconds),
         ]  # fmt: skip
 
     def start(self) -> None:
