@@ -274,7 +274,7 @@ class ControlPlane:
             input=stdin,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=180,  # generous: the e2e machine may be busy loading several models at once
         )
         if check and proc.returncode != 0:
             raise KubectlError(proc.returncode, proc.args, proc.stdout, proc.stderr)

@@ -172,22 +172,24 @@ class Kubelet:
         ticks = 0
         while True:
             for node in self.nodes.values():
-                path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node.name}"
-                spec = {
-                    "holderIdentity": node.name,
-                    "leaseDurationSeconds": LEASE_SECONDS,
-                    "renewTime": micro_time(),
-                }
-                if await self.api.merge_patch(path, {"spec": spec}) is None:
-                    await self.api.create(
-                        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
-                        {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                         "metadata": {"name": node.name}, "spec": spec},
-                    )  # fmt: skip
-                if ticks % 4 == 3:
-                    await self._node_status(node)  # heartbeat: lastHeartbeatTime moves
+                try:
+                    await self._renew(node, heartbeat=ticks % 4 == 3)
+                except (ApiError, OSError, TimeoutError) as e:  # a busy API server: try again next tick
+                    log.warning("lease %s: %r", node.name, e)
             ticks += 1
             await asyncio.sleep(LEASE_SECONDS / 4)
+
+    async def _renew(self, node: NodeSpec, heartbeat: bool) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node.name}"
+        spec = {"holderIdentity": node.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": micro_time()}
+        if await self.api.merge_patch(path, {"spec": spec}) is None:
+            await self.api.create(
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": node.name}, "spec": spec},
+            )  # fmt: skip
+        if heartbeat:
+            await self._node_status(node)  # lastHeartbeatTime moves
 
     # -------------------------------------------------------------------------------------------------- pods
     async def sync_once(self) -> None:
@@ -260,8 +262,8 @@ class Kubelet:
             while not stop.is_set():
                 try:
                     await self.sync_once()
-                except (ApiError, OSError) as e:
-                    log.warning("sync: %s", e)
+                except (ApiError, OSError, TimeoutError) as e:
+                    log.warning("sync: %r", e)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), SYNC_SECONDS)
         finally:

@@ -1,14 +1,31 @@
-"""Scenarios 1 and 2: apply the examples -> children with ownerReferences, probes and resources; readiness
-flows from the Deployment's status into the ModelDeployment; `kubectl scale md` drives the Deployment."""
+"""The examples on a real cluster, as a user meets them (one namespace, the tests run in order):
+
+1. apply the examples -> children with ownerReferences, probes and resources; the CPU model's pod is
+   scheduled, Running and Ready; a completion through the Service's endpoints and through the router
+   pods; the ModelDeployment is Ready with readyReplicas from the real pod; the GPU model stays Pending
+   with the scheduler's reason in its status;
+2. `kubectl scale md` -> three pod processes, the router spreads requests over them;
+3. `kubectl delete pod` under a small streaming load -> the ReplicaSet replaces it and no request that
+   had not started streaming fails;
+4. deleting the ModelDeployment -> the garbage collector removes every child.
+"""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from collections import Counter
 from pathlib import Path
 
+import pytest
 import yaml
+from envtest import wait_for
+from workload import StreamingLoad, complete, post_json
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
+SELECTOR = "app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=runtime"
+ROUTER_SELECTOR = "app.kubernetes.io/instance=chat-routing"
+MODEL_READY_S = 240  # model load on a busy 2-core machine + the startup/readiness probe periods
 
 
 def _owner(obj: dict, kind: str) -> dict:
@@ -18,128 +35,175 @@ def _owner(obj: dict, kind: str) -> dict:
     return refs[0]
 
 
-def _make_ready(cluster, namespace: str, name: str, replicas: int) -> None:
-    """Play the kubelet + ReplicaSet controller: report `replicas` ready pods on the current generation."""
-    dep = cluster.get("deployment", name, namespace)
-    status = {
-        "observedGeneration": dep["metadata"]["generation"],
-        "replicas": replicas,
-        "updatedReplicas": replicas,
-        "readyReplicas": replicas,
-        "availableReplicas": replicas,
-    }
-    cluster.kubectl(
-        "patch", "deployment", name, "-n", namespace, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": status}),
-    )  # fmt: skip
+def _ready(pod: dict) -> bool:
+    conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions") or []}
+    return pod["status"].get("phase") == "Running" and conds.get("Ready") == "True"
 
 
-def test_examples_reconcile_into_children_and_readiness(cluster, namespace, wait):
-    cluster.kubectl("apply", "-n", namespace, "-k", str(EXAMPLES))
-    md = wait(lambda: cluster.get("md", "smollm2", namespace), what="md")
+def _ready_pods(cluster, ns: str, selector: str, count: int) -> list[dict] | None:
+    pods = [p for p in cluster.pods(ns, selector) if not p["metadata"].get("deletionTimestamp")]
+    return pods if len(pods) == count and all(_ready(p) for p in pods) else None
+
+
+def _md_status(cluster, ns: str, name: str) -> dict:
+    return (cluster.get("md", name, ns) or {}).get("status") or {}
+
+
+@pytest.fixture(scope="module")
+def ns(cluster, operator):
+    name = "e2e-examples"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("apply", "-n", name, "-k", str(EXAMPLES))
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def router_url(cluster, ns) -> str:
+    pods = wait_for(
+        lambda: _ready_pods(cluster, ns, ROUTER_SELECTOR, 2), timeout=MODEL_READY_S, what="2 routers"
+    )
+    return f"http://{pods[0]['status']['podIP']}:8080"
+
+
+@pytest.mark.slow
+def test_examples_run_and_serve(cluster, ns, wait, router_url, pod_network):
+    md = wait(lambda: cluster.get("md", "smollm2", ns), what="md")
     uid = md["metadata"]["uid"]
 
-    # ConfigMap: the runtime config, built from the spec and the referenced CachePolicy.
-    cm = wait(lambda: cluster.get("configmap", "smollm2-runtime", namespace), what="configmap")
+    # The children, as the operator built them.
+    cm = wait(lambda: cluster.get("configmap", "smollm2-runtime", ns), what="configmap")
     assert _owner(cm, "ModelDeployment")["uid"] == uid
     runtime = yaml.safe_load(cm["data"]["runtime.yaml"])
-    assert runtime["model"]["model"] == "smollm2-135m-instruct"
-    assert runtime["model"]["served_name"] == "smollm2"
-    assert runtime["model"]["device"] == "cpu"
-    assert runtime["cache"]["ttl_seconds"] == 600
-    assert runtime["scheduler"]["max_num_seqs"] == 16
-    assert runtime["server"]["host"] == "0.0.0.0"
-
-    # Deployment: command, probes, resources, security, config hash.
-    dep = wait(lambda: cluster.get("deployment", "smollm2", namespace), what="deployment")
+    assert runtime["model"]["model"] == "smollm2-135m-instruct" and runtime["model"]["device"] == "cpu"
+    assert runtime["cache"]["ttl_seconds"] == 600 and runtime["server"]["host"] == "0.0.0.0"
+    dep = wait(lambda: cluster.get("deployment", "smollm2", ns), what="deployment")
     assert _owner(dep, "ModelDeployment")["uid"] == uid
-    pod = dep["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["tokenfleet", "serve", "--config", "/etc/tokenfleet/runtime.yaml"]
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
-    assert "nvidia.com/gpu" not in c["resources"]["limits"]
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["terminationGracePeriodSeconds"] == 35
-    assert dep["spec"]["template"]["metadata"]["annotations"]["serving.tokenfleet.dev/config-hash"]
-
-    svc = wait(lambda: cluster.get("service", "smollm2", namespace), what="service")
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    svc = cluster.get("service", "smollm2", ns)
     assert _owner(svc, "ModelDeployment")["uid"] == uid
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-
-    # The GPU example: nvidia.com/gpu sized by the spec, the PVC mounted read-only, the tolerations.
-    gpu = wait(lambda: cluster.get("deployment", "llama-8b", namespace), what="gpu deployment")
-    gpod = gpu["spec"]["template"]["spec"]
-    assert gpod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in gpod[
-        "volumes"
-    ]
-    gcm = cluster.get("configmap", "llama-8b-runtime", namespace)
-    assert yaml.safe_load(gcm["data"]["runtime.yaml"])["model"]["quantization"] == "fp8"
-
-    # The router: its config lists both ModelDeployments as backends.
-    rcm = wait(lambda: cluster.get("configmap", "chat-routing-router", namespace), what="router configmap")
-    _owner(rcm, "RoutingPolicy")
+    rcm = wait(lambda: cluster.get("configmap", "chat-routing-router", ns), what="router configmap")
     routed = yaml.safe_load(rcm["data"]["router.yaml"])
-    assert routed["routing"]["strategy"] == "prefix-affinity"
     assert [b["name"] for b in routed["backends"]] == ["llama-8b", "smollm2"]
-    assert routed["backends"][1]["url"] == f"http://smollm2.{namespace}.svc:8000"
-    assert cluster.get("deployment", "chat-routing-router", namespace)["spec"]["replicas"] == 2
-    assert (
-        cluster.get("rolebinding", "chat-routing-router", namespace)["roleRef"]["name"] == "tokenfleet-router"
-    )
 
-    # Status: Progressing until pods report ready, then Ready with readyReplicas.
-    # (Pending first if the MD was seen before its policies: apply order is kustomize's, not ours.)
+    # The pod: scheduled by the scheduler, run by the kubelet in its own namespace, Ready by its probes.
+    (pod,) = wait(lambda: _ready_pods(cluster, ns, SELECTOR, 1), timeout=MODEL_READY_S, what="a Ready pod")
+    ip = pod["status"]["podIP"]
+    assert pod["spec"]["nodeName"] in ("node-a", "node-b")
+    assert ip.startswith(pod_network.subnet.rsplit(".", 1)[0] + ".")
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert any(v.get("projected") for v in pod["spec"]["volumes"]), "ServiceAccount admission mounts a token"
+
     st = wait(
-        lambda: (
-            (s := cluster.get("md", "smollm2", namespace).get("status") or {}).get("phase") == "Progressing"
-            and s
-        ),
-        what="phase Progressing",
+        lambda: (s := _md_status(cluster, ns, "smollm2")).get("phase") == "Ready" and s, what="md Ready"
     )
-    assert st["readyReplicas"] == 0
-    assert st["endpoint"] == f"http://smollm2.{namespace}.svc:8000"
-    assert st["observedGeneration"] == md["metadata"]["generation"]
-    _make_ready(cluster, namespace, "smollm2", 1)
+    assert st["readyReplicas"] == 1 and st["observedGeneration"] == md["metadata"]["generation"]
+    assert "Ready" in cluster.kubectl("get", "md", "smollm2", "-n", ns)
+
+    # Through the Service's endpoints (the EndpointSlice the controller wrote from the pod's readiness) ...
+    assert wait(lambda: cluster.ready_addresses(ns, "smollm2") == [ip] and ip, what="endpoint")
+    out = complete(f"http://{ip}:8000", "smollm2")
+    assert out["choices"][0]["text"].startswith(" Paris") and out["usage"]["completion_tokens"] == 3
+    # ... and through the router, which found that pod in the EndpointSlices with its in-cluster identity.
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    out, headers = post_json(f"{router_url}/v1/completions", body)
+    assert out["choices"][0]["text"].startswith(" Paris")
+    assert headers["x-tokenfleet-endpoint"] == f"http://{ip}:8000"
+
+    # The GPU example: Pending (its claim `models` does not exist here, and no node has a GPU), and the
+    # ModelDeployment's status carries the scheduler's own words.
+    gpu_pods = wait(lambda: cluster.pods(ns, "app.kubernetes.io/instance=llama-8b"), what="gpu pods")
+    cond = {c["type"]: c for c in gpu_pods[0]["status"]["conditions"]}["PodScheduled"]
+    assert cond["status"] == "False" and cond["reason"] == "Unschedulable"
+
+    def explained():
+        st = _md_status(cluster, ns, "llama-8b")
+        ready = {c["type"]: c for c in st.get("conditions") or []}.get("Ready") or {}
+        return cond["message"] in ready.get("message", "") and (st, ready)
+
+    gst, ready = wait(
+        explained, timeout=60, what="the scheduler's reason in the GPU ModelDeployment's status"
+    )
+    assert gst["phase"] != "Ready" and gst["readyReplicas"] == 0 and ready["reason"] == "Unschedulable"
+
+
+@pytest.mark.slow
+def test_kubectl_scale_runs_three_pods_and_the_router_spreads(cluster, ns, wait, router_url):
+    cluster.kubectl("scale", "md/smollm2", "-n", ns, "--replicas=3")
+    pods = wait(lambda: _ready_pods(cluster, ns, SELECTOR, 3), timeout=MODEL_READY_S, what="3 Ready pods")
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 3
     st = wait(
-        lambda: (s := cluster.get("md", "smollm2", namespace)["status"])["phase"] == "Ready" and s,
-        what="phase Ready",
+        lambda: (s := _md_status(cluster, ns, "smollm2")).get("readyReplicas") == 3 and s, what="3 ready"
     )
-    assert st["readyReplicas"] == 1
-    ready = {c["type"]: c for c in st["conditions"]}
-    assert ready["Ready"]["status"] == "True" and ready["PoliciesResolved"]["status"] == "True"
-    printed = cluster.kubectl("get", "md", "smollm2", "-n", namespace)
-    assert "Ready" in printed and "smollm2-135m-instruct" in printed
-
-
-def test_kubectl_scale_drives_the_deployment(cluster, namespace, wait):
-    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "cpu-modeldeployment.yaml"))
-    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "cachepolicy.yaml"))
-    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "routingpolicy.yaml"))
-    wait(lambda: cluster.get("deployment", "smollm2", namespace), what="deployment")
-
-    cluster.kubectl("scale", "md/smollm2", "-n", namespace, "--replicas=3")
-    wait(lambda: cluster.get("deployment", "smollm2", namespace)["spec"]["replicas"] == 3, what="3 replicas")
-    _make_ready(cluster, namespace, "smollm2", 3)
-    st = wait(
-        lambda: (s := cluster.get("md", "smollm2", namespace)["status"]).get("readyReplicas") == 3 and s,
-        what="3 ready",
-    )
-    assert st["phase"] == "Ready" and st["replicas"] == 3
-    # The scale subresource reads back through the same paths kubectl and an HPA use.
-    scale = json.loads(
-        cluster.kubectl(
-            "get",
-            "--raw",
-            f"/apis/serving.tokenfleet.dev/v1alpha1/namespaces/{namespace}/modeldeployments/smollm2/scale",
-        )
-    )
+    assert st["phase"] == "Ready"
+    scale = json.loads(cluster.kubectl(
+        "get", "--raw", f"/apis/serving.tokenfleet.dev/v1alpha1/namespaces/{ns}/modeldeployments/smollm2/scale"
+    ))  # fmt: skip
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
-    assert (
-        scale["status"]["selector"]
-        == "app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=runtime"
-    )
+    assert scale["status"]["selector"] == SELECTOR
+    wait(lambda: len(cluster.ready_addresses(ns, "smollm2")) == 3, what="3 endpoints")
+
+    # Distinct prompts (no shared prefix to be affine to): the router spreads them over the pods.
+    served: Counter = Counter()
+    for i in range(9):
+        body = {"model": "smollm2", "prompt": f"{i} {'abcdefghij'[i]} Question number {i}:", "max_tokens": 1}
+        served[post_json(f"{router_url}/v1/completions", body)[1]["x-tokenfleet-endpoint"]] += 1
+    assert set(served) <= {f"http://{ip}:8000" for ip in ips}
+    assert len(served) >= 2, served
+
+
+@pytest.mark.slow
+def test_deleted_pod_is_replaced_under_streaming_load(cluster, ns, wait, router_url):
+    pods = wait(lambda: _ready_pods(cluster, ns, SELECTOR, 3), timeout=MODEL_READY_S, what="3 Ready pods")
+    load = StreamingLoad(router_url, "smollm2", workers=2, max_tokens=24).start()
+    try:
+        load.wait_for_requests(2)
+        victim = pods[0]["metadata"]["name"]
+        cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+        after = wait(
+            lambda: (
+                (p := _ready_pods(cluster, ns, SELECTOR, 3))
+                and victim not in {x["metadata"]["name"] for x in p}
+                and p
+            ),
+            timeout=MODEL_READY_S,
+            what="a replacement pod Ready",
+        )
+        load.wait_for_requests(sum(load.results.values()) + 2)
+    finally:
+        results = load.stop()
+    print(f"streaming load while a pod was deleted: {dict(results)}")
+    assert {p["metadata"]["uid"] for p in after} != {p["metadata"]["uid"] for p in pods}
+    assert cluster.get("pod", victim, ns) is None
+    assert results["ok"] > 0
+    assert results["failed_before_start"] == 0, results  # the router retried these on another pod
+
+
+@pytest.mark.slow
+def test_deleting_the_model_deployment_collects_every_child(cluster, ns, wait):
+    dep_uid = cluster.get("deployment", "smollm2", ns)["metadata"]["uid"]
+    cluster.kubectl("delete", "md", "smollm2", "-n", ns, "--wait=false")
+
+    def gone():
+        left = {
+            "deployment": cluster.get("deployment", "smollm2", ns),
+            "configmap": cluster.get("configmap", "smollm2-runtime", ns),
+            "service": cluster.get("service", "smollm2", ns),
+            "replicasets": [
+                r["metadata"]["name"]
+                for r in json.loads(cluster.kubectl("get", "rs", "-n", ns, "-o", "json"))["items"]
+                if any(o["uid"] == dep_uid for o in r["metadata"].get("ownerReferences") or [])
+            ],
+            "pods": [p["metadata"]["name"] for p in cluster.pods(ns, SELECTOR)],
+        }
+        return not any(left.values()) or None
+
+    wait(gone, timeout=120, what="every child of smollm2 collected")
+    with pytest.raises(subprocess.CalledProcessError):
+        cluster.kubectl("get", "md", "smollm2", "-n", ns)
