@@ -38,6 +38,17 @@ class ModelConfig(_Strict):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto = triton on CUDA, torch elsewhere."
     )
+    context_overflow: Literal["reject", "truncate"] = Field(
+        "reject",
+        description="A prompt longer than the context allows: reject it (400), or truncate it (chat: keep the "
+        "system message and the most recent whole turns; completions: drop tokens from the left).",
+    )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="auto = requests that do not set temperature / top_p / top_k / min_p / "
+        "repetition_penalty use the checkpoint's defaults (generation_config.json, GGUF general.sampling.*); "
+        "none = OpenAI's neutral values.",
+    )
 
     @property
     def name(self) -> str:

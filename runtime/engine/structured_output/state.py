@@ -16,24 +16,20 @@ tokens equal to them — accepting what is new, rolling back what diverged. That
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
 
-logger = logging.getLogger(__name__)
-
 
 class GrammarState:
-    __slots__ = ("_matcher", "_warned", "accepted", "vocab_size")
+    __slots__ = ("_matcher", "accepted", "vocab_size")
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
         # max_rollback_tokens=-1: unlimited, so any number of rejected drafts can be taken back.
         self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
         self.accepted: list[int] = []
         self.vocab_size = vocab_size
-        self._warned = False
 
     def sync(self, token_ids: Sequence[int]) -> bool:
         """Make the accepted tokens equal `token_ids`; False when one of them is not grammatical (the state
@@ -57,19 +53,15 @@ class GrammarState:
         return True
 
     def fill(self, bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> bool:
-        """Write the allowed next tokens after `token_ids` into `bitmask[row]` (left all-allowed and False
-        returned when `token_ids` themselves break the grammar)."""
+        """Write the allowed next tokens after `token_ids` into `bitmask[row]`. When `token_ids` themselves
+        break the grammar the row is left all-allowed and False returned: that is a verification row after a
+        refused draft (never used: the refused draft is rejected first), or, for committed tokens, a row
+        whose bans left nothing grammatical (min_tokens over a finished grammar), which then runs free
+        rather than failing."""
         if self.sync(token_ids):
             self._matcher.fill_next_token_bitmask(bitmask, row)
             return True
         return False
-
-    def check_committed(self, token_ids: Sequence[int]) -> None:
-        """Committed tokens must be grammatical; if not (e.g. a min_tokens ban left no allowed token),
-        the request continues unconstrained rather than failing, and the reason is logged once."""
-        if not self.sync(token_ids) and not self._warned:
-            self._warned = True
-            logger.warning("a committed token broke the request's grammar; continuing unconstrained")
 
     @property
     def is_terminated(self) -> bool:
