@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
 from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
@@ -23,7 +24,7 @@ from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, 
 from tokenfleet.runtime.engine.output_processor import OutputProcessor
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
 from tokenfleet.runtime.engine.parallel.support import check_tensor_parallel_config
-from tokenfleet.runtime.engine.parallel.workers import TPWorkers, rank_device
+from tokenfleet.runtime.engine.parallel.workers import TPWorkers, rank_device, threads_per_rank
 from tokenfleet.runtime.engine.request import Request, RequestStatus
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
@@ -52,6 +53,8 @@ class EngineCore:
         self.device = resolve_device(config.model) if tp_size == 1 else rank_device(config.model, 0)
         if tp_size > 1:
             check_tensor_parallel_config(config, loaded)
+            if self.device.type == "cpu":  # the ranks share the cores (process-wide setting)
+                torch.set_num_threads(threads_per_rank(tp_size))
         self.loaded = loaded if loaded is not None else load_model(config.model, self.device, tp_size=tp_size)
         # Tensor parallel: this process is rank 0 (scheduler, server, shard 0); ranks 1.. are workers.
         self.workers = TPWorkers.start(config) if tp_size > 1 else None

@@ -153,6 +153,10 @@ class Fleet:
         """A request's outcome (passive health)."""
         self._record(ep, Probe.OK if ok else Probe.FAILED)
 
+    def not_ready(self, ep: Endpoint) -> None:
+        """A request was refused with 503 (the pod is loading or draining): out until a probe says ready."""
+        self._record(ep, Probe.NOT_READY)
+
     def _record(self, ep: Endpoint, outcome: Probe) -> None:
         now = time.monotonic()
         was_ejected = ep.health.ejected_until is not None

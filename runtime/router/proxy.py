@@ -165,7 +165,9 @@ async def _attempt(
     async with upstream:
         if upstream.status >= 500 or upstream.status == 429:
             body = await _read_quietly(upstream, retries.idle_timeout_seconds)
-            if upstream.status >= 500:
+            if upstream.status == 503:  # loading or draining: not ready, not failing (its probe says which)
+                fleet.not_ready(ep)
+            elif upstream.status >= 500:
                 fleet.report(ep, False)
             return Retry(upstream.status, body, "overloaded" if upstream.status == 429 else "5xx")
         fleet.record_route(pick)

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", help="file of keys, one per line, re-read when it changes")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-waiting", type=int, help="bounded waiting queue; beyond it 429")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, help="shard the model over this many worker processes / devices"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -54,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("server", "port"): args.port,
         ("server", "api_key_file"): args.api_key_file,
         ("scheduler", "max_waiting"): args.max_waiting,
+        ("parallel", "tensor_parallel_size"): args.tensor_parallel_size,
     }
     for (section, key), value in overrides.items():
         if value is not None:
