@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One GPU check, about 8 minutes on one GPU: the kernel tests natively on CUDA (no interpreter), then the
-# kernel benchmark. Everything lands in OUTDIR:
+# One GPU check, about 10 minutes on one GPU: the kernel tests natively on CUDA (no interpreter), then the
+# kernel benchmark, then the tensor-parallel benchmark. Everything lands in OUTDIR:
 #   env.txt                 GPU, driver, torch / triton versions
 #   kernel_tests.log/.xml   pytest tests/kernels (log + JUnit XML)
 #   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
 #   kernels_bench.json/.csv the same rows, machine-readable
-#   summary.txt             exit codes of both stages
-# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S time limits)
+#   tensor_parallel.txt     bench/tensor_parallel.py: TP=1 vs TP=2 tok/s (TP=2 skipped with one GPU)
+#   summary.txt             exit codes of the three stages
+# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S limits)
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
@@ -17,6 +18,7 @@ REPO=$(pwd)
 PY=${PYTHON:-python3}
 TESTS_S=${TESTS_S:-210}
 BENCH_S=${BENCH_S:-270}
+TP_S=${TP_S:-150}
 
 # Native kernels: the interpreter must be off (tests/conftest.py only turns it on without a GPU).
 unset TRITON_INTERPRET
@@ -54,5 +56,12 @@ timeout "$BENCH_S" "$PY" bench/kernels.py --out "$OUT" --budget $((BENCH_S - 40)
 BENCH_RC=$?
 cat "$OUT/kernels_bench.txt"
 
-printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\n' "$TESTS_RC" "$BENCH_RC" | tee "$OUT/summary.txt"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+echo "== tensor parallel (limit ${TP_S}s)"
+# TP=1 vs TP=2 on NCCL, one GPU per rank; a size above the visible GPU count is reported as skipped.
+timeout "$TP_S" "$PY" bench/tensor_parallel.py --tp 1 2 >"$OUT/tensor_parallel.txt" 2>&1
+TP_RC=$?
+cat "$OUT/tensor_parallel.txt"
+
+printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\ntensor_parallel_rc=%s\n' "$TESTS_RC" "$BENCH_RC" "$TP_RC" |
+    tee "$OUT/summary.txt"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TP_RC" -eq 0 ]

@@ -163,7 +163,7 @@ class Scheduler:
             num_new = num_missing if num_missing < budget else budget
             spec: tuple[int, ...] = ()
             num_slots = num_new
-            if num_new == num_missing:  # this chunk samples
+            if num_new == num_missing and (lookahead or request.spec_token_ids):  # samples, speculates
                 limit = self._stop_info[request.request_id][0]
                 if request.spec_token_ids:
                     # Each accepted proposal adds a token: stay within max_tokens / the context length.

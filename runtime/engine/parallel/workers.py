@@ -26,6 +26,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
 from tokenfleet.runtime.engine.parallel.worker import init_process_group, worker_main
@@ -80,6 +81,7 @@ class TPWorkers:
         self._spawn_error: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()  # wakes the supervisor out of wait() on stop()
         self.dead: str | None = None
+        self._joined = False  # rank 0 is in the process group
         self._supervisor = threading.Thread(
             target=self._supervise, name="tokenfleet-tp-supervisor", daemon=True
         )
@@ -140,6 +142,7 @@ class TPWorkers:
             conn.send(("start", num_blocks))
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_process_group(self._init_method, 0, self.size, backend, collective_timeout_s(self._config))
+        self._joined = True
         logger.info("tensor parallel: %d ranks (%s), %d KV blocks each", self.size, backend, num_blocks)
         return num_blocks
 
@@ -198,6 +201,9 @@ class TPWorkers:
         os.write(self._wake_w, b"x")
         if self._supervisor.is_alive() and threading.current_thread() is not self._supervisor:
             self._supervisor.join(_STOP_GRACE_S)
+        if self._joined:  # rank 0's side of the process group: a later engine in this process makes its own
+            self._joined = False
+            dist.destroy_process_group()
 
     def _stop_all(self) -> None:
         for conn in self._conns:
