@@ -41,9 +41,9 @@ def test_diurnal_rate_follows_the_sine():
     reqs = arrivals(
         arrival="diurnal",
         rate=40,
-        diurnal_period_s=100,
+        diurnal_period_s=50,
         diurnal_amplitude=0.8,
-        duration_s=400,
+        duration_s=200,
         system_prompt_tokens=0,
         user_tokens=2,
         output_tokens=2,
