@@ -21,6 +21,7 @@ from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.drain_rate import DrainRate
 from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
+from tokenfleet.runtime.engine.request import ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.errors import EngineDeadError, Overloaded
 
@@ -37,6 +38,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    resume: ResumeFrom | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,10 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: ResumeFrom | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Validate and enqueue now (errors raise here); iterate the result for the output deltas."""
+        """Validate and enqueue now (errors raise here); iterate the result for the output deltas.
+        `resume` continues a stream begun elsewhere (see ResumeFrom)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         if self._thread is None:
@@ -132,7 +136,7 @@ class AsyncEngine:
         self._queues[request_id] = q
         self._submitted += 1
         self._inbox.put(
-            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic())
+            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic(), resume)
         )
         return self._stream(request_id, q)
 
@@ -250,6 +254,7 @@ class AsyncEngine:
                     cmd.priority,
                     cmd.cache_salt,
                     cmd.arrival_time,
+                    cmd.resume,
                 )
             except Exception as e:  # validated up front; this is a rare race (e.g. a duplicate id)
                 self._post(cmd.request_id, e)

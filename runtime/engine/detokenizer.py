@@ -68,6 +68,14 @@ class IncrementalDetokenizer:
         self.output_text += self._decode_new(allow_incomplete=False)
         return self._check_and_release(previous_len, final=False)
 
+    def resume(self, output_token_ids: Sequence[int], num_delivered_chars: int) -> None:
+        """Continue a stream begun elsewhere: replay its output tokens one by one (as they were produced,
+        so the window and a stop string's held-back text are as they were there), then count the first
+        `num_delivered_chars` characters as already sent. Text after them (held back there) comes next."""
+        for token_id in output_token_ids:
+            self.update([token_id])
+        self._num_emitted = min(num_delivered_chars, len(self.output_text))
+
     def flush(self) -> str:
         """The request ended for another reason: release everything held back (an incomplete character
         decodes to U+FFFD, as the full decode would show it). Idempotent."""

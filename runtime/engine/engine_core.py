@@ -25,7 +25,7 @@ from tokenfleet.runtime.engine.output_processor import OutputProcessor
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
 from tokenfleet.runtime.engine.parallel.support import check_tensor_parallel_config
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers, rank_device, threads_per_rank
-from tokenfleet.runtime.engine.request import Request, RequestStatus
+from tokenfleet.runtime.engine.request import Request, RequestStatus, ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.engine.spec_decode.coordinator import SpecDecoder
@@ -132,8 +132,10 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        resume: ResumeFrom | None = None,
     ) -> None:
-        """Queue a request; raises (and keeps nothing) when the scheduler refuses it."""
+        """Queue a request; raises (and keeps nothing) when the scheduler refuses it. With `resume` it
+        continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting)."""
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -144,6 +146,9 @@ class EngineCore:
             cache_salt=cache_salt,
             grammar=self.grammars.new_state(params.structured_output),
         )
+        if resume is not None:
+            request.output_token_ids = list(resume.output_token_ids)
+            request.num_delivered_chars = resume.num_delivered_chars
         self.scheduler.add_request(request)
         self.outputs.add(request)
         self._prompt_tokens_total += len(prompt_token_ids)

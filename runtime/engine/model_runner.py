@@ -28,7 +28,7 @@ from tokenfleet.runtime.engine.logprobs import compute_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
 from tokenfleet.runtime.engine.request import Request
-from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata
+from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
@@ -147,7 +147,7 @@ class ModelRunner:
             device,
         )
 
-    def _generator(self, request: Request) -> torch.Generator | None:
+    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None or request.sampling_params.greedy:
             return None
@@ -155,6 +155,8 @@ class ModelRunner:
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
+            # A request resumed from another pod already drew one sample per output token there.
+            advance_generator(gen, len(request.output_token_ids), vocab_size)
             self._generators[request.request_id] = gen
         return gen
 
@@ -242,7 +244,9 @@ class ModelRunner:
         logprobs: dict[str, list[TokenLogprobs | None]],
     ) -> None:
         """One token per request (row i is reqs[i]'s last position); adds them (and logprobs) to the dicts."""
-        generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
+        generators = {
+            r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
+        }
         sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
         result = self.sampler(logits, sampling_meta)
         for r, tok, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
@@ -259,7 +263,9 @@ class ModelRunner:
     ) -> None:
         """Rejection-sample the proposals of `reqs` (k + 1 logit rows each); adds their emitted tokens (and
         logprobs) to the dicts."""
-        generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
+        generators = {
+            r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
+        }
         batch = build_verify_batch(reqs, list(drafts), generators, self.device)
         emitted = self.rejection_sampler(logits, batch)
         want = [r.sampling_params.logprobs for r in reqs]

@@ -44,11 +44,10 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         params = request.sampling_params
-        self._tracked[request.request_id] = _Tracked(
-            request,
-            IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, params),
-            params.logprobs is not None,
-        )
+        detokenizer = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, params)
+        if request.output_token_ids:  # a continuation: its text up to here was delivered by another pod
+            detokenizer.resume(request.output_token_ids, request.num_delivered_chars)
+        self._tracked[request.request_id] = _Tracked(request, detokenizer, params.logprobs is not None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final (empty) delta, None if unknown."""

@@ -31,6 +31,19 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeFrom:
+    """A stream begun elsewhere: the tokens already generated and how much of their text the client holds.
+
+    The request then continues as if it had produced them itself: they count against max_tokens and
+    min_tokens and in the penalties, the grammar state and the seeded generator are advanced over them,
+    and only text past `num_delivered_chars` is released.
+    """
+
+    output_token_ids: tuple[int, ...]
+    num_delivered_chars: int
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """The single rule (vLLM V1): `num_computed_tokens` catches up with `num_tokens` (prompt + output).
@@ -45,7 +58,10 @@ class Request:
     priority: int = 0  # lower value = more important (vLLM convention)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # A continuation of a stream begun on another pod starts with the tokens generated there and the number
+    # of characters of their text the client already holds (the detokenizer resumes from both).
     output_token_ids: list[int] = field(default_factory=list)
+    num_delivered_chars: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0

@@ -24,6 +24,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "TokenLogprobs",
+    "advance_generator",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -219,6 +220,15 @@ class Sampler:
             if gen is not None and not greedy[row]:
                 q[row] = _exponential((probs.shape[1],), gen, probs)
         return q
+
+
+def advance_generator(gen: torch.Generator, num_steps: int, vocab_size: int) -> None:
+    """Move a seeded request's generator past `num_steps` sampling steps, exactly as `Sampler` consumed it:
+    one `_exponential` draw of `vocab_size` values per sampled token (same shape and dtype per call, so
+    the result is the same on every device, whatever its generator's per-call offset rules). Used when a
+    request resumes on another pod with tokens it already drew."""
+    for _ in range(num_steps):
+        torch.rand((vocab_size,), generator=gen, dtype=torch.float32, device=gen.device)
 
 
 def _exponential(shape: tuple[int, ...], gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:

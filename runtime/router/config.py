@@ -106,6 +106,13 @@ class Retries(_Spec):
     connect_timeout_seconds: float = Field(5.0, gt=0)
     first_byte_timeout_seconds: float = Field(120.0, gt=0, description="Until response headers (prefill).")
     idle_timeout_seconds: float = Field(60.0, gt=0, description="Longest silence inside a stream.")
+    max_resumes: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Continuations of one request on other endpoints when its stream breaks after the first "
+        "byte (a pod dying or draining); 0 turns resuming off.",
+    )
 
 
 class RouterReplicas(_Spec):

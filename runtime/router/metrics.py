@@ -55,6 +55,20 @@ class RouterMetrics:
         self.stream_errors = Counter(
             PREFIX + "stream_errors", "Streams ended with an error event after the first byte.", registry=r
         )
+        self.resumes = Counter(
+            PREFIX + "resumes", "Continuations sent to another endpoint after a stream broke.", registry=r
+        )
+        self.resume_failures = Counter(
+            PREFIX + "resume_failures",
+            "Broken streams not continued, or continuations refused, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.resume_recomputed_tokens = Counter(
+            PREFIX + "resume_recomputed_tokens",
+            "Prompt and generated tokens continuations had to compute again (not in the new pod's cache).",
+            registry=r,
+        )
         self.rate_limited = Counter(PREFIX + "rate_limited", "429s by limit kind.", ["kind"], registry=r)
         self.queue_waiting = Gauge(
             PREFIX + "queue_waiting", "Requests waiting for capacity in the router.", registry=r

@@ -6,6 +6,9 @@ Once the first byte has reached the client nothing can be retried: a stream that
 SSE error event and `data: [DONE]`, so a client never waits on a dead pod. Non-streaming replies are read
 whole before anything is sent (they are one JSON object), which keeps them retryable until complete.
 Every wait has a bound: connect, first byte, and the silence between stream chunks.
+
+With `retries.maxResumes` > 0 a stream that breaks after its first byte is not ended with an error but
+continued on another endpoint (runtime/router/resume.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from tokenfleet.runtime.openai.resume import CONTINUATION_FIELD, RESUME_HEADER, RESUME_STREAM, RESUME_WHOLE
+from tokenfleet.runtime.router.assemble import can_assemble
 from tokenfleet.runtime.router.config import Retries
 from tokenfleet.runtime.router.fleet import Fleet, Pick, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
@@ -92,6 +97,8 @@ def request_headers(incoming, priority: int) -> dict[str, str]:
 
 def _body_for(out: Outgoing, pick: Pick) -> bytes:
     payload = out.payload
+    if CONTINUATION_FIELD in payload:  # only the router continues streams; a client cannot claim to
+        payload = {k: v for k, v in payload.items() if k != CONTINUATION_FIELD}
     if payload.get("model") != pick.endpoint.model:
         payload = {**payload, "model": pick.endpoint.model}  # a fallback or an alias: name the pod's model
     return json.dumps(payload).encode()
@@ -148,10 +155,16 @@ async def _attempt(
     """One try. Returns the response for the client, or a `Retry` when nothing was sent yet."""
     ep = pick.endpoint
     timeout = aiohttp.ClientTimeout(total=None, connect=retries.connect_timeout_seconds, sock_read=None)
+    # Pods annotate resumable streams (resume.py); a whole response may come as one too, assembled here.
+    whole = not out.stream and retries.max_resumes > 0 and can_assemble(out.path, out.payload)
+    resumable = out.stream and retries.max_resumes > 0
+    headers = out.headers
+    if resumable or whole:
+        headers = {**out.headers, RESUME_HEADER: RESUME_STREAM if resumable else RESUME_WHOLE}
     try:
         upstream = await asyncio.wait_for(
             fleet.session.post(
-                ep.url + out.path, data=_body_for(out, pick), headers=out.headers, timeout=timeout
+                ep.url + out.path, data=_body_for(out, pick), headers=headers, timeout=timeout
             ),
             retries.first_byte_timeout_seconds,
         )
@@ -171,8 +184,13 @@ async def _attempt(
                 fleet.report(ep, False)
             return Retry(upstream.status, body, "overloaded" if upstream.status == 429 else "5xx")
         fleet.record_route(pick)
-        if not out.stream or upstream.status != 200:
+        assembling = whole and upstream.content_type == "text/event-stream"
+        if (not out.stream and not assembling) or upstream.status != 200:
             return await _whole(fleet, pick, upstream, retries)
+        if resumable or assembling:
+            from tokenfleet.runtime.router import resume  # it builds on this module's helpers
+
+            return await resume.stream(request, fleet, out, pick, upstream, retries, assembling)
         return await _stream(request, fleet, pick, upstream, retries)
 
 

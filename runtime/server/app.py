@@ -14,14 +14,15 @@ import time
 from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
+from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
 from tokenfleet.runtime.server import chat, completions
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
 from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
 from tokenfleet.runtime.server.live_config import config_endpoint
 from tokenfleet.runtime.server.metrics import CONTENT_TYPE
-from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
+from tokenfleet.runtime.server.resume import HANDOFF_KEY, Handoff
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError, ServerState
 
 from tokenfleet import __version__
@@ -171,6 +172,7 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
         client_max_size=config.server.max_body_bytes,
     )
     app[STATE_KEY] = state
+    app[HANDOFF_KEY] = Handoff()  # ends resumable streams with a handoff at the drain deadline
     app.on_response_prepare.append(_set_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -27,6 +27,7 @@ from tokenfleet.runtime.server.logprobs import TokenRenderer, chat_logprobs
 from tokenfleet.runtime.server.prompts import chat_prompt, dropped_headers, generation_defaults
 from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
 from tokenfleet.runtime.server.respond import respond
+from tokenfleet.runtime.server.resume import StreamWire, speculative, why_not_resumable
 
 
 def tool_plan(req: ChatCompletionRequest, tokenizer) -> ToolPlan:
@@ -46,11 +47,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
     ctx.prefix = "chatcmpl"
     state = ctx.state
     engine = state.require_engine()
-    req = parse_request(ChatCompletionRequest, await request.read())
+    wire, raw = StreamWire.read(request, await request.read())
+    req = parse_request(ChatCompletionRequest, raw)
     state.check_model(req.model)
     plan = tool_plan(req, engine.tokenizer)
     params = chat_params(req, generation_defaults(state, engine), plan.constraint)
-    prompt, dropped = chat_prompt(state, engine, req, plan.tools, params.max_tokens)
+    # A continuation carries the prompt as the first pod's engine saw it: no template, no truncation.
+    prompt, dropped = wire.prompt(req.stream) or chat_prompt(
+        state, engine, req, plan.tools, params.max_tokens
+    )
     if params.structured_output is not None:
         await engine.compile_grammar(params.structured_output)
     gen = Generation(
@@ -61,8 +66,11 @@ async def handle(request: web.Request) -> web.StreamResponse:
         params,
         request_priority(request, req.priority, "priority" in req.model_fields_set),
         req.cache_salt,
+        wire.resume_from(params, engine),
     )
-    created = int(time.time())
+    response_id = wire.response_id(ctx.response_id)
+    created = wire.created(int(time.time()))
+    why_not = why_not_resumable(params, 1, tools=plan.parser is not None, speculative=speculative(state))
     renderer = TokenRenderer(engine.tokenizer)
 
     def message(st: ChoiceState) -> tuple[AssistantMessage, bool]:
@@ -81,7 +89,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             reason = _finish_reason(st.finish_reason, made_calls)
             choices.append(ChatChoice(index=st.index, message=msg, logprobs=lps, finish_reason=reason))
         return ChatCompletionResponse(
-            id=ctx.response_id,
+            id=response_id,
             created=created,
             model=state.model_name,
             choices=choices,
@@ -91,18 +99,24 @@ async def handle(request: web.Request) -> web.StreamResponse:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse.event(
             ChatCompletionChunk(
-                id=ctx.response_id, created=created, model=state.model_name, choices=choices, usage=usage
+                id=response_id, created=created, model=state.model_name, choices=choices, usage=usage
             )
         )
 
     async def events():
+        start = wire.start(response_id, created, prompt.token_ids, why_not)
+        if wire.continuation is not None and start:  # the client already has the opening delta
+            yield wire.alone(start)
         # OpenAI opens every choice with a role-only delta; clients key message assembly on it.
-        for st in gen.choices:
-            yield chunk([ChatChunkChoice(index=st.index, delta=DeltaMessage(role="assistant", content=""))])
+        for st in gen.choices if wire.continuation is None else ():
+            role = DeltaMessage(role="assistant", content="")
+            yield start + chunk([ChatChunkChoice(index=st.index, delta=role)])
+            start = b""
         splitters = {
             st.index: ToolCallStream(plan.parser, plan.parallel) for st in gen.choices if plan.parser
         }
         async for st, out in gen.deltas():
+            progress = wire.progress(out.new_token_ids, out.new_text, out.num_cached_tokens)
             text, calls = out.new_text, []
             splitter = splitters.get(st.index)
             if splitter is not None:
@@ -113,15 +127,20 @@ async def handle(request: web.Request) -> web.StreamResponse:
                     text, calls = text + rest, calls + more
                 calls = [tool_call_delta(first + i, c) for i, c in enumerate(calls)]
             if not text and not calls and not out.finished and not out.new_logprobs:
+                if progress:  # the router still learns the token ids
+                    yield wire.alone(progress)
                 continue  # e.g. a token held back because it may start a stop string or a tool call
             lps = chat_logprobs(renderer, out.new_logprobs or []) if req.logprobs else None
             delta = DeltaMessage(content=text or None, tool_calls=calls or None)
             finish = None
             if out.finished:
                 finish = _finish_reason(out.finish_reason, bool(splitter and splitter.calls))
-            yield chunk([ChatChunkChoice(index=st.index, delta=delta, logprobs=lps, finish_reason=finish)])
+            yield progress + chunk(
+                [ChatChunkChoice(index=st.index, delta=delta, logprobs=lps, finish_reason=finish)]
+            )
         ctx.record(gen.choices)
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage_of(gen.choices))
 
+    events = wire.handed_off(request, events)
     return await respond(request, ctx, gen, req.stream, events, body, dropped_headers(dropped))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from aiohttp import web
 from tokenfleet.runtime.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
@@ -13,16 +14,21 @@ from tokenfleet.runtime.server.logprobs import TokenRenderer, completion_logprob
 from tokenfleet.runtime.server.prompts import completion_prompt_list, dropped_headers, generation_defaults
 from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
 from tokenfleet.runtime.server.respond import respond
+from tokenfleet.runtime.server.resume import StreamWire, speculative, why_not_resumable
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     ctx = RequestContext.of(request)
     state = ctx.state
     engine = state.require_engine()
-    req = parse_request(CompletionRequest, await request.read())
+    wire, raw = StreamWire.read(request, await request.read())
+    req = parse_request(CompletionRequest, raw)
     state.check_model(req.model)
     params = completion_params(req, generation_defaults(state, engine))
     prompts, dropped = completion_prompt_list(state, engine, req, params.max_tokens)
+    continued = wire.prompt(req.stream)
+    if continued is not None:  # the prompt ids as the first pod's engine had them; the text for `echo`
+        prompts, dropped = [replace(prompts[0], token_ids=continued[0].token_ids)], 0
     if params.structured_output is not None:
         await engine.compile_grammar(params.structured_output)
     gen = Generation(
@@ -33,13 +39,16 @@ async def handle(request: web.Request) -> web.StreamResponse:
         params,
         request_priority(request, req.priority, "priority" in req.model_fields_set),
         req.cache_salt,
+        wire.resume_from(params, engine),
     )
-    created = int(time.time())
+    response_id = wire.response_id(ctx.response_id)
+    created = wire.created(int(time.time()))
+    why_not = why_not_resumable(params, len(prompts), tools=False, speculative=speculative(state))
     renderer = TokenRenderer(engine.tokenizer)
 
     def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
-            id=ctx.response_id, created=created, model=state.model_name, choices=choices, usage=usage
+            id=response_id, created=created, model=state.model_name, choices=choices, usage=usage
         )
 
     def body() -> CompletionResponse:
@@ -58,13 +67,22 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
     async def events():
         offsets = [0] * len(gen.choices)  # running character offsets, for logprobs' text_offset
-        if req.echo:
+        start = wire.start(response_id, created, prompts[0].token_ids, why_not)
+        if wire.continuation is not None:  # the client already has the echo and this much text
+            offsets[0] = wire.continuation.num_delivered_chars + (len(prompts[0].text) if req.echo else 0)
+        elif req.echo:
             for st in gen.choices:
                 text = prompts[st.prompt_index].text
                 offsets[st.index] = len(text)
-                yield sse.event(response([CompletionChoice(index=st.index, text=text)]))
+                yield start + sse.event(response([CompletionChoice(index=st.index, text=text)]))
+                start = b""
+        if start:
+            yield wire.alone(start)
         async for st, out in gen.deltas():
+            progress = wire.progress(out.new_token_ids, out.new_text, out.num_cached_tokens)
             if not out.new_text and not out.finished and not out.new_logprobs:
+                if progress:  # the router still learns the token ids
+                    yield wire.alone(progress)
                 continue  # e.g. a token held back because it may start a stop string
             lps = None
             if req.logprobs is not None:
@@ -72,9 +90,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 offsets[st.index] += sum(len(t) for t in lps.tokens)
             finish = out.finish_reason if out.finished else None
             choice = CompletionChoice(index=st.index, text=out.new_text, logprobs=lps, finish_reason=finish)
-            yield sse.event(response([choice]))
+            yield progress + sse.event(response([choice]))
         ctx.record(gen.choices)
         if req.stream_options and req.stream_options.include_usage:
             yield sse.event(response([], usage_of(gen.choices)))
 
+    events = wire.handed_off(request, events)
     return await respond(request, ctx, gen, req.stream, events, body, dropped_headers(dropped))

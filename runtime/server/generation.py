@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tokenfleet.runtime.engine.outputs import RequestOutput, TokenLogprobs
+from tokenfleet.runtime.engine.request import ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
-from tokenfleet.runtime.server.metrics import ServerMetrics
 from tokenfleet.runtime.openai.translate import Prompt, choice_params
+from tokenfleet.runtime.server.metrics import ServerMetrics
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class Generation:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: ResumeFrom | None = None,
     ):
         self._engine = engine
         self._metrics = metrics
@@ -55,6 +57,7 @@ class Generation:
         self._params = params
         self._priority = priority
         self._cache_salt = cache_salt
+        self._resume = resume  # continue a stream begun on another pod (one choice only)
         self.choices: list[ChoiceState] = []
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
@@ -73,12 +76,14 @@ class Generation:
             for p, prompt in enumerate(self._prompts):
                 for j in range(n):
                     index = p * n + j
+                    extra = {"resume": self._resume} if self._resume is not None else {}
                     stream = self._engine.add_request(
                         self.engine_id(index),
                         prompt.token_ids,
                         choice_params(self._params, j),
                         priority=self._priority,
                         cache_salt=self._cache_salt,
+                        **extra,
                     )
                     self._streams.append(stream)
                     self.choices.append(
@@ -106,7 +111,8 @@ class Generation:
             state.logprobs.extend(out.new_logprobs)
         state.num_prompt_tokens = out.num_prompt_tokens
         state.num_output_tokens = out.num_output_tokens
-        state.num_cached_tokens = out.num_cached_tokens
+        # Cached tokens are a part of the prompt (a continuation also finds its generated tokens cached).
+        state.num_cached_tokens = min(out.num_cached_tokens, out.num_prompt_tokens)
         if out.finished:
             state.finished = True
             state.finish_reason = out.finish_reason

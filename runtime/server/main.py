@@ -23,8 +23,11 @@ from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.server.app import STATE_KEY, build_app
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.kv_events import KVEventPump
+from tokenfleet.runtime.server.resume import HANDOFF_KEY
 
 logger = logging.getLogger("tokenfleet.server")
+
+HANDOFF_WAIT_S = 2.0  # at the drain deadline: how long handed-back streams get to write their marker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +157,14 @@ async def serve(
         skip.cancel()
         if not (waiter.done() and waiter.result()):
             waiter.cancel()
-            logger.warning("drain ended with %d request(s) still in flight; aborting them", state.in_flight)
+            # Streams the router can resume are handed back (it continues them on another pod); the rest
+            # are aborted when the listener closes.
+            handed = await app[HANDOFF_KEY].hand_off(HANDOFF_WAIT_S)
+            logger.warning(
+                "drain ended with %d request(s) still in flight: %d stream(s) handed back, aborting the rest",
+                state.in_flight,
+                handed,
+            )
         return 0
     finally:
         if state.watcher is not None:

@@ -187,7 +187,9 @@ async def test_a_pod_killed_mid_run(pods, real_tokenizer, serve_app):
     """Last in this module: it kills a pod."""
     urls = [u for u, _ in pods]
     procs = {u: p for u, p in pods}
-    app = _router_app(urls, real_tokenizer, strategy="round-robin")
+    # Resuming off: the stream on the killed pod ends with the error event (test_resume_real_pods.py
+    # checks that, by default, it is continued on another pod instead).
+    app = _router_app(urls, real_tokenizer, strategy="round-robin", retries={"maxResumes": 0})
     async with serve_app(app) as router_url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
         body = {
             "model": MODEL,

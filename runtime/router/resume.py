@@ -1,0 +1,314 @@
+"""Resumed streams: a stream that breaks after its first byte continues on another pod, invisibly.
+
+The router asks every pod to annotate its stream (runtime/openai/resume.py): the prompt ids as the engine
+saw them, then the token ids behind each event. It strips the annotations and keeps, per stream, what the
+client holds (`Splice`). When the stream breaks before `data: [DONE]` (connection lost, pod gone, idle
+timeout, or the pod handing it back at its drain deadline), the router sends a continuation to another
+healthy pod: the client's request plus the prompt ids, the tokens already generated and the characters of
+text delivered. That pod produces exactly the rest, with the same `id` and `created` and a usage that
+counts the whole completion, so the client sees one stream and one `[DONE]`.
+
+At most `retries.maxResumes` continuations per request; after that, or for a stream the pod declared not
+resumable (several choices, tool-call parsing, ...), the client gets the error event as before, naming why.
+
+Non-streaming requests that can be resumed are streamed from the pod and assembled here
+(runtime/router/assemble.py): a pod dying mid-generation costs a continuation, not a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from tokenfleet.runtime.openai.resume import (
+    CONTINUATION_FIELD,
+    RESUME_HEADER,
+    RESUME_STREAM,
+    Continuation,
+    Progress,
+    StreamStart,
+    split_event,
+)
+from tokenfleet.runtime.router.assemble import Assembler
+from tokenfleet.runtime.router.config import Retries
+from tokenfleet.runtime.router.fleet import Fleet, Pick
+from tokenfleet.runtime.router.proxy import (
+    Outcome,
+    Outgoing,
+    Retry,
+    _body_for,
+    _response_headers,
+    error_body,
+    sse_error,
+)
+
+log = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]"
+_STREAM_HEADERS = {"content-type", "cache-control", "x-accel-buffering"}
+
+
+@dataclass(slots=True)
+class Splice:
+    """What the client holds of one stream, from the annotations of the events it was sent."""
+
+    start: StreamStart | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_chars: int = 0
+    num_resumes: int = 0
+    done: bool = False
+    sent_any: bool = False  # the client has bytes of this response: a break can no longer be a retry
+    num_events: int = 0  # data events sent (a pod that does not annotate: about one per token)
+    resume_base: int = 0  # prompt + generated tokens handed to the latest continuation
+    cached_on_resume: int | None = None  # how many of them its pod found in its prefix cache
+
+    def continuation(self) -> Continuation:
+        assert self.start is not None
+        return Continuation(
+            id=self.start.id,
+            created=self.start.created,
+            prompt_token_ids=self.start.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            num_delivered_chars=self.num_chars,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """Why a stream ended before its `[DONE]`."""
+
+    reason: str  # broken | closed | timeout | handoff
+    detail: str
+
+
+class Sink:
+    """Where relayed events go: the client's response (prepared on the first event)."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str]):
+        self._request = request
+        self._headers = headers
+        self.resp: web.StreamResponse | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(status=200, headers=self._headers)
+            await self.resp.prepare(self._request)
+        await self.resp.write(data)
+
+    async def close(self, tail: bytes | None) -> None:
+        if self.resp is None:
+            return
+        try:
+            if tail:
+                await self.resp.write(tail)
+            await self.resp.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+
+
+def annotated_headers(out: Outgoing) -> dict[str, str]:
+    return {**out.headers, RESUME_HEADER: RESUME_STREAM}
+
+
+async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_timeout: float) -> Break | None:
+    """Pass one pod's stream on, event by event, keeping `splice` in step. None when it reached [DONE].
+
+    Whole events only: an annotation and the text it describes reach the client together or not at all,
+    so after a break `splice` is exactly what the client holds.
+    """
+    buf = b""
+    handoff = False
+    try:
+        while True:
+            chunk = await asyncio.wait_for(upstream.content.readany(), idle_timeout)
+            if not chunk:
+                break
+            buf += chunk.replace(b"\r\n", b"\n")
+            while (end := buf.find(b"\n\n")) >= 0:
+                block, buf = buf[:end], buf[end + 2 :]
+                annotations, client_block = split_event(block)
+                progress: list[Progress] = []
+                for a in annotations:
+                    if a == "handoff":
+                        handoff = True
+                    elif isinstance(a, StreamStart):
+                        if splice.start is None:
+                            splice.start = a
+                    elif isinstance(a, Progress):
+                        progress.append(a)
+                if client_block:
+                    await sink.write(client_block + b"\n\n")
+                    splice.sent_any = True
+                    if client_block.strip() == _DONE:
+                        splice.done = True
+                    else:
+                        splice.num_events += 1
+                for p in progress:  # applied once the event reached the client
+                    splice.output_token_ids.extend(p.token_ids)
+                    splice.num_chars = p.num_chars
+                    if p.num_cached_tokens is not None:
+                        splice.cached_on_resume = p.num_cached_tokens
+                if splice.done:
+                    return None
+    except TimeoutError:
+        return Break("timeout", "the serving endpoint went silent mid-stream")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        return Break("broken", f"the serving endpoint failed mid-stream ({type(e).__name__})")
+    if handoff:
+        return Break("handoff", "the serving endpoint handed the stream back while shutting down")
+    return Break("closed", "the serving endpoint closed the stream early")
+
+
+async def stream(
+    request: web.Request,
+    fleet: Fleet,
+    out: Outgoing,
+    pick: Pick,
+    upstream: aiohttp.ClientResponse,
+    retries: Retries,
+    assemble: bool = False,
+) -> tuple[web.StreamResponse, Outcome] | Retry:
+    """Relay `upstream` (a 200 stream from `pick`) to the client, resuming it on other pods when it breaks.
+    With `assemble`, the client asked for one JSON object: the events are collected and answered whole.
+    A `Retry` when it broke before the client got anything (the caller tries another endpoint)."""
+    headers = _response_headers(upstream, pick)
+    sink: Sink | Assembler = (
+        Assembler(out.path.endswith("/chat/completions")) if assemble else Sink(request, headers)
+    )
+    splice = Splice()
+    outcome = Outcome(200, 0, pick.endpoint.id)
+    tried = {pick.endpoint.id}
+    brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds)
+    _judge(fleet, pick, brk)
+    failure: str | None = None
+    while brk is not None:
+        if not splice.sent_any:  # nothing reached the client: an ordinary retry from the start
+            body = error_body(brk.detail, "upstream_error", "upstream_failed")
+            return Retry(502, json.dumps(body).encode(), "broken")
+        log.warning("stream %s from %s broke (%s)", _sid(splice), pick.endpoint.url, brk.reason)
+        why = _why_not(splice, retries)
+        if why is not None:
+            reason = "not_resumable" if splice.start is None or not splice.start.resumable else "exhausted"
+            fleet.metrics.resume_failures.labels(reason).inc()
+            failure = f"{brk.detail}; {why}"
+            break
+        result = await _continue(request, fleet, out, splice, tried, retries)
+        if result is None:
+            fleet.metrics.resume_failures.labels("no_endpoint").inc()
+            failure = f"{brk.detail}; no other endpoint could continue the stream"
+            break
+        pick, upstream = result
+        outcome.endpoint = pick.endpoint.id
+        try:
+            brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds)
+        finally:
+            upstream.release()
+            fleet.release(pick.endpoint)
+        _judge(fleet, pick, brk)
+        if splice.cached_on_resume is not None:  # what the continuation had to compute again
+            fleet.metrics.resume_recomputed_tokens.inc(max(splice.resume_base - splice.cached_on_resume, 0))
+            splice.cached_on_resume = None
+    outcome.completion_tokens = len(splice.output_token_ids) if splice.start else splice.num_events
+    if failure is not None:
+        fleet.metrics.stream_errors.inc()
+    if isinstance(sink, Assembler):
+        if failure is not None or not sink.complete:
+            message = failure or "the serving endpoint reported an error"
+            body = sink.error or error_body(message, "upstream_error", "upstream_failed")
+            outcome.status = 502
+            return web.json_response(body, status=502), outcome
+        kept = {k: v for k, v in headers.items() if k.lower() not in _STREAM_HEADERS}
+        return web.Response(body=sink.body(), headers=kept, content_type="application/json"), outcome
+    await sink.close(sse_error(failure) if failure is not None else None)
+    assert sink.resp is not None
+    return sink.resp, outcome
+
+
+def _sid(splice: Splice) -> str:
+    return splice.start.id if splice.start else "?"
+
+
+def _judge(fleet: Fleet, pick: Pick, brk: Break | None) -> None:
+    # A hand-off is a pod shutting down as asked, not a failure; anything else counts against its health.
+    if brk is None:
+        fleet.report(pick.endpoint, True)
+    elif brk.reason != "handoff":
+        fleet.report(pick.endpoint, False)
+
+
+def _why_not(splice: Splice, retries: Retries) -> str | None:
+    if splice.start is None:
+        return "the stream cannot be resumed (the endpoint did not describe it)"
+    if not splice.start.resumable:
+        return splice.start.why_not or "the stream cannot be resumed"
+    if splice.num_resumes >= retries.max_resumes:
+        return f"it was already resumed {splice.num_resumes} time(s), the most allowed (retries.maxResumes)"
+    return None
+
+
+async def _continue(
+    request: web.Request, fleet: Fleet, out: Outgoing, splice: Splice, tried: set[str], retries: Retries
+) -> tuple[Pick, aiohttp.ClientResponse] | None:
+    """Send the continuation to another endpoint (each try counts as a resume); the 200 stream and its
+    endpoint (acquired: the caller releases it), or None when no endpoint took it."""
+    continuation = splice.continuation()
+    while splice.num_resumes < retries.max_resumes:
+        pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset(tried))
+        if pick is None and len(tried) > 1:
+            tried.clear()  # every endpoint was tried once: the original ones may be back (a restarted pod)
+            pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset())
+        if pick is None:
+            return None
+        splice.num_resumes += 1
+        fleet.metrics.resumes.inc()
+        ep = pick.endpoint
+        tried.add(ep.id)
+        payload = {**json.loads(_body_for(out, pick)), CONTINUATION_FIELD: continuation.model_dump()}
+        payload["stream"] = True
+        if not out.stream:  # an assembled whole response: its final event must carry the usage
+            payload["stream_options"] = {"include_usage": True}
+        fleet.acquire(ep)
+        upstream = None
+        try:
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=retries.connect_timeout_seconds, sock_read=None
+            )
+            upstream = await asyncio.wait_for(
+                fleet.session.post(
+                    ep.url + out.path,
+                    data=json.dumps(payload).encode(),
+                    headers=annotated_headers(out),
+                    timeout=timeout,
+                ),
+                retries.first_byte_timeout_seconds,
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            fleet.report(ep, False)
+            fleet.release(ep)
+            fleet.metrics.resume_failures.labels("unreachable").inc()
+            log.warning("continuation to %s failed: %s", ep.url, type(e).__name__)
+            continue
+        if upstream.status != 200:
+            body = await _read_quietly(upstream)
+            if upstream.status >= 500:
+                fleet.report(ep, False)
+            upstream.release()
+            fleet.release(ep)
+            fleet.metrics.resume_failures.labels(str(upstream.status)).inc()
+            log.warning("continuation to %s refused: %d %s", ep.url, upstream.status, body[:200])
+            continue
+        fleet.record_route(pick)
+        splice.resume_base = len(continuation.prompt_token_ids) + len(continuation.output_token_ids)
+        return pick, upstream
+    return None
+
+
+async def _read_quietly(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await asyncio.wait_for(upstream.read(), 5.0)
+    except (aiohttp.ClientError, TimeoutError):
+        return b""
