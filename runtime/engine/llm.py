@@ -21,7 +21,8 @@ class LLM:
     Keyword arguments are fields of ModelConfig, CacheConfig, SchedulerConfig or ParallelConfig (e.g.
     `block_size=16`, `num_blocks=64`, `max_num_batched_tokens=32`, `tensor_parallel_size=2`), or pass a full
     `config=`. With tensor parallelism, `shutdown()` stops the worker processes (they also stop with this
-    process).
+    process); a script that uses it needs the `if __name__ == "__main__":` guard, because the spawned
+    workers import the main module.
     """
 
     def __init__(

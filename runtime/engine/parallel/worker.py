@@ -77,9 +77,12 @@ def worker_main(
         raise
     conn.send(("ready", num_blocks))
     try:
-        _, num_blocks = conn.recv()  # ("start", the block count every rank uses)
+        start = conn.recv()  # ("start", the block count every rank uses), or None: start-up was abandoned
     except EOFError:
         return
+    if start is None:
+        return
+    num_blocks = start[1]
     init_process_group(
         init_method, rank, size, "nccl" if device.type == "cuda" else "gloo", collective_timeout_s(config)
     )
