@@ -43,7 +43,7 @@ class Continuation(BaseModel):
     id: str = Field(min_length=1, max_length=200)
     created: int
     prompt_token_ids: list[int] = Field(min_length=1)
-    output_token_ids: list[int] = Field(min_length=1)
+    output_token_ids: list[int] = Field(default_factory=list)  # none yet: the stream broke before a token
     num_delivered_chars: int = Field(ge=0)  # characters of output text the client already received
 
 
