@@ -115,7 +115,12 @@ class EndpointPicker(_Spec):
         None, pattern=REF_PATTERN, max_length=253, description="Referent's name; defaults to `<name>-epp`."
     )
     kind: str = Field("Service", pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$", max_length=63)
-    group: str = Field("", max_length=253, description='API group of the referent; "" = core.')
+    group: str = Field(
+        "",
+        max_length=253,
+        pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description='API group of the referent; "" = core.',
+    )
     port: int = Field(9002, ge=1, le=65535, description="The picker's gRPC port (a Service port).")
     failure_mode: Literal["FailOpen", "FailClose"] = Field(
         "FailClose", description="What the gateway does when the picker does not answer."
