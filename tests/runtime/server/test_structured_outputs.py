@@ -174,3 +174,31 @@ def test_grammar_state_survives_batching_and_recompute_preemption(loaded_model):
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     for i in range(0, 4, 2):
         Person.model_validate_json(batched[i].text)
+
+
+def test_grammars_compile_once_per_spec_in_a_bounded_lru_over_our_tokenizer(loaded_model):
+    import torch
+    from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
+    from tokenfleet.runtime.engine.structured_output.state import GrammarState, grammar_bitmask
+
+    tok = loaded_model.tokenizer
+    vocab = loaded_model.arch.vocab_size
+    compiler = GrammarCompiler(tok, vocab, cache_size=2)
+    a, b, c = (GrammarSpec.regex(p) for p in ("a+", "b+", "c+"))
+    compiler.compile(a)
+    compiler.compile(GrammarSpec.regex("a+"))  # equal spec: a cache hit
+    assert compiler.num_compiled == 1
+    compiler.compile(b)
+    compiler.compile(c)  # evicts `a`, the least recently used
+    assert len(compiler) == 2
+    compiler.compile(b)
+    assert compiler.num_compiled == 3
+    compiler.compile(a)
+    assert compiler.num_compiled == 4
+    # The vocabulary is ours: inside a JSON string, ordinary tokens are allowed but special ones are not.
+    state = GrammarState(compiler.compile(GrammarSpec.json_schema({"type": "string"})), vocab)
+    mask = grammar_bitmask([(state, tok.encode('"abc', add_special_tokens=False))], vocab)
+    allowed = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(-1)[:vocab]
+    assert allowed[tok.encode("def", add_special_tokens=False)[0]]
+    assert not allowed[tok.backend.token_to_id("<|im_start|>")]
+    assert allowed[tok.encode('"', add_special_tokens=False)[0]]
