@@ -1,6 +1,6 @@
 """Autoscaling benchmark at GPU scale, in the fleet simulator: a bursty load, the operator's policy vs static fleets.
 
-    python bench/autoscale.py [--base 20] [--burst 80] [--phase 120] [--cold-start 60] [--seed 0]
+    python bench/autoscale.py [--base 20] [--burst 150] [--phase 60] [--cold-start 60] [--seed 0]
 
 Traffic (a JSONL trace, replayed): `base` req/s for one phase, `burst` req/s for the next, `base` again for
 two more; 150 tenants with 1,000-token system prompts, 150-token questions, 150-token answers; 8B model on
@@ -77,8 +77,8 @@ def run(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", type=float, default=20.0)
-    p.add_argument("--burst", type=float, default=80.0)
-    p.add_argument("--phase", type=float, default=120.0)
+    p.add_argument("--burst", type=float, default=150.0)
+    p.add_argument("--phase", type=float, default=60.0)
     p.add_argument("--cold-start", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

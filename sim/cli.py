@@ -126,7 +126,9 @@ def _plan(args: argparse.Namespace) -> int:
     for r in routings:
         if r not in STRATEGIES:
             raise SimInputError("routings", f"unknown strategy {r!r}", STRATEGIES)
-    feasible, closest = plan(config, gpus, tps, routings, args.max_replicas, args.top)
+    feasible, closest, skipped = plan(config, gpus, tps, routings, args.max_replicas, args.top)
+    for line in skipped:
+        print(f"skipped {line}")
     if feasible:
         print(
             format_candidates(

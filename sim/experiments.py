@@ -97,9 +97,9 @@ def speed(duration: float, replicas: int, rate: float) -> None:
             "workload": {"rate": rate, "duration_s": duration, "num_tenants": 150, "seed": 0},
         }
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = simulate(config)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     busy = r["load"]["busy_fraction_max"], r["load"]["busy_fraction_min"]
     per_hour = wall / r["virtual_seconds"] * 3600
     print(
@@ -107,7 +107,8 @@ def speed(duration: float, replicas: int, rate: float) -> None:
         f"{r['engine_steps']} steps, {r['throughput']['output_tokens_per_s']:.0f} output tok/s, "
         f"TPOT p50 {r['latency_s']['tpot']['p50'] * 1000:.1f} ms, TTFT p50 {r['latency_s']['ttft']['p50'] * 1000:.0f} ms, "
         f"busy {busy[1]:.0%}..{busy[0]:.0%}; simulated {r['virtual_seconds']} s in {wall:.1f} s wall "
-        f"({wall / r['engine_steps'] * 1e6:.0f} us/step) -> one hour of this traffic: {per_hour / 60:.0f} min"
+        f"({wall / r['engine_steps'] * 1e6:.0f} us/step), {cpu:.1f} s of CPU -> one hour of this traffic: "
+        f"{per_hour / 60:.0f} min wall here, {cpu / r['virtual_seconds'] * 3600 / 60:.0f} min of one core"
     )
 
 

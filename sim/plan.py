@@ -71,11 +71,12 @@ def plan(
     max_replicas: int,
     top: int = 5,
     progress: Progress | None = None,
-) -> tuple[list[Candidate], list[Candidate]]:
-    """(feasible fleets cheapest first, closest infeasible ones best goodput first)."""
+) -> tuple[list[Candidate], list[Candidate], list[str]]:
+    """(feasible fleets cheapest first, closest infeasible ones best goodput first, skipped candidates)."""
     build_workload(config)  # a bad trace fails before any search
     combos = []
     impossible = []
+    skipped: list[str] = []
     model = model_profile(config.model).with_precision(config.fleet.weights, config.fleet.kv_cache)
     for gpu in gpus:
         profile = gpu_profile(gpu, "gpus")
@@ -83,10 +84,14 @@ def plan(
             if tp > profile.max_tp:
                 continue
             if RooflineCost(profile, model, tp).num_kv_blocks(config.block_size) < 64:
-                continue  # the weights leave (almost) no KV cache
+                skipped.append(f"{profile.name} tp={tp}: the weights leave (almost) no KV cache")
+                continue
             tpot, ttft = _floor_latencies(config, profile.name, tp)
             if tpot > config.slo.tpot_s or ttft > config.slo.ttft_s:
                 impossible.append((profile.name, tp, tpot, ttft))
+                skipped.append(
+                    f"{profile.name} tp={tp}: batch-1 TPOT {tpot:.4f} s / TTFT {ttft:.4f} s already miss the SLO"
+                )
                 continue
             combos.extend((profile.name, tp, r) for r in routings)
     if not combos:
@@ -147,7 +152,7 @@ def plan(
     progress.close()
     feasible.sort(key=lambda c: (c.cost_per_hour, c.gpu, c.tp, c.routing))
     closest.sort(key=lambda c: (-c.goodput, c.cost_per_hour, c.gpu, c.tp, c.routing))
-    return feasible[:top], closest[:top]
+    return feasible[:top], closest[:top], skipped
 
 
 def format_candidates(title: str, rows: list[Candidate]) -> str:

@@ -208,12 +208,13 @@ def test_plan_finds_the_cheapest_fleet_and_says_when_none_fits():
         }
     )
     quiet = type("P", (), {"total": 0, "update": lambda self, label: None, "close": lambda self: None})()
-    feasible, _ = plan(config, ["h100", "a100"], [1], ["prefix-affinity"], 4, progress=quiet)
+    feasible, _, skipped = plan(config, ["h100", "a100", "l4"], [1], ["prefix-affinity"], 4, progress=quiet)
+    assert skipped == [s for s in skipped if s.startswith("l4 tp=1: batch-1 TPOT")] and skipped
     assert feasible and feasible[0].met
     assert feasible == sorted(feasible, key=lambda c: c.cost_per_hour)
     # Within what the GPUs can do, but not with at most one replica: the closest candidates come back instead.
     heavy = config.model_copy(update={"workload": config.workload.model_copy(update={"rate": 400})})
-    feasible, closest = plan(heavy, ["a100"], [1], ["round-robin"], 1, progress=quiet)
+    feasible, closest, _ = plan(heavy, ["a100"], [1], ["round-robin"], 1, progress=quiet)
     assert not feasible and closest and not closest[0].met
     # Physically impossible: no GPU decodes one token of an 8B model in 1 ms.
     tight = config.model_copy(update={"slo": config.slo.model_copy(update={"tpot_s": 0.001})})
