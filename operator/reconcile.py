@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import (
     DEFAULT_IMAGE,
     ModelDeploymentSpec,
@@ -219,6 +220,13 @@ def sync_inference_pool(
         _adopt_and_apply(ctx, body, [build_inference_pool(meta["name"], spec)])
     except NotServed:
         ctx.pools.found(False, logger)
+    except ApiException as e:
+        if e.status != 422:
+            raise
+        # Refused by the pool's own schema (an installed CRD newer or older than ours): the pool is an
+        # add-on, so the ModelDeployment's children and status still go on; the reason is in the log.
+        ctx.pools.found(True, logger)
+        logger.warning("InferencePool %s refused by the API server: %s", meta["name"], e.body or e.reason)
     else:
         ctx.pools.found(True, logger)
 

@@ -12,6 +12,7 @@ from typing import Any
 import kopf
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.builders import RUNTIME_PORT
 from tokenfleet.operator.inference_pool import PoolSupport
 from tokenfleet.operator.kube import KINDS, NamespaceTerminating, NotServed, _namespace_terminating
@@ -36,6 +37,7 @@ class FakeKube:
         self.served = set(KINDS) - {"InferencePool"} if served is None else served
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.terminating: set[str] = set()  # namespaces being deleted: no new objects there
+        self.refused: set[str] = set()  # kinds whose writes the API server rejects as invalid (422)
         self.calls: list[tuple[str, str, str]] = []
         self._uid = 0
 
@@ -61,6 +63,8 @@ class FakeKube:
         self.calls.append(("apply", obj["kind"], meta["name"]))
         if obj["kind"] not in self.served:
             raise NotServed(obj["kind"])
+        if obj["kind"] in self.refused:
+            raise ApiException(status=422, reason="Unprocessable Entity")
         key = self._key(obj["kind"], meta["namespace"], meta["name"])
         stored = copy.deepcopy(obj)
         before = self.objects.get(key)
@@ -368,3 +372,16 @@ def test_only_the_namespace_lifecycle_refusal_counts_as_terminating():
     rbac = {"kind": "Status", "code": 403, "reason": "Forbidden", "details": {"kind": "deployments"}}
     assert _namespace_terminating(json.dumps(refusal))
     assert not _namespace_terminating(json.dumps(rbac)) and not _namespace_terminating("not json")
+
+
+def test_a_refused_inference_pool_does_not_hold_back_the_model_deployment(clock, events, caplog):
+    """An InferencePool CRD whose schema rejects our pool (another version) costs a log line, not the rest."""
+    kube = FakeKube(served=set(KINDS))
+    kube.refused.add("InferencePool")
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "chat", {})
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        _reconcile(ctx, kube, "chat")
+    assert kube.names("Deployment") == ["chat"] and kube.names("InferencePool") == []
+    assert kube.obj("ModelDeployment", "chat")["status"]["phase"] == "Progressing"
+    assert any("InferencePool chat refused" in r.getMessage() for r in caplog.records)
