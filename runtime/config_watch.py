@@ -81,8 +81,9 @@ def diff_config(
     live: list[ConfigChange] = []
     restart: list[ConfigChange] = []
     for path in {**before, **after}:
-        if before.get(path) != after.get(path):
-            change = ConfigChange(path, before.get(path, ABSENT), after.get(path, ABSENT))
+        was, now = before.get(path, ABSENT), after.get(path, ABSENT)
+        if was != now:  # ABSENT differs from None: a removed key is a change
+            change = ConfigChange(path, was, now)
             (live if is_live(path, live_fields) else restart).append(change)
     return tuple(live), tuple(restart)
 

@@ -132,3 +132,23 @@ def test_one_loader_validates_files_and_overrides(tmp_path):
         RuntimeConfig.load(path)
     with pytest.raises(ConfigError, match="invalid runtime config"):
         RuntimeConfig.load(tmp_path / "missing.yaml")
+
+
+def test_router_live_fields_cover_subtrees_and_removed_map_keys():
+    from tokenfleet.runtime.config_watch import with_changes
+    from tokenfleet.runtime.router.config import LIVE_FIELDS, RouterConfig
+
+    old = RouterConfig.model_validate(
+        {"port": 1, "routing": {"rateLimits": {"tiers": {"gold": {"requestsPerMinute": 5}}}}}
+    )
+    new = RouterConfig.model_validate({"port": 2, "routing": {"strategy": "round-robin"}})
+    live, restart = diff_config(old, new, LIVE_FIELDS)
+    assert [c.path for c in restart] == ["port"]
+    assert {c.path for c in live} == {
+        "routing.strategy",
+        "routing.rate_limits.tiers.gold.requests_per_minute",
+        "routing.rate_limits.tiers.gold.tokens_per_minute",
+    }
+    applied = with_changes(old, live)
+    assert applied.routing.rate_limits.tiers == {} and applied.routing.strategy == "round-robin"
+    assert applied.port == 1  # restart-only: the running value stays
