@@ -1,0 +1,120 @@
+"""KV connectors: blocks saved and loaded by hash become prefix-cache blocks that change no output."""
+
+from __future__ import annotations
+
+import pytest
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for
+from tokenfleet.runtime.engine.kv_cache.kv_connector import (
+    HostKVConnector,
+    KVTransferError,
+    cached_prefix_len,
+    check_chain,
+    insert_prefix_blocks,
+    layout_of,
+    read_blocks,
+    write_blocks,
+)
+from tokenfleet.runtime.engine.kv_cache.kv_holds import KVHolds
+from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+from tokenfleet.runtime.engine.kv_cache.offload_copy import HostKVBuffers
+from tokenfleet.runtime.engine.sampling_params import SamplingParams
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "books were made, sold and read across Europe. Within fifty years presses worked in hundreds of towns. "
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def _llm(default_model, num_blocks: int = 16):
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.llm import LLM
+
+    return LLM(
+        config=RuntimeConfig(), loaded=default_model, dtype="float32", block_size=16, num_blocks=num_blocks
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt(default_model) -> list[int]:
+    return default_model.tokenizer.encode(TEXT * 2, add_special_tokens=False)[:70]  # 4 full blocks + 6
+
+
+def _hashes(llm, ids):
+    km = llm.engine.kv_manager
+    return block_hashes_for(ids, km.block_size, km.hash_extra)
+
+
+def test_host_connector_saves_and_loads_blocks_by_hash_into_free_slots(default_model, prompt):
+    llm = _llm(default_model)
+    core, km = llm.engine, llm.engine.kv_manager
+    cold = llm.generate([prompt], GREEDY)[0]
+    hashes = _hashes(llm, prompt)
+    assert cached_prefix_len(km, hashes) == 4
+    kv = core.runner.kv_caches
+    conn = HostKVConnector(HostKVTier(8), HostKVBuffers(kv, 8))
+    ids = [km.pool.get_cached_block(h).block_id for h in hashes]
+    assert conn.save(kv, list(zip(hashes, ids, strict=True))) == 4
+    km.reset_prefix_cache()  # the device copy is gone; only the host holds the KV now
+    assert cached_prefix_len(km, hashes) == 0 and all(conn.contains(h) for h in hashes)
+
+    def fill(block_ids):
+        return conn.load(kv, list(zip(hashes, block_ids, strict=False)))
+
+    assert insert_prefix_blocks(km, hashes, prompt[: 4 * 16], None, fill) == 4
+    assert km.num_free_blocks == km.num_blocks  # inserted blocks are free cached blocks
+    warm = llm.generate([prompt], GREEDY)[0]
+    assert warm.num_cached_tokens == 64
+    assert warm.token_ids == cold.token_ids
+
+
+def test_blocks_moved_between_two_engines_give_a_full_prefix_hit_and_the_same_tokens(default_model, prompt):
+    a, b = _llm(default_model), _llm(default_model)
+    cold = a.generate([prompt], GREEDY)[0]
+    hashes = _hashes(a, prompt)
+    ka = a.engine.kv_manager
+    payloads = read_blocks(a.engine.runner.kv_caches, [ka.pool.get_cached_block(h).block_id for h in hashes])
+    kb, kv_b = b.engine.kv_manager, b.engine.runner.kv_caches
+    assert len(payloads[0]) == layout_of(kv_b).bytes_per_block
+    check_chain(kb, hashes, prompt[:64], None)
+
+    def fill(block_ids):
+        write_blocks(kv_b, block_ids, payloads[: len(block_ids)])
+        return len(block_ids)
+
+    assert insert_prefix_blocks(kb, hashes, prompt[:64], None, fill) == 4
+    warm = b.generate([prompt], GREEDY)[0]
+    assert warm.num_cached_tokens == 64 and warm.token_ids == cold.token_ids
+    assert kb.num_free_blocks == kb.num_blocks
+
+
+def test_a_chain_from_another_salt_or_other_tokens_is_refused(default_model, prompt):
+    llm = _llm(default_model)
+    km = llm.engine.kv_manager
+    hashes = _hashes(llm, prompt)
+    with pytest.raises(KVTransferError):
+        check_chain(km, hashes, prompt[:64], "tenant-b")
+    with pytest.raises(KVTransferError):
+        check_chain(km, hashes, [1, *prompt[1:64]], None)
+    with pytest.raises(KVTransferError):
+        check_chain(km, hashes, prompt[:60], None)
+
+
+def test_holds_keep_blocks_from_eviction_and_are_released_on_release_or_expiry(default_model, prompt):
+    llm = _llm(default_model, num_blocks=8)
+    km = llm.engine.kv_manager
+    llm.generate([prompt], GREEDY)
+    hashes = _hashes(llm, prompt)
+    holds = KVHolds(km)
+    held = holds.hold("h1", hashes, prompt, None, deadline=10.0)
+    assert len(held.blocks) == 4 and km.num_free_blocks == km.num_blocks - 4
+    other = default_model.tokenizer.encode(
+        "Completely different words about rivers. " * 8, add_special_tokens=False
+    )
+    llm.generate([other[:60]], GREEDY)  # needs 4 blocks: only the free ones, never the held ones
+    assert cached_prefix_len(km, hashes) == 4
+    assert holds.take("h1") is held and holds.release("h1") and not holds.release("h1")
+    assert km.num_free_blocks == km.num_blocks
+    holds.hold("h2", hashes, prompt, None, deadline=5.0)
+    assert holds.expire(4.0) == 0 and holds.expire(5.0) == 1 and holds.take("h2") is None
+    assert km.num_free_blocks == km.num_blocks and holds.num_expired == 1
