@@ -81,7 +81,7 @@ class Splice:
 class Break:
     """Why a stream ended before its `[DONE]`."""
 
-    reason: str  # broken | closed | timeout | handoff
+    reason: str  # broken | closed | timeout | handoff | client_gone
     detail: str
 
 
@@ -141,7 +141,10 @@ async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_tim
                     elif isinstance(a, Progress):
                         progress.append(a)
                 if client_block:
-                    await sink.write(client_block + b"\n\n")
+                    try:
+                        await sink.write(client_block + b"\n\n")
+                    except ConnectionResetError:
+                        return Break("client_gone", "the client went away")
                     splice.sent_any = True
                     if client_block.strip() == _DONE:
                         splice.done = True
@@ -186,6 +189,9 @@ async def stream(
     _judge(fleet, pick, brk)
     failure: str | None = None
     while brk is not None:
+        if brk.reason == "client_gone":  # leaving closes the upstream request, which aborts it on the pod
+            outcome.completion_tokens = len(splice.output_token_ids)
+            return getattr(sink, "resp", None) or web.Response(status=499), outcome
         if not splice.sent_any:  # nothing reached the client: an ordinary retry from the start
             body = error_body(brk.detail, "upstream_error", "upstream_failed")
             return Retry(502, json.dumps(body).encode(), "broken")
@@ -236,7 +242,7 @@ def _judge(fleet: Fleet, pick: Pick, brk: Break | None) -> None:
     # A hand-off is a pod shutting down as asked, not a failure; anything else counts against its health.
     if brk is None:
         fleet.report(pick.endpoint, True)
-    elif brk.reason != "handoff":
+    elif brk.reason not in ("handoff", "client_gone"):
         fleet.report(pick.endpoint, False)
 
 

@@ -44,6 +44,7 @@ def make_wire_pod(make_pod):
             self.die_after = die_after  # events this pod sends before its connection drops
             self.handoff_after = handoff_after  # ... before it hands the stream back
             self.why_not = why_not  # the stream cannot be resumed, for this reason
+            self.delay_between = 0.0  # seconds between events
             self.payloads: list[dict] = []
             self.headers: list[dict] = []
 
@@ -100,6 +101,7 @@ def make_wire_pod(make_pod):
                 event["choices"] = [choice]
                 await resp.write(head + progress + b"data: " + json.dumps(event).encode() + b"\n\n")
                 head = b""
+                await asyncio.sleep(self.delay_between)
             if usage:
                 event = {"id": rid, "object": "text_completion", "created": created, "model": self.model}
                 event |= {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": max_tokens}}
@@ -247,3 +249,18 @@ async def test_a_client_cannot_send_a_continuation(serve_app, start_router, free
         _, raw = await stream(url, body(**{CONTINUATION_FIELD: forged}))
     assert client_view(raw)[1] == full_text(8)
     assert CONTINUATION_FIELD not in pod.payloads[0]
+
+
+async def test_a_client_leaving_is_not_a_break_to_resume(serve_app, start_router, free_ports, make_wire_pod):
+    slow, other = make_wire_pod(), make_wire_pod()
+    slow.delay_between = 0.2
+    async with fleet(serve_app, start_router, free_ports, [slow, other]) as (url, router):
+        async with (
+            aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+            s.post(url + "/v1/completions", json=body(max_tokens=30, stream=True)) as r,
+        ):
+            await r.content.readuntil(b"\n\n")  # the first event, then the client goes away
+        await asyncio.sleep(1.0)
+        assert router.metrics.resumes._value.get() == 0 and router.metrics.stream_errors._value.get() == 0
+        assert all(router.fleet.available(ep) for ep in router.fleet.endpoints.by_id.values())
+    assert len(slow.payloads) + len(other.payloads) == 1
