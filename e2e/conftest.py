@@ -116,8 +116,13 @@ def operator(cluster: ControlPlane) -> Iterator[OperatorProcess]:
     finally:
         proc.stop()
         # Least privilege is enough: not one request of the whole session was refused.
-        log = proc.log()
-        if "403" in log and "Forbidden" in log:
+        # (A namespace being deleted refuses new Events with a 403 too: that is not a missing rule.)
+        refused = [
+            line for line in proc.log().splitlines()
+            if "Forbidden" in line and "is being terminated" not in line
+        ]  # fmt: skip
+        if refused:
+            log = "\n".join(refused)
             print(log[-5000:], file=sys.stderr)
             pytest.fail("the operator hit a 403 Forbidden: manifests/rbac.yaml lacks a rule")
 

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import logging
 import os
 import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from host_paths import ensure_target
+from pod_container import Container, now, seconds_between, termination
 from pod_env import PodSpecError, container_argv, container_env
 from pod_probes import ProbeRunner
 from pod_volumes import Volumes
@@ -35,43 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kubelet.pod")
 POD_EXEC = str(Path(__file__).resolve().parent / "pod_exec.py")
 BACKOFF_INITIAL, BACKOFF_MAX = 10.0, 300.0
-MESSAGE_BYTES, LOG_TAIL_LINES = 4096, 80
-
-
-def now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass
-class Container:
-    spec: dict[str, Any]
-    init: bool = False
-    restart_count: int = 0
-    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
-    last_state: dict[str, Any] = field(default_factory=dict)
-    ready: bool = False
-    started: bool = False
-    proc: asyncio.subprocess.Process | None = None
-    killing: str | None = None  # why the kubelet is stopping it (a failed probe)
-
-    @property
-    def name(self) -> str:
-        return self.spec["name"]
-
-    def status(self) -> dict[str, Any]:
-        out = {
-            "name": self.name,
-            "state": self.state,
-            "lastState": self.last_state,
-            "ready": self.ready,
-            "restartCount": self.restart_count,
-            "image": self.spec.get("image", ""),
-            "imageID": "",
-            "started": self.started,
-        }
-        if self.proc is not None:
-            out["containerID"] = f"process://{self.proc.pid}"
-        return out
 
 
 class PodWorker:
@@ -240,7 +202,7 @@ class PodWorker:
                 await asyncio.sleep(backoff)
             c.restart_count += 1
             ran = c.last_state["terminated"]
-            long_run = _seconds_between(ran["startedAt"], ran["finishedAt"]) > 2 * BACKOFF_MAX
+            long_run = seconds_between(ran["startedAt"], ran["finishedAt"]) > 2 * BACKOFF_MAX
             backoff = BACKOFF_INITIAL if (not backoff or long_run) else min(2 * backoff, BACKOFF_MAX)
 
     async def _run_once(self, c: Container) -> int:
@@ -284,15 +246,7 @@ class PodWorker:
                 task.cancel()
         c.ready = c.started = False
         exit_code = 128 + (-code) if code < 0 else code
-        message = term_file.read_bytes()[:MESSAGE_BYTES].decode(errors="replace")
-        fallback = c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
-        if not message and (exit_code == 128 or (fallback and exit_code != 0)):
-            lines = log_path.read_bytes().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            message = "\n".join(lines)[-2048:]
-        reason = "Completed" if exit_code == 0 else ("StartError" if exit_code == 128 else "Error")
-        terminated = {"exitCode": exit_code, "reason": reason, "startedAt": started_at, "finishedAt": now()}
-        if message:
-            terminated["message"] = message
+        terminated = termination(c.spec, exit_code, started_at, term_file, log_path)
         c.last_state = {"terminated": terminated}
         c.state = {"terminated": terminated}
         self.kick()
@@ -437,8 +391,3 @@ class PodWorker:
         await asyncio.to_thread(self.kubelet.network.detach, self.index)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.done = True
-
-
-def _seconds_between(start: str, end: str) -> float:
-    fmt = "%Y-%m-%dT%H:%M:%SZ"
-    return (dt.datetime.strptime(end, fmt) - dt.datetime.strptime(start, fmt)).total_seconds()

@@ -21,7 +21,7 @@ CACHE_POLICY = """
 apiVersion: serving.tokenfleet.dev/v1alpha1
 kind: CachePolicy
 metadata: {name: shared}
-spec: {blockSize: 16, prefixCaching: {enabled: true, ttlSeconds: 60}}
+spec: {blockSize: 16, prefixCaching: {enabled: true, ttlSeconds: 60}, cpuKVCacheGiB: 0.125}
 """
 ROUTING_POLICY = """
 apiVersion: serving.tokenfleet.dev/v1alpha1
@@ -38,7 +38,10 @@ def _md(name: str, cache_ref: str | None = None, routing_ref: str | None = None,
         "metadata": {"name": name},
     }
     refs = {"cachePolicyRef": cache_ref, "routingPolicyRef": routing_ref}
-    small = {"engine": {"maxNumSeqs": 4, "maxNumBatchedTokens": 256}, "model": {"maxModelLen": 512}}
+    small = {
+        "engine": {"maxNumSeqs": 4, "maxNumBatchedTokens": 256},
+        "model": {"servedName": name, "maxModelLen": 512},
+    }
     body["spec"] = {**{k: v for k, v in refs.items() if v}, **small, **spec}
     return json.dumps(body)
 

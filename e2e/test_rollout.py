@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import subprocess
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import yaml
 from envtest import wait_for
-from workload import StreamingLoad, complete, post_json
+from workload import StreamingLoad, complete, examples_manifest, post_json
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 SELECTOR = "app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=runtime"
 ROUTER_SELECTOR = "app.kubernetes.io/instance=chat-routing"
 MODEL_READY_S = 240  # model load on a busy 2-core machine + the startup/readiness probe periods
@@ -53,7 +51,7 @@ def _md_status(cluster, ns: str, name: str) -> dict:
 def ns(cluster, operator):
     name = "e2e-examples"
     cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("apply", "-n", name, "-k", str(EXAMPLES))
+    cluster.kubectl("apply", "-n", name, "-f", "-", stdin=examples_manifest(cluster))
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

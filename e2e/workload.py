@@ -17,7 +17,24 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
+# A CPU pod's KV cache is allocated up front (1 GiB by default, which the examples keep): the tests give
+# each pod 128 MiB so that a few replicas and a rollout's surge pod fit beside other work on a small machine.
+TEST_KV_CACHE_GIB = 0.125
+
+
+def examples_manifest(cluster: Any) -> str:
+    """manifests/examples as `kubectl apply -k` would send them, with the test-sized KV cache."""
+    docs = [d for d in yaml.safe_load_all(cluster.kubectl("kustomize", str(EXAMPLES))) if d]
+    for doc in docs:
+        if doc["kind"] == "CachePolicy":
+            doc["spec"]["cpuKVCacheGiB"] = TEST_KV_CACHE_GIB
+    return yaml.safe_dump_all(docs)
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[dict[str, Any], dict[str, str]]:
