@@ -69,7 +69,7 @@ class Collector:
             return
         req = rec.request
         ttft = rec.first_token - req.arrival
-        n_out = len(req.output)
+        n_out = rec.num_emitted  # what the replica produced (a length limit may end it early)
         tpot = (rec.last_token - rec.first_token) / (n_out - 1) if n_out > 1 else 0.0
         self.ttft.append(ttft)
         self.tpot.append(tpot)
