@@ -46,6 +46,7 @@ class Collector:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        self.cut_short = 0  # ended by the context length before their output length
         self.preempted_requests = 0
         self.timeline: dict[str, list[float]] = {
             k: [] for k in ("t", "waiting", "running", "kv_usage", "ready", "replicas", "ttft_p50")
@@ -81,6 +82,7 @@ class Collector:
         self.prompt_tokens += len(req.prompt)
         self.cached_tokens += rec.num_cached_tokens
         self.output_tokens += n_out
+        self.cut_short += n_out < len(req.output)
         self.preempted_requests += rec.num_preemptions > 0
 
     def tick(self, t: float, waiting: int, running: int, kv: float, ready: int, replicas: int) -> None:
@@ -144,6 +146,7 @@ class Collector:
                 "rejected": len(self.rejected),
                 "unfinished": unfinished,
                 "preempted": self.preempted_requests,
+                "cut_short": self.cut_short,
             },
             "latency_s": {
                 "ttft": ttft,

@@ -55,7 +55,7 @@ def test_every_request_finishes_with_exactly_its_tokens():
     assert rq["finished"] == rq["arrived"] and rq["unfinished"] == 0 and rq["rejected"] == 0
     # Tokens the replicas produced (one per sampled position) == the requests' own output lengths.
     produced = sum(p.replica.generation_tokens_total for p in sim.pods.values())
-    assert produced == sim.collector.output_tokens
+    assert produced == sim.collector.output_tokens and rq["cut_short"] == 0
     assert r["latency_s"]["ttft"]["p50"] > 0 and r["latency_s"]["tpot"]["p50"] > 0
     assert r["latency_s"]["e2e"]["p50"] > r["latency_s"]["ttft"]["p50"]
     # Follow-up turns extend their own prefix: sessions hit the cache beyond the shared system prompts.
