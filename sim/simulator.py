@@ -71,6 +71,7 @@ class Simulation:
         self.history = History()
         self.scale_events: list[tuple[float, int, int, str]] = []
         self.last_arrival = 0.0
+        self._tick_s = 1.0
 
     def clock(self) -> float:
         return self.now
@@ -232,6 +233,39 @@ class Simulation:
             self.now, waiting, running, kv, len(ready), len([p for p in pods if not p.draining])
         )
 
+    # ---- event handlers (one per event kind) ------------------------------------------------------------
+
+    def _on_arrival(self, sreq: SimRequest) -> None:
+        self.last_arrival = self.now
+        self._next_arrival()
+        self.collector.arrived(sreq)
+        self._route(sreq)
+
+    def _on_follow_up(self, sreq: SimRequest) -> None:
+        self._pending_followups -= 1
+        self.collector.arrived(sreq)
+        self._route(sreq)
+
+    def _on_probe(self, _: object) -> None:
+        self._probe()
+        self._push(self.now + self.config.probe_interval_s, PROBE)
+
+    def _on_scale(self, _: object) -> None:
+        self._autoscale()
+        self._push(self.now + self.config.autoscale_interval_s, SCALE)
+
+    def _on_ready(self, name: str) -> None:
+        pod = self.pods[name]
+        if pod.retired is None and not pod.draining:
+            pod.ready = True
+            self.router.add_endpoint(name)
+            for sreq, target in self.router.dispatch_queued():
+                self._deliver(sreq, target)
+
+    def _on_tick(self, _: object) -> None:
+        self._tick()
+        self._push(self.now + self._tick_s, TICK)
+
     # ---- the loop -----------------------------------------------------------------------------------------
 
     def _idle(self) -> bool:
@@ -250,40 +284,23 @@ class Simulation:
         if cfg.autoscaling is not None:
             self._push(0.0, SCALE)
         horizon = cfg.run_until_s or (cfg.trace and self.workload.duration_s) or cfg.workload.duration_s
-        tick = float(horizon) / cfg.timeline_points
         self._push(0.0, TICK)
+        self._tick_s = float(horizon) / cfg.timeline_points
+        handlers = {
+            STEP: self._step_done,
+            ARRIVAL: self._on_arrival,
+            FOLLOW_UP: self._on_follow_up,
+            PROBE: self._on_probe,
+            SCALE: self._on_scale,
+            READY: self._on_ready,
+            TICK: self._on_tick,
+        }
         heap = self._heap
         pop = heapq.heappop
         while heap:
             t, _, kind, payload = pop(heap)
             self.now = t
-            if kind == STEP:
-                self._step_done(payload)
-            elif kind == ARRIVAL:
-                self.last_arrival = t
-                self._next_arrival()
-                self.collector.arrived(payload)
-                self._route(payload)
-            elif kind == FOLLOW_UP:
-                self._pending_followups -= 1
-                self.collector.arrived(payload)
-                self._route(payload)
-            elif kind == PROBE:
-                self._probe()
-                self._push(t + cfg.probe_interval_s, PROBE)
-            elif kind == SCALE:
-                self._autoscale()
-                self._push(t + cfg.autoscale_interval_s, SCALE)
-            elif kind == READY:
-                pod = self.pods[payload]
-                if pod.retired is None and not pod.draining:
-                    pod.ready = True
-                    self.router.add_endpoint(payload)
-                    for sreq, name in self.router.dispatch_queued():
-                        self._deliver(sreq, name)
-            elif kind == TICK:
-                self._tick()
-                self._push(t + tick, TICK)
+            handlers[kind](payload)
             if kind != STEP and self._idle() and (cfg.run_until_s is None or t >= cfg.run_until_s):
                 break
             if self._arrivals_done and t > self.last_arrival + cfg.drain_limit_s:
