@@ -15,7 +15,7 @@ from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
-from tokenfleet.runtime.server import chat, completions
+from tokenfleet.runtime.server import chat, completions, kv_transfer
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
 from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
@@ -184,4 +184,5 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_get("/load", load_endpoint)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)
+    kv_transfer.install(app)  # prefill/decode disaggregation: KV blocks fetched by hash
     return app
