@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from tokenfleet.runtime.openai.resume import (
+    ANNOTATION_PREFIX,
     CONTINUATION_FIELD,
+    PROGRESS_PREFIX,
     RESUME_HEADER,
     RESUME_STREAM,
     Continuation,
     Progress,
     StreamStart,
+    count_token_ids,
+    parse_annotation,
     split_event,
 )
 from tokenfleet.runtime.router.assemble import Assembler
@@ -57,7 +61,11 @@ class Splice:
     """What the client holds of one stream, from the annotations of the events it was sent."""
 
     start: StreamStart | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    # The Progress lines of the events the client got, kept as bytes and parsed only when a continuation
+    # needs them (`fold`): most streams never break, and parsing every event would double the router's cost.
+    progress: list[bytes] = field(default_factory=list)
+    num_folded: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # of the folded lines
     num_chars: int = 0
     num_resumes: int = 0
     done: bool = False
@@ -65,9 +73,22 @@ class Splice:
     num_events: int = 0  # data events sent (a pod that does not annotate: about one per token)
     resume_base: int = 0  # prompt + generated tokens handed to the latest continuation
     cached_on_resume: int | None = None  # how many of them its pod found in its prefix cache
+    expect_cached: bool = False  # the next Progress line is a continuation's first: it says what was cached
+
+    def fold(self) -> None:
+        for line in self.progress[self.num_folded :]:
+            p = parse_annotation(line)
+            if isinstance(p, Progress):
+                self.output_token_ids.extend(p.token_ids)
+                self.num_chars = p.num_chars
+        self.num_folded = len(self.progress)
+
+    def num_tokens(self) -> int:
+        return len(self.output_token_ids) + sum(count_token_ids(x) for x in self.progress[self.num_folded :])
 
     def continuation(self) -> Continuation:
         assert self.start is not None
+        self.fold()
         return Continuation(
             id=self.start.id,
             created=self.start.created,
@@ -115,10 +136,11 @@ def annotated_headers(out: Outgoing) -> dict[str, str]:
 
 
 async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_timeout: float) -> Break | None:
-    """Pass one pod's stream on, event by event, keeping `splice` in step. None when it reached [DONE].
+    """Pass one pod's stream on, keeping `splice` in step. None when it reached [DONE].
 
-    Whole events only: an annotation and the text it describes reach the client together or not at all,
-    so after a break `splice` is exactly what the client holds.
+    Whole events only: an annotation and the text it describes reach the client together or not at all
+    (the events complete in one read are written at once, and what they say is applied once written), so
+    after a break `splice` is exactly what the client holds.
     """
     buf = b""
     handoff = False
@@ -127,36 +149,47 @@ async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_tim
             chunk = await asyncio.wait_for(upstream.content.readany(), idle_timeout)
             if not chunk:
                 break
-            buf += chunk.replace(b"\r\n", b"\n")
-            while (end := buf.find(b"\n\n")) >= 0:
-                block, buf = buf[:end], buf[end + 2 :]
-                annotations, client_block = split_event(block)
-                progress: list[Progress] = []
-                for a in annotations:
+            *blocks, buf = (buf + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
+            out: list[bytes] = []
+            progress: list[bytes] = []
+            for block in blocks:
+                # Pods put their annotation lines first in an event block: peel them off.
+                while block.startswith(ANNOTATION_PREFIX):
+                    line, _, block = block.partition(b"\n")
+                    if line.startswith(PROGRESS_PREFIX):
+                        progress.append(line)
+                        continue
+                    a = parse_annotation(line)
                     if a == "handoff":
                         handoff = True
                     elif isinstance(a, StreamStart):
-                        if splice.start is None:
-                            splice.start = a
-                    elif isinstance(a, Progress):
-                        progress.append(a)
-                if client_block:
-                    try:
-                        await sink.write(client_block + b"\n\n")
-                    except ConnectionResetError:
-                        return Break("client_gone", "the client went away")
-                    splice.sent_any = True
-                    if client_block.strip() == _DONE:
-                        splice.done = True
-                    else:
-                        splice.num_events += 1
-                for p in progress:  # applied once the event reached the client
-                    splice.output_token_ids.extend(p.token_ids)
-                    splice.num_chars = p.num_chars
-                    if p.num_cached_tokens is not None:
-                        splice.cached_on_resume = p.num_cached_tokens
-                if splice.done:
-                    return None
+                        splice.start = splice.start or a
+                client_block = block
+                if b"\n" + ANNOTATION_PREFIX in client_block:  # one further down: the general parse
+                    annotations, client_block = split_event(client_block)
+                    progress.extend(a.encode().rstrip(b"\n") for a in annotations if isinstance(a, Progress))
+                if not client_block:
+                    continue
+                out.append(client_block)
+                if client_block.strip() == _DONE:
+                    splice.done = True
+                    break
+                splice.num_events += 1
+            if out:
+                try:
+                    await sink.write(b"\n\n".join(out) + b"\n\n")
+                except ConnectionResetError:
+                    return Break("client_gone", "the client went away")
+                splice.sent_any = True
+            if progress:  # kept once the events reached the client
+                if splice.expect_cached:
+                    first = parse_annotation(progress[0])
+                    if isinstance(first, Progress) and first.num_cached_tokens is not None:
+                        splice.cached_on_resume = first.num_cached_tokens
+                    splice.expect_cached = False
+                splice.progress.extend(progress)
+            if splice.done:
+                return None
     except TimeoutError:
         return Break("timeout", "the serving endpoint went silent mid-stream")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
@@ -190,7 +223,7 @@ async def stream(
     failure: str | None = None
     while brk is not None:
         if brk.reason == "client_gone":  # leaving closes the upstream request, which aborts it on the pod
-            outcome.completion_tokens = len(splice.output_token_ids)
+            outcome.completion_tokens = splice.num_tokens()
             return getattr(sink, "resp", None) or web.Response(status=499), outcome
         if not splice.sent_any:  # nothing reached the client: an ordinary retry from the start
             body = error_body(brk.detail, "upstream_error", "upstream_failed")
@@ -218,7 +251,7 @@ async def stream(
         if splice.cached_on_resume is not None:  # what the continuation had to compute again
             fleet.metrics.resume_recomputed_tokens.inc(max(splice.resume_base - splice.cached_on_resume, 0))
             splice.cached_on_resume = None
-    outcome.completion_tokens = len(splice.output_token_ids) if splice.start else splice.num_events
+    outcome.completion_tokens = splice.num_tokens() if splice.start else splice.num_events
     if failure is not None:
         fleet.metrics.stream_errors.inc()
     if isinstance(sink, Assembler):
@@ -309,6 +342,7 @@ async def _continue(
             continue
         fleet.record_route(pick)
         splice.resume_base = len(continuation.prompt_token_ids) + len(continuation.output_token_ids)
+        splice.expect_cached = True
         return pick, upstream
     return None
 
