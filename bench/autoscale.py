@@ -54,13 +54,15 @@ def write_trace(path: Path, base: float, burst: float, phase: float, seed: int) 
 
 
 def run(
-    trace: Path, replicas: int, autoscaling: dict | None, cold_start: float, until: float
+    trace: Path, replicas: int, autoscaling: dict | None, cold_start: float, until: float, in_flight: int
 ) -> tuple[dict, float]:
     config = parse_config(
         {
             "model": "llama-3-8b",
             "fleet": {"gpu": "h100-sxm", "replicas": replicas},
-            "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": 4096},
+            # A pod takes at most this many requests beyond its running batch; the rest wait in the router's
+            # queue, where a replica that becomes Ready can take them (a pod's own queue is never rebalanced).
+            "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": in_flight},
             "trace": str(trace),
             "autoscaling": autoscaling,
             "autoscale_interval_s": 15,
@@ -81,6 +83,7 @@ def main() -> int:
     p.add_argument("--phase", type=float, default=60.0)
     p.add_argument("--cold-start", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-in-flight", type=int, default=320, help="router's maxInFlightPerEndpoint")
     args = p.parse_args()
     autoscaling = {
         "minReplicas": 1,
@@ -93,14 +96,15 @@ def main() -> int:
         "scaleUp": {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0},
         "scaleDown": {"stabilizationWindowSeconds": 60, "maxStep": 2, "cooldownSeconds": 30},
     }
-    until = 4 * args.phase
+    until = 6 * args.phase  # two phases of quiet after the trace: room to scale back down
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "burst.jsonl"
         write_trace(trace, args.base, args.burst, args.phase, args.seed)
-        auto, wall_auto = run(trace, 1, autoscaling, args.cold_start, until)
+        common = (args.cold_start, until, args.max_in_flight)
+        auto, wall_auto = run(trace, 1, autoscaling, *common)
         peak = auto["fleet"]["replicas_peak"]
-        static_peak, wall_peak = run(trace, peak, None, args.cold_start, until)
-        static_base, wall_base = run(trace, 1, None, args.cold_start, until)
+        static_peak, wall_peak = run(trace, peak, None, *common)
+        static_base, wall_base = run(trace, 1, None, *common)
     ups = [e for e in auto["fleet"]["scale_events"] if e[2] > e[1] and e[0] >= args.phase]
     first_up = ups[0][0] - args.phase if ups else float("nan")
     print(

@@ -79,13 +79,22 @@ class SimRouter:
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         if name not in self.endpoints:
             return
+        # Consecutive removals are applied as one: each `removed` call makes the index tell RecentRoutes to
+        # forget the endpoint, a scan of its whole memory, and a step under eviction pressure emits many.
+        removed: list[bytes] = []
         for ev in events:
+            if isinstance(ev, BlockRemoved):
+                removed.extend(ev.block_hashes)
+                continue
+            if removed:
+                self.exact.removed(name, removed)
+                removed = []
             if isinstance(ev, BlockStored):
                 self.exact.stored(name, ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                self.exact.removed(name, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.exact.clear(name)
+        if removed:
+            self.exact.removed(name, removed)
 
     # ---- routing ----------------------------------------------------------------------------------------
 
