@@ -10,7 +10,7 @@ Semantics follow the Kubernetes HPA (autoscaling/v2), with LLM signals:
   `ceil(current * average / target)` where pods without data count as 0 — and the largest wins. Within
   `tolerance` of the target a target recommends the current count (no churn on noise).
 - Additive targets (waiting requests per replica, output tokens/s per replica) and KV-cache usage size the
-  fleet both ways. TTFT is an SLO guard: above it, it scales up in proportion to how far it is over; under
+  fleet both ways. Waiting requests include `pending_requests`, those the router holds back for the model. TTFT is an SLO guard: above it, it scales up in proportion to how far it is over; under
   it, it abstains (latency is not linear in replicas, so it never argues for fewer).
 - Cold-starting pods (created, not Ready yet) are capacity on the way: they count in `current`, so a
   burst does not order the same pods again every period while the first ones boot.
@@ -164,7 +164,7 @@ def _recommend(n_ready: int, total: float, target: float, tolerance: float, curr
 
 
 def _target_recommendations(
-    current: int, ready: Sequence[PodSample], spec: AutoscalingSpec
+    current: int, ready: Sequence[PodSample], spec: AutoscalingSpec, pending_requests: int = 0
 ) -> tuple[dict[str, int], dict[str, float]]:
     t = spec.targets
     n = len(ready)
@@ -174,7 +174,8 @@ def _target_recommendations(
         return recs, signals
     tol = spec.tolerance
     if t.waiting_requests_per_replica is not None:
-        total = sum(s.num_waiting for s in ready)
+        # Requests the router holds back for this model wait as much as those queued in a pod.
+        total = sum(s.num_waiting for s in ready) + pending_requests
         signals["waiting_per_replica"] = total / n
         recs["waiting_requests_per_replica"] = _recommend(
             n, total, t.waiting_requests_per_replica, tol, current
@@ -232,7 +233,7 @@ def decide(
             return Decision(spec.min_replicas, f"scale 0->{spec.min_replicas}: minReplicas", hist, floor)
         return Decision(0, "scaled to zero: no demand", history, 0)
 
-    recs, signals = _target_recommendations(current, ready, spec)
+    recs, signals = _target_recommendations(current, ready, spec, pending_requests)
     signals |= {
         "ready": len(ready),
         "starting": num_starting,

@@ -157,6 +157,13 @@ def test_pending_requests_count_as_traffic():
     assert d.history.last_traffic_time == 500.0
 
 
+def test_requests_held_by_the_router_count_as_waiting():
+    s = spec()
+    # Pods at their in-flight limit queue little themselves; the router holds the rest.
+    d = decide(2, pods(2, waiting=1, running=8), s, History(), 0.0, pending_requests=30)
+    assert d.replicas == 6 and d.signals["waiting_per_replica"] == 16
+
+
 def test_min_replicas_floor_and_zero_to_min():
     s = spec(minReplicas=2)
     assert decide(0, [], s, History(), 0.0).replicas == 2
