@@ -30,7 +30,7 @@ PERSON_SCHEMA = {
     "type": "object",
     "properties": {
         # A pattern, not maxLength: xgrammar expands maxLength into a repetition its mask cache cannot
-        # cover (~500x the per-token mask cost, measured by bench/structured_output.py).
+        # cover (~100x the per-token mask cost, measured by bench/structured_output.py).
         "name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"type": "string", "enum": ["admin", "user"]},
