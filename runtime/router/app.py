@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 from tokenfleet.runtime.config_watch import ConfigWatcher
 from tokenfleet.runtime.openai.translate import Tokenizer
+from tokenfleet.runtime.router import disaggregation
 from tokenfleet.runtime.router.api_keys import KeyTiers
 from tokenfleet.runtime.router.config import LIVE_FIELDS, RESTART_FIELDS, Backend, RouterConfig
 from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
@@ -37,7 +38,7 @@ from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import served_models
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
-from tokenfleet.runtime.router.proxy import Outgoing, error_body, forward, request_headers
+from tokenfleet.runtime.router.proxy import Outgoing, error_body, request_headers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         session_key=request.headers.get(router.config.routing.session_header)
         or _str_or_none(payload.get("user")),
     )
-    resp, outcome = await forward(request, fleet, out, routing.retries)
+    resp, outcome = await disaggregation.forward(request, fleet, out, routing.retries)  # or plain proxy
     router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
     router.metrics.requests.labels(model, str(outcome.status)).inc()
     return resp

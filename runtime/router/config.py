@@ -164,6 +164,11 @@ class Backend(_Spec):
         description="Model source to load the tokenizer from (built-in name, .gguf, HF dir); default `model`.",
     )
     block_size: int = Field(16, description="Used until the pods report theirs on the KV-event stream.")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both",
+        description="Prefill/decode disaggregation: a model with prefill and decode backends runs each prompt "
+        "on a prefill pod and generates on a decode pod, moving the KV between them.",
+    )
 
     @model_validator(mode="after")
     def _check_url(self) -> Backend:

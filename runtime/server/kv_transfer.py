@@ -216,21 +216,19 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
         raise HttpError(invalid(f"bad KV fetch request: {e.errors(include_url=False)[0]['msg']}")) from None
 
     def begin(core):
-        hold = kvs.holds_of(core).take(req.hold_id)
-        if hold is None or req.start > len(hold.blocks):
-            return hold, None
-        kv = core.runner.kv_caches
-        return hold, layout_of(kv)
+        holds = kvs.holds_of(core)
+        held = holds.num_blocks(req.hold_id)
+        if held is None or req.start > held:
+            return held, None, None
+        return held, holds.take(req.hold_id), layout_of(core.runner.kv_caches)
 
-    hold, layout = await engine.call(begin)
-    if hold is None:
+    held, hold, layout = await engine.call(begin)
+    if held is None:
         raise HttpError(
             ApiError(404, f"no KV hold {req.hold_id!r} (unknown, fetched or expired)", code="not_found")
         )
-    if layout is None:
-        raise HttpError(
-            invalid(f"start {req.start} is past the {len(hold.blocks)} held blocks", param="start")
-        )
+    if hold is None:
+        raise HttpError(invalid(f"start {req.start} is past the {held} held blocks", param="start"))
     try:
         bs = len(hold.token_ids) // max(1, len(hold.blocks))
         header = wire.FetchHeader(
@@ -256,7 +254,7 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
         return resp
     finally:  # fetched, or the reader went away: either way nobody will fetch it again
         with contextlib.suppress(Exception):
-            await asyncio.shield(engine.call(lambda core: kvs.holds_of(core).release(req.hold_id)))
+            await asyncio.shield(engine.call(lambda core: kvs.holds_of(core).free(hold)))
 
 
 async def release_endpoint(request: web.Request) -> web.Response:

@@ -113,7 +113,12 @@ def test_holds_keep_blocks_from_eviction_and_are_released_on_release_or_expiry(d
     )
     llm.generate([other[:60]], GREEDY)  # needs 4 blocks: only the free ones, never the held ones
     assert cached_prefix_len(km, hashes) == 4
-    assert holds.take("h1") is held and holds.release("h1") and not holds.release("h1")
+    assert holds.release("h1") and not holds.release("h1") and holds.take("h1") is None
+    assert km.num_free_blocks == km.num_blocks
+    taken = holds.hold("h3", hashes, prompt, None, deadline=1.0)
+    assert holds.take("h3") is taken and not holds.release("h3") and holds.expire(2.0) == 0
+    assert km.num_free_blocks == km.num_blocks - 4  # a taken hold stays referenced until its fetch frees it
+    holds.free(taken)
     assert km.num_free_blocks == km.num_blocks
     holds.hold("h2", hashes, prompt, None, deadline=5.0)
     assert holds.expire(4.0) == 0 and holds.expire(5.0) == 1 and holds.take("h2") is None

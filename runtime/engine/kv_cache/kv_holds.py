@@ -3,8 +3,9 @@
 Right after a prefill-only request finishes, its full prompt blocks are free cached blocks; `hold` takes one
 reference on the leading ones still cached (a pressure eviction in between shortens the hold; the decode pod
 then recomputes the rest), so nothing evicts them. The hold ends exactly once: `take` (a fetch: the caller
-copies the KV, then calls `release`), `release`, or `expire` past its deadline — the pod sweeps holds on a
-timer, so an abandoned transfer frees its blocks after `ttl` seconds and nothing leaks. Engine thread only.
+copies the KV, then calls `free`), `release`, or `expire` past its deadline — the pod sweeps holds on a
+timer, so an abandoned transfer frees its blocks after `ttl` seconds and nothing leaks. A taken hold is the
+fetch's alone: a concurrent release or expiry cannot free blocks still being copied. Engine thread only.
 """
 
 from __future__ import annotations
@@ -73,15 +74,26 @@ class KVHolds:
         self._holds[hold_id] = hold
         return hold
 
+    def ids(self) -> set[str]:
+        return set(self._holds)
+
+    def num_blocks(self, hold_id: str) -> int | None:
+        hold = self._holds.get(hold_id)
+        return None if hold is None else len(hold.blocks)
+
     def take(self, hold_id: str) -> Hold | None:
-        """The hold, still referenced (copy its KV, then `release` it); None when unknown or expired."""
-        return self._holds.get(hold_id)
+        """Hand the hold over to a fetch: it leaves the registry (no release or expiry can free its blocks
+        while they are copied) and the fetch frees it with `free` when done. None when unknown or expired."""
+        return self._holds.pop(hold_id, None)
+
+    def free(self, hold: Hold) -> None:
+        self._manager.pool.free_blocks(reversed(hold.blocks))  # the tail of a prefix is evicted first
 
     def release(self, hold_id: str) -> bool:
         hold = self._holds.pop(hold_id, None)
         if hold is None:
             return False
-        self._manager.pool.free_blocks(reversed(hold.blocks))  # the tail of a prefix is evicted first
+        self.free(hold)
         return True
 
     def expire(self, now: float) -> int:

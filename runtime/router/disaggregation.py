@@ -1,0 +1,140 @@
+"""Prefill/decode disaggregation in the router: a prompt is computed on a prefill pod, its KV moves to a
+decode pod by block hash (runtime/openai/kv_transfer.py), and the decode pod generates.
+
+Roles come from the backends: a backend with `role: prefill` or `role: decode` holds the pods of that role
+(on Kubernetes, the role's own Service and so its EndpointSlices; statically, the pod URLs). A model served
+by both a prefill and a decode backend is disaggregated; any other model is proxied as before.
+
+The flow for one request:
+1. prefill: the pod is chosen like any request (queue and prefix-cache affinity, `Fleet.pick`) among the
+   prefill backends; it gets the request with `max_tokens: 1`, not streamed, and `kv_transfer_params`
+   asking it to hold the prompt's KV. Its answer names the held blocks, the pod's address and a hold id.
+2. decode: the pod is chosen among the decode backends by load and KV-cache usage only (the strategy's
+   queue and kvUsage terms; no prefix term: the prompt's KV arrives with the request);
+   it gets the client's request unchanged plus the transfer parameters, and its answer (stream or JSON) goes
+   to the client through the ordinary proxy path (retries before the first byte, bounded waits).
+If no prefill pod answers, the request goes to the decode pods as an ordinary request; if the transfer
+fails, the decode pod recomputes the prompt itself. Either way the client gets the same completion.
+
+A client cannot send `kv_transfer_params` itself: the member is dropped from every request the router
+forwards (it names a URL a pod would fetch from).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import aiohttp
+from aiohttp import web
+from tokenfleet.runtime.openai import kv_transfer as wire
+from tokenfleet.runtime.router.config import Retries
+from tokenfleet.runtime.router.fleet import Fleet, PromptKey
+from tokenfleet.runtime.router.model_routes import RouteTarget
+from tokenfleet.runtime.router.proxy import Outcome, Outgoing
+from tokenfleet.runtime.router.proxy import forward as proxy_forward
+
+log = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+# How long a prefill pod holds the KV for the decode pod: the decode pod fetches at once, so this only
+# bounds what an abandoned request (client gone between the phases) keeps pinned.
+HOLD_SECONDS = 30.0
+
+
+def role_targets(fleet: Fleet, targets: tuple[RouteTarget, ...], role: str) -> tuple[RouteTarget, ...]:
+    """The targets narrowed to the backends of one role (targets left with none are dropped)."""
+    roles = {b.name: b.role for b in fleet.config.backends}
+    out = []
+    for t in targets:
+        names = tuple(n for n in t.backends if roles.get(n) == role)
+        if names:
+            out.append(replace(t, backends=names))
+    return tuple(out)
+
+
+def prefill_payload(payload: dict) -> dict:
+    """The client's request as the prefill pod gets it: one token, one choice, not streamed, KV held."""
+    body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options", "n", "best_of")}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body[wire.FIELD] = wire.PrefillParams(hold_seconds=HOLD_SECONDS).model_dump()
+    return body
+
+
+def decode_payload(payload: dict, done: wire.PrefillDone) -> dict:
+    params = wire.DecodeParams(
+        remote_url=done.remote_url, hold_id=done.hold_id, block_hashes=done.block_hashes
+    )
+    return {**payload, wire.FIELD: params.model_dump()}
+
+
+async def forward(
+    request: web.Request, fleet: Fleet, out: Outgoing, retries: Retries
+) -> tuple[web.StreamResponse, Outcome]:
+    """Forward one admitted request, disaggregated when its model has prefill and decode backends."""
+    if wire.FIELD in out.payload:
+        out = replace(out, payload={k: v for k, v in out.payload.items() if k != wire.FIELD})
+    prefill_t = role_targets(fleet, out.targets, PREFILL)
+    decode_t = role_targets(fleet, out.targets, DECODE)
+    if not prefill_t or not decode_t:
+        return await proxy_forward(request, fleet, out, retries)
+    done = await _prefill(fleet, out, prefill_t, retries)
+    # Decode pods are chosen by load and KV-cache usage alone: the prompt's KV comes with the request.
+    decode_out = replace(out, targets=decode_t, prompt=PromptKey(None, "", None), session_key=None)
+    if done is not None:
+        decode_out = replace(decode_out, payload=decode_payload(out.payload, done))
+    resp, outcome = await proxy_forward(request, fleet, decode_out, retries)
+    if done is not None and outcome.status != 200:
+        await release_quietly(fleet.session, done)  # refused before it fetched: do not wait for expiry
+    return resp, outcome
+
+
+async def _prefill(
+    fleet: Fleet, out: Outgoing, targets: tuple[RouteTarget, ...], retries: Retries
+) -> wire.PrefillDone | None:
+    """Run the prompt on a prefill pod; where its KV is held, or None when no prefill pod managed."""
+    tried: set[str] = set()
+    body = prefill_payload(out.payload)
+    timeout = aiohttp.ClientTimeout(
+        total=retries.first_byte_timeout_seconds, connect=retries.connect_timeout_seconds
+    )
+    for _ in range(retries.max_attempts):
+        pick = fleet.pick(targets, out.prompt, out.session_key, frozenset(tried))
+        if pick is None:
+            return None
+        ep = pick.endpoint
+        tried.add(ep.id)
+        fleet.acquire(ep)
+        try:
+            payload = {**body, "model": ep.model}
+            async with fleet.session.post(
+                ep.url + out.path, json=payload, headers=out.headers, timeout=timeout
+            ) as r:
+                if r.status != 200:
+                    log.warning("prefill pod %s answered %d", ep.url, r.status)
+                    if r.status >= 500:
+                        fleet.report(ep, False)
+                    if r.status < 500 and r.status != 429:
+                        return None  # the request itself is refused: the decode pod will say why
+                    continue
+                answer = await r.json()
+            fleet.report(ep, True)
+            fleet.record_route(pick)
+            return wire.PrefillDone.model_validate(answer[wire.FIELD])
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("prefill on %s failed: %s", ep.url, type(e).__name__)
+            fleet.report(ep, False)
+        finally:
+            fleet.release(ep)
+    return None
+
+
+async def release_quietly(session: aiohttp.ClientSession, done: wire.PrefillDone) -> None:
+    """Tell a prefill pod its hold will not be fetched (the client went away between the phases)."""
+    try:
+        async with session.delete(f"{done.remote_url}{wire.HOLDS_PATH}/{done.hold_id}") as r:
+            await r.read()
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass

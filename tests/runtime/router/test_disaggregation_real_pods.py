@@ -1,0 +1,188 @@
+"""The router in front of a prefill pod and a decode pod (real `tokenfleet serve` processes, default model).
+
+A model served by a `role: prefill` and a `role: decode` backend is disaggregated: the prompt is computed on
+the prefill pod, its KV moves to the decode pod, which generates. Checked from the pods' own metrics: the
+completion (JSON and stream, completions and chat) is the one a plain pod gives; the KV really moved;
+a client cannot smuggle transfer parameters; with the prefill pod gone the decode pod serves alone.
+Slow: two model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from tokenfleet.runtime.router.app import ROUTER, build_app
+from tokenfleet.runtime.router.config import RouterConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+TIMEOUT = aiohttp.ClientTimeout(total=300)
+SYSTEM = "You are a museum guide. " + " ".join(
+    f"Fact {i}: the east wing holds the maps of year {1700 + i}." for i in range(10)
+)
+
+
+def _start_pod(tmp: Path, port: int) -> subprocess.Popen:
+    cfg = {
+        "model": {"model": MODEL},
+        "cache": {"num_blocks": 128},
+        "server": {"host": "127.0.0.1", "port": port},
+    }
+    path = tmp / f"pod-{port}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with open(tmp / f"pod-{port}.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp,  # never the repo root: its `operator/` folder would shadow the stdlib module
+        )
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 400.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pod {url} exited with {proc.returncode}")
+            try:
+                async with s.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(1.0)
+    raise TimeoutError(f"pod {url} not ready in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory):
+    import socket
+
+    tmp = tmp_path_factory.mktemp("disagg-router")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    procs = [_start_pod(tmp, p) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+
+        async def all_ready():
+            await asyncio.gather(*(_wait_ready(u, p) for u, p in zip(urls, procs, strict=True)))
+
+        asyncio.run(all_ready())
+        yield list(zip(urls, procs, strict=True))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from tokenfleet.runtime.router.main import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def _router_app(prefill_url: str, decode_url: str, real_tokenizer):
+    cfg = RouterConfig.model_validate(
+        {
+            "backends": [
+                {"name": "prefill", "model": MODEL, "url": prefill_url, "role": "prefill"},
+                {"name": "decode", "model": MODEL, "url": decode_url, "role": "decode"},
+            ],
+            "discovery": {"probeIntervalSeconds": 0.2, "failureThreshold": 1},
+        }
+    )
+    return build_app(cfg, lambda source: real_tokenizer)
+
+
+async def _metric(s, url: str, name: str, labels: str = "") -> float:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+        if labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+def _chat(question: str, **extra) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, **extra}
+
+
+async def _sse_text(r: aiohttp.ClientResponse) -> str:
+    text = []
+    async for line in r.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            for c in json.loads(line[6:])["choices"]:
+                text.append(c.get("delta", {}).get("content") or c.get("text") or "")
+    return "".join(text)
+
+
+async def test_disaggregated_completions_equal_a_plain_pod_json_and_stream(pods, real_tokenizer, serve_app):
+    (p_url, _), (d_url, _) = pods
+    app = _router_app(p_url, d_url, real_tokenizer)
+    async with serve_app(app) as router_url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await app[ROUTER].tokenizers_loaded()
+        sent0 = await _metric(s, p_url, "tokenfleet:kv_transfer_blocks_total", 'direction="sent"')
+        assert sent0 == 0
+        for question in ("Where are the maps of 1705?", "What is in the east wing?"):
+            async with s.post(d_url + "/v1/chat/completions", json=_chat(question + " ")) as r:
+                plain = (await r.json())["choices"][0]["message"]["content"]
+            async with s.post(router_url + "/v1/chat/completions", json=_chat(question + " ")) as r:
+                assert r.status == 200 and r.headers["x-tokenfleet-endpoint"] == d_url
+                assert (await r.json())["choices"][0]["message"]["content"] == plain
+            async with s.post(
+                router_url + "/v1/chat/completions", json=_chat(question + "  ", stream=True)
+            ) as r:
+                streamed = await _sse_text(r)
+            async with s.post(d_url + "/v1/chat/completions", json=_chat(question + "  ")) as r:
+                assert streamed == (await r.json())["choices"][0]["message"]["content"]
+        prompt = {"model": MODEL, "prompt": SYSTEM + " Summary:", "max_tokens": 8, "temperature": 0}
+        async with s.post(router_url + "/v1/completions", json=prompt) as r:
+            via_router = (await r.json())["choices"][0]["text"]
+        async with s.post(p_url + "/v1/completions", json=prompt) as r:
+            assert via_router == (await r.json())["choices"][0]["text"]
+        sent = await _metric(s, p_url, "tokenfleet:kv_transfer_blocks_total", 'direction="sent"')
+        received = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
+        # The decode pod already held the shared system prompt (the plain requests): only the rest moved.
+        assert sent - sent0 > 0 and received == sent
+        assert await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total") == 0
+        # A client cannot name a pod to fetch from: the member is dropped before forwarding.
+        forged = _chat("Hi", kv_transfer_params={"do_remote_prefill": True, "remote_url": "http://10.1.2.3:1",
+                                                 "hold_id": "x", "block_hashes": []})  # fmt: skip
+        async with s.post(router_url + "/v1/chat/completions", json=forged) as r:
+            assert r.status == 200
+        assert await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total") == 0
+
+
+async def test_with_the_prefill_pod_gone_the_decode_pod_serves_alone(pods, real_tokenizer, serve_app):
+    """Last in this module: it kills the prefill pod."""
+    (p_url, p_proc), (d_url, _) = pods
+    p_proc.send_signal(signal.SIGKILL)
+    p_proc.wait(timeout=30)
+    app = _router_app(p_url, d_url, real_tokenizer)
+    async with serve_app(app) as router_url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await app[ROUTER].tokenizers_loaded()
+        async with s.post(router_url + "/v1/chat/completions", json=_chat("Which wing holds maps?")) as r:
+            assert r.status == 200
+            via_router = (await r.json())["choices"][0]["message"]["content"]
+        async with s.post(d_url + "/v1/chat/completions", json=_chat("Which wing holds maps?")) as r:
+            assert via_router == (await r.json())["choices"][0]["message"]["content"]
