@@ -134,6 +134,23 @@ class InferencePoolSettings(_Spec):
     endpoint_picker: EndpointPicker = EndpointPicker()
 
 
+class DisaggregationRole(_Spec):
+    """The pods of one role of a disaggregated deployment; unset fields take the deployment's values."""
+
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Pods of this role.")
+    resources: Resources | None = Field(None, description="Per-pod compute; default: the deployment's.")
+    engine: Engine | None = Field(None, description="Scheduler limits; default: the deployment's.")
+
+
+class Disaggregation(_Spec):
+    """Prefill/decode disaggregation: prompts run on the prefill pods, generation on the decode pods, and the
+    KV moves between them by block hash. Each role is its own Deployment and Service (role label
+    `tokenfleet.io/role`); a router in front learns the roles from its backends."""
+
+    prefill: DisaggregationRole = DisaggregationRole()
+    decode: DisaggregationRole = DisaggregationRole()
+
+
 class ModelDeploymentSpec(_Spec):
     model: ModelSpec = ModelSpec()
     replicas: int = Field(
@@ -154,6 +171,9 @@ class ModelDeploymentSpec(_Spec):
         "resources.gpus > 0 (which must then be a multiple of it), else on CPU.",
     )
     engine: Engine = Engine()
+    disaggregation: Disaggregation | None = Field(
+        None, description="Split prefill and decode into two Deployments; `replicas` is then unused."
+    )
     metrics: Metrics = Metrics()
     inference_pool: InferencePoolSettings = InferencePoolSettings()
     cache_policy_ref: str | None = Field(
@@ -180,6 +200,8 @@ class ModelDeploymentSpec(_Spec):
             raise ValueError("engine.speculative.method draft needs engine.speculative.draftModel")
         if self.autoscaling is not None:
             _check_autoscaling(self.autoscaling, self.routing_policy_ref)
+            if self.disaggregation is not None:
+                raise ValueError("autoscaling a disaggregated deployment (per role) is not supported yet")
         return self
 
 

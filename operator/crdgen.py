@@ -101,7 +101,7 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         # itself, and a default never disagrees with the nested ones. An object with required fields has
         # no default at all (`{}` would not validate).
         out.pop("default", None)
-        if not out.get("required"):
+        if not out.get("required") and not out.get("nullable"):  # `X | None` defaults to null, not to X()
             out["default"] = {}
         # Nor does a required property: the API server validates every default against the schema and
         # its CEL rules (an empty `targets` fails "set at least one"), and a required field has none.

@@ -37,6 +37,7 @@ from tokenfleet.operator.builders import (
     selector_string,
     service_url,
 )
+from tokenfleet.operator.disaggregation import build_disaggregated_children, role_name, router_backends
 from tokenfleet.operator.inference_pool import PoolSupport, build_inference_pool
 from tokenfleet.operator.kube import Kube, NamespaceTerminating, NotServed
 from tokenfleet.operator.router_builders import (
@@ -175,18 +176,22 @@ def _reconcile_model_deployment(
                 build_deployment(name, spec, config),
                 build_service(name),
             ]
+            served = name  # the Deployment the status reports on
+            if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
+                children, served = build_disaggregated_children(name, spec, cache), role_name(name, "decode")
             _adopt_and_apply(ctx, body, children)
             sync_inference_pool(ctx, body, spec, logger)
             outcome = ReconcileOutcome(
-                desired_replicas=spec.replicas,
-                selector=selector_string(name),
-                endpoint=service_url(name, namespace),
+                desired_replicas=spec.replicas if served == name else spec.disaggregation.decode.replicas,
+                selector=selector_string(served),
+                endpoint=service_url(served, namespace),
                 config_hash=config_hash(config),
             )
+    served = name if spec is None or spec.disaggregation is None else role_name(name, "decode")
     # Read the Deployment right before writing status so a concurrent reconcile cannot leave a staler view.
-    deployment = ctx.kube.get("Deployment", namespace, name) if outcome.config_error is None else None
+    deployment = ctx.kube.get("Deployment", namespace, served) if outcome.config_error is None else None
     # The pods say why a rollout does not progress (a crash loop, an unschedulable pod).
-    pods = ctx.kube.list("Pod", namespace, selector_string(name)) if deployment is not None else []
+    pods = ctx.kube.list("Pod", namespace, selector_string(served)) if deployment is not None else []
     previous = body.get("status") or {}
     status = model_deployment_status(outcome, deployment, generation, previous, ctx.now(), pods)
     if status_changed(previous, status):
@@ -359,7 +364,10 @@ def _reconcile_routing_policy(
             logger.info("router %s skips ModelDeployment %s: %s", name, md_name, e)
             continue
         builtin = source_kind(md_spec.model.source) == "builtin"
-        backends.append(build_backend(md_name, namespace, config, builtin))
+        if md_spec.disaggregation is not None:  # one backend per role's Service
+            backends += router_backends(md_name, namespace, md_spec, cache, builtin)
+        else:
+            backends.append(build_backend(md_name, namespace, config, builtin))
     try:
         router_config = build_router_config(namespace, spec, backends, body["metadata"].get("generation"))
     except ValueError as e:  # e.g. a modelRoute naming a backend that does not exist (yet)

@@ -1,0 +1,98 @@
+"""The children of a disaggregated ModelDeployment: per role (prefill, decode) a ConfigMap, a Deployment and a
+Service, each built by the ordinary builders from the deployment's spec with the role's overrides.
+
+Each role's children are named `<name>-<role>` and their pods carry `<group>/role: <role>`; the role's
+Service (and so its EndpointSlices) selects only that role's pods, so a router backend per Service learns
+the role from where the endpoint comes from (`role` in the router's backend config, `router_backends`).
+Both roles serve the same model with the same KV layout (dtype, block size): blocks move between them by
+hash and a decode pod refuses blocks of any other layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec
+from tokenfleet.operator.builders import (
+    build_config_map,
+    build_deployment,
+    build_runtime_config,
+    build_service,
+)
+from tokenfleet.operator.router_builders import build_backend
+from tokenfleet.runtime.router.config import Backend
+
+ROLES = ("prefill", "decode")
+ROLE_LABEL = f"{GROUP}/role"
+
+
+def role_name(md_name: str, role: str) -> str:
+    return f"{md_name}-{role}"
+
+
+def role_spec(spec: ModelDeploymentSpec, role: str) -> ModelDeploymentSpec:
+    """The deployment's spec as one role's pods run it (its replicas, resources and engine overrides)."""
+    assert spec.disaggregation is not None
+    r = getattr(spec.disaggregation, role)
+    return spec.model_copy(
+        update={
+            "replicas": r.replicas,
+            "resources": r.resources or spec.resources,
+            "engine": r.engine or spec.engine,
+            "disaggregation": None,
+        }
+    )
+
+
+def _label(obj: dict[str, Any], md_name: str, role: str) -> None:
+    for labels in (
+        obj["metadata"]["labels"],
+        obj["spec"].get("template", {}).get("metadata", {}).get("labels"),
+    ):
+        if labels is not None:
+            labels[f"{GROUP}/model-deployment"] = md_name
+            labels[ROLE_LABEL] = role
+    selector = obj["spec"].get("selector")
+    if obj["kind"] == "Deployment":
+        selector["matchLabels"][ROLE_LABEL] = role
+    elif obj["kind"] == "Service":
+        selector[ROLE_LABEL] = role
+
+
+def build_disaggregated_children(
+    md_name: str, spec: ModelDeploymentSpec, cache: CachePolicySpec | None
+) -> list[dict[str, Any]]:
+    """ConfigMap, Deployment, Service for the prefill role, then the same for decode."""
+    children: list[dict[str, Any]] = []
+    for role in ROLES:
+        rspec = role_spec(spec, role)
+        config = build_runtime_config(rspec, cache)
+        name = role_name(md_name, role)
+        cm, deployment, service = (
+            build_config_map(name, config),
+            build_deployment(name, rspec, config),
+            build_service(name),
+        )
+        for obj in (cm, deployment, service):
+            if obj["kind"] == "ConfigMap":
+                obj["metadata"].setdefault("labels", {})
+                obj["metadata"]["labels"][f"{GROUP}/model-deployment"] = md_name
+                obj["metadata"]["labels"][ROLE_LABEL] = role
+            else:
+                _label(obj, md_name, role)
+        children += [cm, deployment, service]
+    return children
+
+
+def router_backends(
+    md_name: str, namespace: str, spec: ModelDeploymentSpec, cache, builtin_model: bool
+) -> list[Backend]:
+    """The router backends of a disaggregated deployment: one per role's Service, carrying its role."""
+    out = []
+    for role in ROLES:
+        name = role_name(md_name, role)
+        base = build_backend(
+            name, namespace, build_runtime_config(role_spec(spec, role), cache), builtin_model
+        )
+        out.append(base.model_copy(update={"role": role}))
+    return out
