@@ -1,8 +1,10 @@
 """Tensor-parallel throughput: the same greedy workload at TP=1 and TP=N, in one run.
 
-CPU (gloo): every rank is a process with cores // N threads; on a small machine TP cannot beat TP=1
-(the same cores do the same FLOPs, plus two all-reduces per layer and the per-step broadcast), so the
-figure to read there is the overhead. On GPUs (NCCL, one device per rank) each rank has its own memory
+CPU (gloo): every rank is a process with cores // N threads; on a small machine TP cannot beat TP=1 in
+FLOPs (the same cores do the same work, plus two all-reduces per layer and the per-step broadcast). TP=1
+is measured twice: with all threads, and with the threads one rank gets (on a loaded, shared CPU a
+multi-threaded process loses time at OpenMP barriers whenever one of its threads is descheduled, which
+one-thread ranks do not: compare TP=N with both rows). On GPUs (NCCL, one device per rank) each rank has its own memory
 bandwidth; sizes larger than the visible GPU count are reported as skipped.
 
 The default model is a random-weight Llama with SmolLM2-135M's width but 8 heads / 4 KV heads (SmolLM2's
@@ -22,6 +24,7 @@ import time
 import torch
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.llm import LLM
+from tokenfleet.runtime.engine.parallel.workers import threads_per_rank
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
 
@@ -91,16 +94,26 @@ def main() -> None:
         print(
             f"model {args.model}, {args.num_requests} requests x ({args.prompt_len} in, {args.max_tokens} out), {device}"
         )
-        print(f"{'TP':>4}{'start s':>10}{'out tok/s':>12}{'vs TP=1':>10}")
+        print(f"{'TP':>4}{'threads':>9}{'start s':>10}{'out tok/s':>12}{'vs TP=1':>10}")
         base = None
+        all_threads = torch.get_num_threads()
+        rows = []
         for tp in args.tp:
+            rows.append((tp, all_threads if tp == 1 else threads_per_rank(tp)))
+            if tp == 1 and not gpus and max(args.tp) > 1:
+                # The same threads one rank gets: on a shared CPU, OpenMP barriers across threads of one
+                # process suffer when a thread is descheduled, which N one-thread ranks do not pay.
+                rows.append((1, threads_per_rank(max(args.tp))))
+        for tp, threads in rows:
             if gpus and tp > gpus:
                 print(f"{tp:>4}  skipped: {gpus} GPU(s) visible, one per rank needed")
                 continue
+            if tp == 1:
+                torch.set_num_threads(threads)
             startup, tok_s = run(model, tp, prompts, args.max_tokens)
             base = base or (tok_s if tp == 1 else None)
             ratio = f"{tok_s / base:.2f}x" if base else "-"
-            print(f"{tp:>4}{startup:>10.1f}{tok_s:>12.1f}{ratio:>10}", flush=True)
+            print(f"{tp:>4}{threads:>9}{startup:>10.1f}{tok_s:>12.1f}{ratio:>10}", flush=True)
 
 
 if __name__ == "__main__":
