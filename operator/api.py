@@ -65,6 +65,15 @@ class ModelSpec(_Spec):
     dtype: runtime_field("model.dtype", "Compute dtype; auto = float32 on CPU, bfloat16 on GPU.")
     quantization: runtime_field("model.quantization", "Weight quantization applied at load time.")
     max_model_len: runtime_field("model.max_model_len", "Context length; defaults to the model's.")
+    context_overflow: runtime_field(
+        "model.context_overflow",
+        "A prompt past the context: reject (400) or truncate (chat keeps the system message and the most "
+        "recent whole turns; completions drop from the left).",
+    )
+    generation_config: runtime_field(
+        "model.generation_config",
+        "auto: requests that leave temperature/top-p/top-k unset use the checkpoint's generation defaults.",
+    )
 
 
 class Resources(_Spec):

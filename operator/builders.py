@@ -152,9 +152,6 @@ OPERATOR_SET_FIELDS = frozenset(
 POD_DEFAULT_FIELDS = frozenset(
     {
         "model.attention_backend",  # follows the device
-        "model.seed",
-        "model.context_overflow",
-        "model.generation_config",
         "cache.num_blocks",  # pods size the cache from their memory budget
         "scheduler.enable_chunked_prefill",
         "speculative.draft_layers",

@@ -19,6 +19,7 @@ from tokenfleet.operator.builders import (
 )
 from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.errors import ConfigError
 
 CPU = {"model": {"servedName": "smol"}, "engine": {"maxNumSeqs": 8, "maxWaiting": 10}}
 GPU = {
@@ -52,6 +53,13 @@ def test_runtime_config_from_spec_and_cache_policy():
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
     # What the pod reads back is what the operator meant.
     assert RuntimeConfig.model_validate(__import__("yaml").safe_load(cfg.dump_yaml())) == cfg
+
+
+def test_context_policy_and_generation_defaults_reach_the_pod():
+    _, cfg = _runtime({"model": {"contextOverflow": "truncate", "generationConfig": "none"}})
+    assert (cfg.model.context_overflow, cfg.model.generation_config) == ("truncate", "none")
+    with pytest.raises(ConfigError, match="contextOverflow"):
+        parse_model_deployment({"model": {"contextOverflow": "drop-the-middle"}})
 
 
 def test_without_cache_policy_the_runtime_defaults_apply():
