@@ -23,12 +23,13 @@ forwards (it names a URL a pod would fetch from).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
 from tokenfleet.runtime.openai import kv_transfer as wire
-from tokenfleet.runtime.router.config import Retries
+from tokenfleet.runtime.router.config import Backend, Retries
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
 from tokenfleet.runtime.router.proxy import Outcome, Outgoing
@@ -42,9 +43,11 @@ PREFILL, DECODE = "prefill", "decode"
 HOLD_SECONDS = 30.0
 
 
-def role_targets(fleet: Fleet, targets: tuple[RouteTarget, ...], role: str) -> tuple[RouteTarget, ...]:
+def role_targets(
+    backends: Sequence[Backend], targets: Sequence[RouteTarget], role: str
+) -> tuple[RouteTarget, ...]:
     """The targets narrowed to the backends of one role (targets left with none are dropped)."""
-    roles = {b.name: b.role for b in fleet.config.backends}
+    roles = {b.name: b.role for b in backends}
     out = []
     for t in targets:
         names = tuple(n for n in t.backends if roles.get(n) == role)
@@ -76,8 +79,8 @@ async def forward(
     """Forward one admitted request, disaggregated when its model has prefill and decode backends."""
     if wire.FIELD in out.payload:
         out = replace(out, payload={k: v for k, v in out.payload.items() if k != wire.FIELD})
-    prefill_t = role_targets(fleet, out.targets, PREFILL)
-    decode_t = role_targets(fleet, out.targets, DECODE)
+    prefill_t = role_targets(fleet.config.backends, out.targets, PREFILL)
+    decode_t = role_targets(fleet.config.backends, out.targets, DECODE)
     if not prefill_t or not decode_t:
         return await proxy_forward(request, fleet, out, retries)
     done = await _prefill(fleet, out, prefill_t, retries)
