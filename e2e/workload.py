@@ -4,8 +4,8 @@ classifies every request the way a user would see it.
 - `ok`: the stream ended with `data: [DONE]` and no error event;
 - `failed_before_start`: an HTTP error or a broken connection before the first byte (a request the
   router should have retried elsewhere — this must never happen);
-- `failed_in_flight`: the stream started, then ended with an error event or broke (a pod died under it;
-  reported, since no proxy can retry a half-sent stream).
+- `failed_in_flight`: the stream started, then ended with an error event or broke (a pod died under it and
+  the router could not continue the stream on another pod).
 """
 
 from __future__ import annotations
