@@ -23,6 +23,13 @@ from tokenfleet.runtime.config import CacheConfig
 from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier, KVTransfer
 from tokenfleet.runtime.engine.kv_cache.offload_copy import HostKVBuffers
 from tokenfleet.runtime.engine.kv_cache.pins import PinKey
+from tokenfleet.runtime.engine.parallel.host_kv import (
+    HostKVAlloc,
+    HostKVCopy,
+    HostKVFree,
+    HostKVOp,
+    HostKVResize,
+)
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,6 +58,13 @@ class CachePolicyRuntime:
     def _run_transfers(self, transfers: list[KVTransfer]) -> None:
         assert self.host_buffers is not None
         self.host_buffers.run(transfers, self._core.runner.kv_caches)
+        self._mirror(HostKVCopy(tuple(transfers)))
+
+    def _mirror(self, op: HostKVOp) -> None:
+        """Tensor parallel: each rank holds its own heads' KV, so every host-tier operation rank 0 runs on
+        its shard is replayed by the workers on theirs (with the next step; see parallel/host_kv.py)."""
+        if self._core.workers is not None:
+            self._core.workers.queue_host_kv(op)
 
     def apply(self, cache: CacheConfig) -> None:
         km = self._core.kv_manager
@@ -70,22 +84,23 @@ class CachePolicyRuntime:
                 cpu_offload_gib,
                 self._bytes_per_block,
             )
-        if num_slots > 0 and self._core.workers is not None:
-            logger.warning("the KV host tier is not supported with tensor parallelism: offload stays off")
-            num_slots = 0
         if num_slots < 1 or not km.enable_caching:
             if km.host is not None:
                 logger.info("KV host tier off")
             km.attach_host_tier(None)
+            if self.host_buffers is not None:
+                self._mirror(HostKVFree())
             self.host_buffers = None
             return
         if km.host is None or self.host_buffers is None:
             host = HostKVTier(num_slots)
             self.host_buffers = HostKVBuffers(self._core.runner.kv_caches, num_slots)
+            self._mirror(HostKVAlloc(num_slots))
             km.attach_host_tier(host, self._run_transfers)
         elif km.host.num_slots != num_slots:
             moves = km.host.resize(num_slots)
             self.host_buffers.resize(moves, num_slots)
+            self._mirror(HostKVResize(moves, num_slots))
         else:
             return
         logger.info(

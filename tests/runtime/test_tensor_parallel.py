@@ -162,8 +162,6 @@ def test_sizes_that_do_not_divide_fail_at_start_up_with_the_reason():
         LLM(config=_tp(2, model={"dtype": "float32"}, cache={"num_blocks": 16}))
     with pytest.raises(ConfigError, match=r"speculative\.method 'self'"):
         LLM(config=_tp(3, speculative={"method": "self"}))
-    with pytest.raises(ConfigError, match="cpu_offload_gib"):
-        LLM(config=_tp(3, cache={"cpu_offload_gib": 1.0}))
 
 
 def test_each_rank_reads_only_its_slice():

@@ -1,8 +1,7 @@
 """What tensor parallelism supports today, checked at start-up (a clear ConfigError instead of wrong output).
 
 Model drafts for speculative decoding (`draft`, `self`) would have to run their own forwards on every
-rank; the host KV tier would have to copy every rank's heads. Both are refused with tensor_parallel_size
-> 1 (n-gram speculation needs no model and works). Model-shape limits are checked by
+rank: they are refused with tensor_parallel_size > 1 (n-gram speculation needs no model and works). Model-shape limits are checked by
 `model/tensor_parallel.check_tensor_parallel` when the shard loads.
 """
 
@@ -21,8 +20,6 @@ def check_tensor_parallel_config(config: RuntimeConfig, loaded: object | None) -
             f"speculative.method {config.speculative.method!r} is not supported with tensor_parallel_size "
             f"{size} (use 'ngram', or tensor_parallel_size 1)"
         )
-    if config.cache.cpu_offload_gib > 0:
-        raise ConfigError(f"cache.cpu_offload_gib is not supported with tensor_parallel_size {size} yet")
     shard = getattr(getattr(loaded, "model", None), "arch", None)
     if shard is not None and shard.tp_size != size:
         raise ConfigError("a preloaded model cannot be used with tensor parallelism: pass the config only")

@@ -4,8 +4,8 @@ Protocol over its pipe to rank 0 (pickled tuples):
   worker -> rank 0   ("ready", num_blocks) once its shard is loaded (the KV blocks its memory allows),
                      or ("error", message) when loading failed;
   rank 0 -> worker   ("start", num_blocks): the agreed block count (the smallest over the ranks); both
-                     sides then join the process group; after that, each step's SchedulerOutput, and None
-                     to stop.
+                     sides then join the process group; after that, each step as (SchedulerOutput, host KV
+                     operations to replay first), and None to stop.
 For a step the worker builds the same inputs as rank 0 from the same message (`prepare_inputs`) and runs
 the same forward on its shard (all-reduces and the logits' all-gather are collectives every rank joins);
 sampling happens on rank 0 only.
@@ -60,6 +60,7 @@ def worker_main(
     import torch
     from tokenfleet.runtime.config import RuntimeConfig
     from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks
+    from tokenfleet.runtime.engine.parallel.host_kv import HostKVReplica
     from tokenfleet.runtime.engine.parallel.workers import collective_timeout_s, rank_device, threads_per_rank
     from tokenfleet.runtime.model.loader import load_model
 
@@ -87,13 +88,16 @@ def worker_main(
         init_method, rank, size, "nccl" if device.type == "cuda" else "gloo", collective_timeout_s(config)
     )
     runner = ModelRunner(loaded, config.cache, device, num_blocks)
+    host_kv = HostKVReplica()
     while True:
         try:
-            output = conn.recv()
+            message = conn.recv()
         except EOFError:  # rank 0 is gone
             break
-        if output is None:
+        if message is None:
             break
+        output, host_ops = message
+        host_kv.apply(host_ops, runner.kv_caches)
         runner.forward(runner.prepare_inputs(output))
     conn.close()
     import torch.distributed as dist

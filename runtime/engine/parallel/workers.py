@@ -4,8 +4,9 @@ Rank 0 is the serving process itself: it keeps the scheduler, the asyncio server
 `TPWorkers.start` spawns ranks 1 .. N-1 (torch.multiprocessing, spawn: a fresh interpreter that inherits
 no sockets or threads) from a supervisor thread that lives as long as the workers, so their parent-death
 signal (see worker.py) fires exactly when rank 0 goes away. Start-up fails fast and with the worker's own
-message when a shard cannot load. Then, each step, rank 0 sends the SchedulerOutput down every worker's
-pipe before running its own shard (`broadcast`); all ranks meet in the forward's collectives (gloo on
+message when a shard cannot load. Then, each step, rank 0 sends the SchedulerOutput (with the host KV tier's copies
+queued since the last step, see host_kv.py) down every worker's pipe before running its own shard
+(`broadcast`); all ranks meet in the forward's collectives (gloo on
 CPU, NCCL on CUDA), on loopback.
 
 Failure: the supervisor watches the workers' process sentinels. When one exits unasked, the engine is
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
+from tokenfleet.runtime.engine.parallel.host_kv import HostKVOp
 from tokenfleet.runtime.engine.parallel.worker import init_process_group, worker_main
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
 from tokenfleet.runtime.errors import ConfigError, EngineDeadError
@@ -82,6 +84,7 @@ class TPWorkers:
         self._wake_r, self._wake_w = os.pipe()  # wakes the supervisor out of wait() on stop()
         self.dead: str | None = None
         self._joined = False  # rank 0 is in the process group
+        self._host_ops: list[HostKVOp] = []  # rank 0's host-tier operations, sent with the next step
         self._supervisor = threading.Thread(
             target=self._supervise, name="tokenfleet-tp-supervisor", daemon=True
         )
@@ -148,12 +151,19 @@ class TPWorkers:
 
     # ---- serving -------------------------------------------------------------------------------------
 
+    def queue_host_kv(self, op: HostKVOp) -> None:
+        """A host KV tier operation rank 0 has run on its shard: the workers replay it before the next step."""
+        self._host_ops.append(op)
+
     def broadcast(self, output: SchedulerOutput) -> None:
-        """Hand one step to every worker (before rank 0 runs its own shard)."""
+        """Hand one step (and the host KV copies queued since the last) to every worker, before rank 0 runs
+        its own shard."""
         self.check()
+        message = (output, tuple(self._host_ops))
+        self._host_ops.clear()
         try:
             for conn in self._conns:
-                conn.send(output)
+                conn.send(message)
         except OSError as e:  # a broken pipe: the worker is gone
             raise EngineDeadError(self.dead or f"a tensor-parallel worker is gone: {e!r}") from e
 
