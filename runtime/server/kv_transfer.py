@@ -203,7 +203,11 @@ async def _prefill(
     )
     body = json.loads(resp.body)
     body[wire.FIELD] = done.model_dump()
-    return web.json_response(body, status=resp.status)
+    out = web.json_response(body, status=resp.status)
+    for key, value in resp.headers.items():  # e.g. how many prompt tokens truncation dropped
+        if key.lower() not in ("content-length", "content-type"):
+            out.headers[key] = value
+    return out
 
 
 async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
