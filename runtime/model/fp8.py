@@ -22,6 +22,14 @@ QUANTIZED_LINEARS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"
 # Per-output-channel weights x per-token dynamic activations: no calibration data, one scale per row and
 # per token, and no per-K-block rescaling in the GEMM's inner loop (layouts: kernels/fp8_quant.py).
 WEIGHT_SCALING = "per_channel"
+# Tensor parallelism: each rank quantises its own shard after loading it. Column-parallel layers (qkv,
+# gate/up) hold whole rows and see the whole input, so their codes and scales equal one process's. The
+# row-parallel ones (o, down) hold a slice of each row and see the matching slice of each token: a rank's
+# weight scale covers its slice of the row, and the per-token activation scale its slice of the token.
+# Each such group is a subset of the whole, so the scales are at least as fine as one process's (no less
+# accurate), but not bit-identical to them. Identical results would need full-row weight scales (reading
+# every row-parallel tensor whole) and an all-reduce(max) of every token's activation range before each
+# row-parallel GEMM — one more collective per projection on the decode path, which is not worth paying.
 
 
 class Fp8Linear(nn.Module):
