@@ -294,4 +294,11 @@ class ModelRunner:
         slots)."""
         if self.proposer is None or not batch:
             return [[] for _ in batch]
-        return self.proposer.propose(batch)
+        if self.workers is None:
+            return self.proposer.propose(batch)
+        self.workers.broadcast_proposals(batch)  # tensor parallel: only the self-draft gets here
+        try:
+            return self.proposer.propose(batch)
+        except RuntimeError:  # a collective failed: name the worker that died, if one did
+            self.workers.check()
+            raise

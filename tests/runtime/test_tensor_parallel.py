@@ -3,7 +3,7 @@
 - Sharded greedy output is token-identical to one process (logprobs within fp32 tolerance): the default
   model split 3 ways (9 heads, 3 KV heads: one each), tiny random Llama (1 KV head, replicated), Qwen2 (QKV
   bias) and Qwen2-MoE (experts and shared expert split) checkpoints split 2 ways — with prefix-cache hits,
-  preemption and n-gram speculation on.
+  preemption, n-gram speculation and the self-draft on.
 - Failure: a worker killed mid-request ends the request with an error and fails /health, SIGTERM stops
   every worker, and a crash of rank 0 leaves no worker behind.
 """
@@ -157,11 +157,30 @@ def test_ngram_speculation_at_tp2_matches_plain_decoding(checkpoints):
     assert stats.spec_decode_num_drafts > 0
 
 
+@pytest.mark.slow
+def test_self_speculation_at_tp2_matches_plain_decoding(checkpoints):
+    """The self-draft (the sharded target's first layer + its LM head, writing the shared paged KV) runs on
+    every rank; verification keeps the output the target's own."""
+    prompts = [[5, 9, 17, 23] * 3, [40, 41, 42, 43, 40, 41, 42]]
+    model = {"model": checkpoints["llama"], "dtype": "float32"}
+    cache = {"block_size": 8, "num_blocks": 32}
+    reference = _run(LLM(config=_tp(1, model=model, cache=cache)), prompts)
+    spec = {"method": "self", "num_speculative_tokens": 2, "draft_layers": 1}
+    llm = LLM(config=_tp(2, model=model, cache=cache, speculative=spec))
+    try:
+        sharded = _run(llm, prompts)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    _assert_same(reference, sharded)
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
 def test_sizes_that_do_not_divide_fail_at_start_up_with_the_reason():
     with pytest.raises(ConfigError, match="9 attention heads"):
         LLM(config=_tp(2, model={"dtype": "float32"}, cache={"num_blocks": 16}))
-    with pytest.raises(ConfigError, match=r"speculative\.method 'self'"):
-        LLM(config=_tp(3, speculative={"method": "self"}))
+    with pytest.raises(ConfigError, match=r"speculative\.method 'draft'"):
+        LLM(config=_tp(3, speculative={"method": "draft", "draft_model": "HuggingFaceTB/SmolLM2-135M"}))
 
 
 def test_each_rank_reads_only_its_slice():

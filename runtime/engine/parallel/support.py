@@ -1,7 +1,7 @@
 """What tensor parallelism supports today, checked at start-up (a clear ConfigError instead of wrong output).
 
-Model drafts for speculative decoding (`draft`, `self`) would have to run their own forwards on every
-rank: they are refused with tensor_parallel_size > 1 (n-gram speculation needs no model and works). Model-shape limits are checked by
+A separate draft model for speculative decoding (`draft`) is refused with tensor_parallel_size > 1;
+n-gram speculation needs no model, and the self-draft runs on every rank (parallel/worker.py). Model-shape limits are checked by
 `model/tensor_parallel.check_tensor_parallel` when the shard loads.
 """
 
@@ -10,7 +10,10 @@ from __future__ import annotations
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import ConfigError
 
-UNSUPPORTED_SPECULATIVE = frozenset({"draft", "self"})
+# A separate draft model (`draft`) would need sharding of its own, or a replica on rank 0 sized against
+# the target's shard; it is refused. The self-draft is the sharded target's first layers: every rank runs it.
+UNSUPPORTED_SPECULATIVE = frozenset({"draft"})
+SHARDED_DRAFTS = frozenset({"self"})
 
 
 def check_tensor_parallel_config(config: RuntimeConfig, loaded: object | None) -> None:

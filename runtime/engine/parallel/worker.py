@@ -4,8 +4,9 @@ Protocol over its pipe to rank 0 (pickled tuples):
   worker -> rank 0   ("ready", num_blocks) once its shard is loaded (the KV blocks its memory allows),
                      or ("error", message) when loading failed;
   rank 0 -> worker   ("start", num_blocks): the agreed block count (the smallest over the ranks); both
-                     sides then join the process group; after that, each step as (SchedulerOutput, host KV
-                     operations to replay first), and None to stop.
+                     sides then join the process group; after that, each step as ("step", SchedulerOutput,
+                     host KV operations to replay first) and each self-draft as ("propose", proposal
+                     inputs, host KV operations); None to stop.
 For a step the worker builds the same inputs as rank 0 from the same message (`prepare_inputs`) and runs
 the same forward on its shard (all-reduces and the logits' all-gather are collectives every rank joins);
 sampling happens on rank 0 only.
@@ -61,7 +62,9 @@ def worker_main(
     from tokenfleet.runtime.config import RuntimeConfig
     from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks
     from tokenfleet.runtime.engine.parallel.host_kv import HostKVReplica
+    from tokenfleet.runtime.engine.parallel.support import SHARDED_DRAFTS
     from tokenfleet.runtime.engine.parallel.workers import collective_timeout_s, rank_device, threads_per_rank
+    from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
     from tokenfleet.runtime.model.loader import load_model
 
     try:
@@ -87,7 +90,13 @@ def worker_main(
     init_process_group(
         init_method, rank, size, "nccl" if device.type == "cuda" else "gloo", collective_timeout_s(config)
     )
-    runner = ModelRunner(loaded, config.cache, device, num_blocks)
+    # A draft made of the sharded target's own layers runs on every rank (its forwards are collectives).
+    proposer = (
+        build_proposer(config.speculative, loaded, device)
+        if config.speculative.method in SHARDED_DRAFTS
+        else None
+    )
+    runner = ModelRunner(loaded, config.cache, device, num_blocks, proposer)
     host_kv = HostKVReplica()
     while True:
         try:
@@ -96,9 +105,12 @@ def worker_main(
             break
         if message is None:
             break
-        output, host_ops = message
+        kind, work, host_ops = message
         host_kv.apply(host_ops, runner.kv_caches)
-        runner.forward(runner.prepare_inputs(output))
+        if kind == "step":
+            runner.forward(runner.prepare_inputs(work))
+        else:  # "propose": the same argmax loop as rank 0 (the logits are all-gathered: same proposals)
+            runner.propose(work)
     conn.close()
     import torch.distributed as dist
 

@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -33,6 +34,7 @@ from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
 from tokenfleet.runtime.engine.parallel.host_kv import HostKVOp
 from tokenfleet.runtime.engine.parallel.worker import init_process_group, worker_main
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
+from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput
 from tokenfleet.runtime.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -158,8 +160,22 @@ class TPWorkers:
     def broadcast(self, output: SchedulerOutput) -> None:
         """Hand one step (and the host KV copies queued since the last) to every worker, before rank 0 runs
         its own shard."""
+        self._send(("step", output))
+
+    def broadcast_proposals(self, batch: Sequence[ProposalInput]) -> None:
+        """Hand a self-draft to every worker (the draft is the sharded target's first layers: its forwards
+        are collectives too). Only what drafting reads travels: not the requests' whole token lists."""
+        compact = [
+            ProposalInput(
+                p.request_id, (), (p.last_token_id,), p.num_computed_tokens, p.num_spec, tuple(p.block_ids)
+            )
+            for p in batch
+        ]
+        self._send(("propose", compact))
+
+    def _send(self, work: tuple[str, object]) -> None:
         self.check()
-        message = (output, tuple(self._host_ops))
+        message = (*work, tuple(self._host_ops))
         self._host_ops.clear()
         try:
             for conn in self._conns:
