@@ -125,6 +125,10 @@ async def _prefill(
                 answer = await r.json()
             fleet.report(ep, True)
             fleet.record_route(pick)
+            if not isinstance(answer, dict) or wire.FIELD not in answer:
+                return (
+                    None  # the pod holds nothing (e.g. tensor parallel): the decode pod computes the prompt
+                )
             return wire.PrefillDone.model_validate(answer[wire.FIELD])
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("prefill on %s failed: %s", ep.url, type(e).__name__)

@@ -13,7 +13,8 @@ transfer into a full prefix hit. A transport failure or timeout, or blocks that 
 recomputing the prompt (`tokenfleet:kv_transfer_fallbacks_total{reason}`) — the answer is the same.
 
 `KVTransport` is the seam: `HttpKVTransport` moves bytes over the pod's HTTP port; an RDMA/NIXL transport
-would implement the same two calls and read the same held blocks.
+would implement the same two calls and read the same held blocks. Tensor-parallel pods take no part (they
+hold only rank 0's shard of each block): they compute the prompt themselves.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ async def _prefill(
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
     engine = state.require_engine()
+    if _sharded(engine):
+        return await handler(request)  # no hold: the router then lets the decode pod compute the prompt
     token_ids, salt = _prompt(request.path, state, engine, raw)
     resp = await handler(request)
     if resp.status != 200 or not isinstance(resp, web.Response) or resp.body is None:
@@ -282,6 +285,8 @@ async def _decode(request: web.Request, params: wire.DecodeParams) -> None:
     kvs = request.app[KV_TRANSFER_KEY]
     engine = state.require_engine()
     auth = request.headers.get("Authorization")
+    if _sharded(engine):
+        return _fallback(kvs, "tensor_parallel", KVTransferError("this pod's KV is sharded over ranks"))
     try:
         hashes = [bytes.fromhex(h) for h in params.block_hashes]
     except ValueError:
@@ -321,6 +326,12 @@ async def _decode(request: web.Request, params: wire.DecodeParams) -> None:
     kvs.metrics.blocks.labels("received").inc(inserted)
     kvs.metrics.bytes.labels("received").inc(sum(len(p) for p in payloads[:inserted]))
     kvs.metrics.seconds.observe(time.monotonic() - t0)
+
+
+def _sharded(engine) -> bool:
+    """Tensor parallel: this process holds only rank 0's heads of each block; moving that shard alone would
+    leave the other ranks' KV wrong, so such pods neither hold nor fetch (they compute the prompt)."""
+    return engine.config.parallel.tensor_parallel_size > 1
 
 
 def _fallback(kvs: KVTransferState, reason: str, error: BaseException) -> None:
