@@ -4,6 +4,7 @@
   KV manager decides; greedy output after a host round trip equals one process and equals no offload.
 - FP8: an fp8_e4m3 KV cache is exact under sharding; fp8 weights (quantised per shard) stay as close to
   the unquantised model as one process's.
+- The Triton attention backend: each rank's kernels on its own heads give the torch backend's output.
 """
 
 from __future__ import annotations
@@ -116,3 +117,42 @@ def test_fp8_weights_at_tp2_are_as_close_to_full_precision_as_one_process(checkp
         err_two = max(abs(tb[t] - tf[t]) for t in common)
         assert 1e-3 < err_one < 0.05  # quantised, and still the same model
         assert err_two <= 1.5 * err_one  # measured: 0.019 vs 0.016 at most
+
+
+# ---- the Triton attention backend --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_triton_attention_backend_at_tp2_matches_torch_backend_in_one_process(checkpoints):  # noqa: F811
+    """Each rank's kernels see only its heads (4 query heads, 1 replicated KV head -> 2 and 1 per rank).
+    On CPU the kernels run under the Triton interpreter (set by tests/conftest.py, inherited by the
+    spawned workers); fp32 only there."""
+    shared = [5, 9, 17, 23, 5, 9, 40, 41]  # one full block of 8: the second prompt's prefix hit
+    prompts = [[*shared, 42, 43], [*shared, 60, 61, 62]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    def run(tp: int, backend: str):
+        llm = LLM(
+            config=RuntimeConfig.model_validate(
+                {
+                    "model": {
+                        "model": checkpoints["llama"],
+                        "dtype": "float32",
+                        "attention_backend": backend,
+                    },
+                    "cache": {"block_size": 8, "num_blocks": 16},
+                    "parallel": {"tensor_parallel_size": tp},
+                }
+            )
+        )
+        try:
+            outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+            return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs], outs[1].num_cached_tokens
+        finally:
+            llm.shutdown()
+
+    (reference, _), (sharded, cached) = run(1, "torch"), run(2, "triton")
+    assert cached == 8
+    for (ids1, lps1), (ids2, lps2) in zip(reference, sharded, strict=True):
+        assert ids1 == ids2
+        assert lps1 == pytest.approx(lps2, abs=1e-4)
