@@ -22,6 +22,7 @@ forwards (it names a URL a pod would fetch from).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -41,6 +42,7 @@ PREFILL, DECODE = "prefill", "decode"
 # How long a prefill pod holds the KV for the decode pod: the decode pod fetches at once, so this only
 # bounds what an abandoned request (client gone between the phases) keeps pinned.
 HOLD_SECONDS = 30.0
+_releases: set[asyncio.Task] = set()  # hold releases sent for clients that left (kept until they finish)
 
 
 def role_targets(
@@ -88,9 +90,18 @@ async def forward(
     decode_out = replace(out, targets=decode_t, prompt=PromptKey(None, "", None), session_key=None)
     if done is not None:
         decode_out = replace(decode_out, payload=decode_payload(out.payload, done))
-    resp, outcome = await proxy_forward(request, fleet, decode_out, retries)
+    try:
+        resp, outcome = await proxy_forward(request, fleet, decode_out, retries)
+    except asyncio.CancelledError:  # the client left: a hold the decode pod has not fetched yet goes now
+        if done is not None:
+            task = asyncio.get_running_loop().create_task(release_quietly(fleet.session, done, out.headers))
+            _releases.add(task)
+            task.add_done_callback(_releases.discard)
+        raise
     if done is not None and outcome.status != 200:
-        await release_quietly(fleet.session, done)  # refused before it fetched: do not wait for expiry
+        await release_quietly(
+            fleet.session, done, out.headers
+        )  # refused before it fetched: do not wait for expiry
     return resp, outcome
 
 
@@ -138,10 +149,14 @@ async def _prefill(
     return None
 
 
-async def release_quietly(session: aiohttp.ClientSession, done: wire.PrefillDone) -> None:
+async def release_quietly(
+    session: aiohttp.ClientSession, done: wire.PrefillDone, headers: dict[str, str]
+) -> None:
     """Tell a prefill pod its hold will not be fetched (the client went away between the phases)."""
+    auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+    url = f"{done.remote_url}{wire.HOLDS_PATH}/{done.hold_id}"
     try:
-        async with session.delete(f"{done.remote_url}{wire.HOLDS_PATH}/{done.hold_id}") as r:
+        async with session.delete(url, headers=auth, timeout=aiohttp.ClientTimeout(total=5)) as r:
             await r.read()
     except (TimeoutError, aiohttp.ClientError, OSError):
-        pass
+        pass  # the hold expires on its own

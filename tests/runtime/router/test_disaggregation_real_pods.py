@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import signal
 import subprocess
@@ -171,6 +172,38 @@ async def test_disaggregated_completions_equal_a_plain_pod_json_and_stream(pods,
         async with s.post(router_url + "/v1/chat/completions", json=forged) as r:
             assert r.status == 200
         assert await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total") == 0
+
+
+async def _used(s, url: str) -> float:
+    async with s.get(url + "/load") as r:
+        return (await r.json())["kv_cache_usage"]
+
+
+async def test_clients_leaving_in_either_phase_leave_no_used_kv_blocks_on_either_pod(
+    pods, real_tokenizer, serve_app
+):
+    (p_url, _), (d_url, _) = pods
+    app = _router_app(p_url, d_url, real_tokenizer)
+    rng = random.Random(3)
+    async with serve_app(app) as router_url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        await app[ROUTER].tokenizers_loaded()
+
+        async def one(i: int) -> None:
+            body = _chat(f"Question {i}: what is kept in room {i}?", max_tokens=32, stream=True)
+            try:
+                async with asyncio.timeout(rng.uniform(0.05, 3.0)):  # then the client hangs up
+                    async with s.post(router_url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+            except TimeoutError:
+                pass
+
+        for batch in range(3):
+            await asyncio.gather(*(one(4 * batch + k) for k in range(4)))
+        # Aborts free at once and an unfetched hold is released by the router: well before any expiry.
+        deadline = time.monotonic() + 45
+        while (used := [await _used(s, p_url), await _used(s, d_url)]) != [0.0, 0.0]:
+            assert time.monotonic() < deadline, used
+            await asyncio.sleep(0.2)
 
 
 async def test_with_the_prefill_pod_gone_the_decode_pod_serves_alone(pods, real_tokenizer, serve_app):
