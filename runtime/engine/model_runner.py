@@ -296,7 +296,7 @@ class ModelRunner:
             return [[] for _ in batch]
         if self.workers is None:
             return self.proposer.propose(batch)
-        self.workers.broadcast_proposals(batch)  # tensor parallel: only the self-draft gets here
+        self.workers.broadcast_proposals(batch)  # tensor parallel: a self-draft runs on every rank
         try:
             return self.proposer.propose(batch)
         except RuntimeError:  # a collective failed: name the worker that died, if one did

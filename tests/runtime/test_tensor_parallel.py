@@ -176,11 +176,28 @@ def test_self_speculation_at_tp2_matches_plain_decoding(checkpoints):
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
 
 
+@pytest.mark.slow
+def test_a_separate_draft_model_at_tp2_runs_on_rank_0_and_matches_plain_decoding(checkpoints):
+    """The draft model (here the target's own checkpoint, unsharded: every proposal is right) is loaded
+    whole on rank 0 only, next to its target shard, and drafts without collectives."""
+    prompts = [[5, 9, 17, 23] * 3, [40, 41, 42, 43, 40, 41, 42]]
+    model = {"model": checkpoints["llama"], "dtype": "float32"}
+    cache = {"block_size": 8, "num_blocks": 32}
+    reference = _run(LLM(config=_tp(1, model=model, cache=cache)), prompts)
+    spec = {"method": "draft", "num_speculative_tokens": 2, "draft_model": checkpoints["llama"]}
+    llm = LLM(config=_tp(2, model=model, cache=cache, speculative=spec))
+    try:
+        sharded = _run(llm, prompts)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    _assert_same(reference, sharded)
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0  # draft = target
+
+
 def test_sizes_that_do_not_divide_fail_at_start_up_with_the_reason():
     with pytest.raises(ConfigError, match="9 attention heads"):
         LLM(config=_tp(2, model={"dtype": "float32"}, cache={"num_blocks": 16}))
-    with pytest.raises(ConfigError, match=r"speculative\.method 'draft'"):
-        LLM(config=_tp(3, speculative={"method": "draft", "draft_model": "HuggingFaceTB/SmolLM2-135M"}))
 
 
 def test_each_rank_reads_only_its_slice():

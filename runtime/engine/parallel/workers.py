@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
 from tokenfleet.runtime.engine.parallel.host_kv import HostKVOp
+from tokenfleet.runtime.engine.parallel.support import SHARDED_DRAFTS
 from tokenfleet.runtime.engine.parallel.worker import init_process_group, worker_main
 from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput
@@ -86,6 +87,7 @@ class TPWorkers:
         self._wake_r, self._wake_w = os.pipe()  # wakes the supervisor out of wait() on stop()
         self.dead: str | None = None
         self._joined = False  # rank 0 is in the process group
+        self._shards_draft = config.speculative.method in SHARDED_DRAFTS  # else rank 0 alone drafts
         self._host_ops: list[HostKVOp] = []  # rank 0's host-tier operations, sent with the next step
         self._supervisor = threading.Thread(
             target=self._supervise, name="tokenfleet-tp-supervisor", daemon=True
@@ -164,7 +166,10 @@ class TPWorkers:
 
     def broadcast_proposals(self, batch: Sequence[ProposalInput]) -> None:
         """Hand a self-draft to every worker (the draft is the sharded target's first layers: its forwards
-        are collectives too). Only what drafting reads travels: not the requests' whole token lists."""
+        are collectives too). Only what drafting reads travels: not the requests' whole token lists.
+        A separate draft model runs on rank 0 alone: nothing to send."""
+        if not self._shards_draft:
+            return
         compact = [
             ProposalInput(
                 p.request_id, (), (p.last_token_id,), p.num_computed_tokens, p.num_spec, tuple(p.block_ids)
