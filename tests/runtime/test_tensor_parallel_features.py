@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.llm import LLM
@@ -156,3 +158,34 @@ def test_triton_attention_backend_at_tp2_matches_torch_backend_in_one_process(ch
     for (ids1, lps1), (ids2, lps2) in zip(reference, sharded, strict=True):
         assert ids1 == ids2
         assert lps1 == pytest.approx(lps2, abs=1e-4)
+
+
+# ---- structured output -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_structured_output_at_tp2_matches_one_process(checkpoints):  # noqa: F811
+    """The grammar's token mask spans the whole (all-gathered) vocabulary, not one rank's slice of it."""
+    from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
+
+    pattern = "(tensor|parallel|shards) (of|one) model"
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_output=GrammarSpec.regex(pattern))
+
+    def run(tp: int) -> list[str]:
+        llm = LLM(
+            config=RuntimeConfig.model_validate(
+                {
+                    "model": {"model": checkpoints["llama"], "dtype": "float32"},
+                    "cache": {"block_size": 8, "num_blocks": 16},
+                    "parallel": {"tensor_parallel_size": tp},
+                }
+            )
+        )
+        try:
+            return [o.text for o in llm.generate([[5, 9, 17], [40, 41]], params)]
+        finally:
+            llm.shutdown()
+
+    one, two = run(1), run(2)
+    assert one == two
+    assert all(re.fullmatch(pattern, text) for text in two), two
