@@ -11,6 +11,12 @@ Request member `kv_transfer_params` (router -> pod, in the OpenAI body; other se
   the blocks this pod does not hold yet, insert them as prefix-cache blocks, then run the request as an
   ordinary request (a full prefix hit). Any transfer failure (prefill pod gone, timeout, refused blocks)
   means the pod recomputes the prompt: the answer is the same, only slower.
+- streamed: the router may instead stream the prefill (`stream: true`, `max_tokens: 1`, resumable-stream
+  annotations) so the client gets the first token at once; the prefill pod then names its hold in the
+  `x-tokenfleet-kv-hold` response header, and the decode pod gets the request as a continuation of that
+  stream (`tokenfleet_continuation`, runtime/openai/resume.py) with `kv_transfer_params` without
+  `block_hashes`: it hashes the continuation's prompt ids itself. A fetch that arrives before the prefill
+  stream has ended waits for its hold.
 
 Block stream (`POST {remote_url}/v1/kv/fetch`, body `{"hold_id": str, "start": int}`, response
 `application/octet-stream`, chunked):
@@ -35,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 FIELD = "kv_transfer_params"
 FETCH_PATH = "/v1/kv/fetch"
 HOLDS_PATH = "/v1/kv/holds"
+HOLD_HEADER = "x-tokenfleet-kv-hold"  # a streamed prefill's hold id (its answer has no body to carry it)
 CONTENT_TYPE = "application/octet-stream"
 DEFAULT_HOLD_SECONDS = 30.0
 MAX_HOLD_SECONDS = 600.0
@@ -64,7 +71,7 @@ class DecodeParams(_Wire):
     do_remote_prefill: bool = True
     remote_url: str
     hold_id: str
-    block_hashes: list[str]
+    block_hashes: list[str] = Field(default_factory=list)  # empty: the decode pod hashes the prompt itself
 
 
 class FetchRequest(_Wire):

@@ -11,8 +11,10 @@ The flow for one request:
    asking it to hold the prompt's KV. Its answer names the held blocks, the pod's address and a hold id.
 2. decode: the pod is chosen among the decode backends by load and KV-cache usage only (the strategy's
    queue and kvUsage terms; no prefix term: the prompt's KV arrives with the request);
-   it gets the client's request unchanged plus the transfer parameters, and its answer (stream or JSON) goes
-   to the client through the ordinary proxy path (retries before the first byte, bounded waits).
+   it gets the client's request unchanged plus the transfer parameters, and its answer goes to the client
+   through the ordinary proxy path (retries before the first byte, bounded waits).
+A streamed request instead gets the prefill pod's first token at once and the rest from the decode pod,
+which continues that very stream (disaggregation_stream.py).
 If no prefill pod answers, the request goes to the decode pods as an ordinary request; if the transfer
 fails, the decode pod recomputes the prompt itself. Either way the client gets the same completion.
 
@@ -30,6 +32,7 @@ from dataclasses import replace
 import aiohttp
 from aiohttp import web
 from tokenfleet.runtime.openai import kv_transfer as wire
+from tokenfleet.runtime.router import disaggregation_stream
 from tokenfleet.runtime.router.config import Backend, Retries
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
@@ -85,6 +88,12 @@ async def forward(
     decode_t = role_targets(fleet.config.backends, out.targets, DECODE)
     if not prefill_t or not decode_t:
         return await proxy_forward(request, fleet, out, retries)
+    if out.stream:  # the first token goes to the client from the prefill pod, the rest from a decode pod
+        streamed = await disaggregation_stream.stream(
+            request, fleet, out, prefill_payload(out.payload), prefill_t, decode_t, retries
+        )
+        if streamed is not None:
+            return streamed
     done = await _prefill(fleet, out, prefill_t, retries)
     # Decode pods are chosen by load and KV-cache usage alone: the prompt's KV comes with the request.
     decode_out = replace(out, targets=decode_t, prompt=PromptKey(None, "", None), session_key=None)

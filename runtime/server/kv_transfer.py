@@ -47,6 +47,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_connector import (
 from tokenfleet.runtime.engine.kv_cache.kv_holds import KVHolds
 from tokenfleet.runtime.openai import kv_transfer as wire
 from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenfleet.runtime.openai.resume import CONTINUATION_FIELD
 from tokenfleet.runtime.openai.translate import chat_params, completion_params, parse_request
 from tokenfleet.runtime.server.errors import ApiError, invalid
 from tokenfleet.runtime.server.prompts import chat_prompt, completion_prompt_list, generation_defaults
@@ -144,6 +145,7 @@ class KVTransferState:
         self.metrics = KVTransferMetrics(registry)
         self.transport: KVTransport = transport or HttpKVTransport()
         self.holds: KVHolds | None = None  # created on the engine thread at first use
+        self.pending: dict[str, asyncio.Event] = {}  # holds of prefills still running (event loop only)
         self.timeout = FETCH_TIMEOUT_SECONDS
 
     def holds_of(self, core) -> KVHolds:
@@ -153,6 +155,7 @@ class KVTransferState:
 
 
 KV_TRANSFER_KEY = web.AppKey("kv_transfer", KVTransferState)
+_HOLD_ID_KEY = "tokenfleet_kv_hold_id"
 
 
 # ---- prefill pod --------------------------------------------------------------------------------------------
@@ -186,18 +189,27 @@ async def _prefill(
     if _sharded(engine):
         return await handler(request)  # no hold: the router then lets the decode pod compute the prompt
     token_ids, salt = _prompt(request.path, state, engine, raw)
-    resp = await handler(request)
-    if resp.status != 200 or not isinstance(resp, web.Response) or resp.body is None:
-        return resp  # an error, or a stream: nothing to hand over
     hold_id = uuid.uuid4().hex
-    deadline = time.monotonic() + params.hold_seconds
+    # A streamed prefill names its hold in a response header (sent before the body); a fetch that arrives
+    # before the stream has ended and the hold exists waits for it (`pending`).
+    request[_HOLD_ID_KEY] = hold_id
+    kvs.pending[hold_id] = asyncio.Event()
+    try:
+        resp = await handler(request)
+        if resp.status != 200:
+            return resp
+        deadline = time.monotonic() + params.hold_seconds
 
-    def hold(core):
-        km = core.kv_manager
-        hashes = block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
-        return kvs.holds_of(core).hold(hold_id, hashes, token_ids, salt, deadline), km.block_size
+        def hold(core):
+            km = core.kv_manager
+            hashes = block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
+            return kvs.holds_of(core).hold(hold_id, hashes, token_ids, salt, deadline), km.block_size
 
-    held, block_size = await engine.call(hold)
+        held, block_size = await engine.call(hold)
+    finally:
+        kvs.pending.pop(hold_id).set()
+    if not isinstance(resp, web.Response) or resp.body is None:
+        return resp  # a stream: the header named the hold
     done = wire.PrefillDone(
         remote_url=f"{request.scheme}://{request.host}",
         hold_id=hold_id,
@@ -213,6 +225,12 @@ async def _prefill(
     return out
 
 
+async def _name_hold(request: web.Request, response: web.StreamResponse) -> None:
+    hold_id = request.get(_HOLD_ID_KEY)
+    if hold_id is not None:
+        response.headers[wire.HOLD_HEADER] = hold_id
+
+
 async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
@@ -221,6 +239,11 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
         req = wire.FetchRequest.model_validate_json(await request.read())
     except ValidationError as e:
         raise HttpError(invalid(f"bad KV fetch request: {e.errors(include_url=False)[0]['msg']}")) from None
+
+    pending = kvs.pending.get(req.hold_id)
+    if pending is not None:  # its prefill stream is still ending
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(pending.wait(), FETCH_TIMEOUT_SECONDS)
 
     def begin(core):
         holds = kvs.holds_of(core)
@@ -279,7 +302,17 @@ async def release_endpoint(request: web.Request) -> web.Response:
 # ---- decode pod ---------------------------------------------------------------------------------------------
 
 
-async def _decode(request: web.Request, params: wire.DecodeParams) -> None:
+def _decode_prompt(path: str, state, engine, raw: bytes) -> tuple[list[int], str | None]:
+    """The prompt ids the handler will run: a continuation's own, else built as the handler builds them."""
+    payload = json.loads(raw)
+    continuation = payload.get(CONTINUATION_FIELD)
+    if isinstance(continuation, dict) and isinstance(continuation.get("prompt_token_ids"), list):
+        salt = payload.get("cache_salt")
+        return [int(t) for t in continuation["prompt_token_ids"]], salt if isinstance(salt, str) else None
+    return _prompt(path, state, engine, raw)
+
+
+async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -> None:
     """Bring the prompt's KV over from the prefill pod, or count why not (the request then recomputes)."""
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
@@ -291,6 +324,14 @@ async def _decode(request: web.Request, params: wire.DecodeParams) -> None:
         hashes = [bytes.fromhex(h) for h in params.block_hashes]
     except ValueError:
         raise HttpError(invalid("block_hashes must be hex strings", param=wire.FIELD)) from None
+    if not hashes:  # a streamed prefill sends none: this pod hashes the prompt as it will run it
+        token_ids, salt = _decode_prompt(request.path, state, engine, raw)
+
+        def own_hashes(core):
+            km = core.kv_manager
+            return block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
+
+        hashes = await engine.call(own_hashes)
     start = await engine.call(lambda core: cached_prefix_len(core.kv_manager, hashes))
     t0 = time.monotonic()
     try:
@@ -359,7 +400,7 @@ async def kv_transfer_middleware(request: web.Request, handler) -> web.StreamRes
         if member.get("do_remote_decode"):
             return await _prefill(request, handler, wire.PrefillParams.model_validate(member), raw)
         if member.get("do_remote_prefill"):
-            await _decode(request, wire.DecodeParams.model_validate(member))
+            await _decode(request, wire.DecodeParams.model_validate(member), raw)
     except ValidationError as e:
         raise HttpError(
             invalid(f"{wire.FIELD}: {e.errors(include_url=False)[0]['msg']}", param=wire.FIELD)
@@ -397,3 +438,4 @@ def install(app: web.Application) -> None:
     app.router.add_post(wire.FETCH_PATH, fetch_endpoint)
     app.router.add_delete(wire.HOLDS_PATH + "/{hold_id}", release_endpoint)
     app.cleanup_ctx.append(_sweep)
+    app.on_response_prepare.append(_name_hold)

@@ -128,13 +128,25 @@ def _chat(question: str, **extra) -> dict:
     return {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, **extra}
 
 
-async def _sse_text(r: aiohttp.ClientResponse) -> str:
-    text = []
+async def _sse(r: aiohttp.ClientResponse) -> dict:
+    """The stream as a client sees it: its text, ids, finish reasons in order, [DONE] count, usage."""
+    seen = {"text": [], "ids": set(), "finishes": [], "done": 0, "usage": None}
     async for line in r.content:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            for c in json.loads(line[6:])["choices"]:
-                text.append(c.get("delta", {}).get("content") or c.get("text") or "")
-    return "".join(text)
+        if line.strip() == b"data: [DONE]":
+            seen["done"] += 1
+        elif line.startswith(b"data: "):
+            event = json.loads(line[6:])
+            seen["ids"].add(event["id"])
+            seen["usage"] = event.get("usage") or seen["usage"]
+            for c in event["choices"]:
+                seen["text"].append(c.get("delta", {}).get("content") or c.get("text") or "")
+                seen["finishes"].append(c.get("finish_reason"))
+    seen["text"] = "".join(seen["text"])
+    return seen
+
+
+async def _sse_text(r: aiohttp.ClientResponse) -> str:
+    return (await _sse(r))["text"]
 
 
 async def test_disaggregated_completions_equal_a_plain_pod_json_and_stream(pods, real_tokenizer, serve_app):
@@ -161,6 +173,21 @@ async def test_disaggregated_completions_equal_a_plain_pod_json_and_stream(pods,
             via_router = (await r.json())["choices"][0]["text"]
         async with s.post(p_url + "/v1/completions", json=prompt) as r:
             assert via_router == (await r.json())["choices"][0]["text"]
+        # A stream: the first token from the prefill pod, the rest from the decode pod, as one stream.
+        body = {**prompt, "prompt": "The harbor master keeps a log of every ship that enters. " * 6, "max_tokens": 12, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        received0 = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
+        async with s.post(router_url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["x-tokenfleet-endpoint"] == p_url
+            seen = await _sse(r)
+        async with s.post(d_url + "/v1/completions", json={**body, "stream": False}) as r:
+            assert seen["text"] == (await r.json())["choices"][0]["text"]
+        assert len(seen["ids"]) == 1 and seen["done"] == 1
+        assert [f for f in seen["finishes"] if f] == ["length"] and seen["finishes"][-1] == "length"
+        assert seen["usage"]["completion_tokens"] == 12
+        assert (
+            await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"') > received0
+        )
         sent = await _metric(s, p_url, "tokenfleet:kv_transfer_blocks_total", 'direction="sent"')
         received = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
         # The decode pod already held the shared system prompt (the plain requests): only the rest moved.
