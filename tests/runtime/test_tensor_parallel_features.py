@@ -44,6 +44,36 @@ def _round_trip(llm: LLM, doc_a: list[int], doc_b: list[int]):
     return outs, again.num_cached_tokens
 
 
+def test_a_worker_replays_host_tier_resizes_and_copies_on_its_own_heads():
+    """Rank 0's tier decides; a replica on other tensors (another rank's heads) ends in the same places."""
+    import torch
+    from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
+    from tokenfleet.runtime.engine.parallel.host_kv import (
+        HostKVAlloc,
+        HostKVCopy,
+        HostKVFree,
+        HostKVReplica,
+        HostKVResize,
+    )
+
+    worker_caches = [(torch.randn(4, 2, 1, 4), torch.randn(4, 2, 1, 4))]  # 4 blocks of this rank's heads
+    original = [t.clone() for t in worker_caches[0]]
+    tier, replica = HostKVTier(3), HostKVReplica()
+    ops = [HostKVAlloc(3)]
+    for block in range(3):
+        tier.offload(block, f"h{block}".encode())
+    ops.append(HostKVCopy(tuple(tier.take_transfers())))
+    ops.append(HostKVResize(tier.resize(2), 2))  # drops h0; h1, h2 move to slots 0, 1
+    assert tier.load(b"h2", 3)  # block 3 gets block 2's KV back
+    ops.append(HostKVCopy(tuple(tier.take_transfers())))
+    replica.apply(ops, worker_caches)
+    for now, before in zip(worker_caches[0], original, strict=True):
+        assert torch.equal(now[3], before[2]) and torch.equal(now[:3], before[:3])
+    replica.apply([HostKVFree()], worker_caches)
+    with pytest.raises(RuntimeError, match="before the buffers exist"):
+        replica.apply(ops[1:2], worker_caches)
+
+
 @pytest.mark.slow
 def test_host_kv_round_trip_at_tp2_matches_one_process_and_no_offload(checkpoints):  # noqa: F811
     doc_a = [(7 * i) % 250 + 5 for i in range(20)]  # 2 full blocks of 8 + 4 tokens
