@@ -1,30 +1,17 @@
 """Bearer API-key check for /v1/*: keys from the command line, the config, and a file (a mounted Secret).
 
-The file is re-read when its mtime/size changes (Kubernetes updates mounted Secrets in place by swapping a
-symlink), checked at most once per `recheck_seconds` so a busy server does not stat on every request.
-If the file vanishes or becomes unreadable the last good key set stays in force: failing open would
-expose the server, failing closed on a transient swap would drop all traffic.
+The file is watched by `runtime/key_file.py` (live rotation of a mounted Secret; the last good keys stay in
+force while it is unreadable).
 Comparison is constant-time per key and never stops at the first match, so timing reveals nothing.
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 
-from tokenfleet.runtime.errors import ConfigError
-
-logger = logging.getLogger(__name__)
-
-
-def read_key_file(path: str) -> tuple[str, ...]:
-    """One key per line; blank lines and `#` comments ignored."""
-    with open(path, encoding="utf-8") as f:
-        lines = (line.strip() for line in f)
-        return tuple(line for line in lines if line and not line.startswith("#"))
+from tokenfleet.runtime.key_file import WatchedKeyFile
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -45,53 +32,26 @@ class ApiKeys:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._static = tuple(k for k in keys if k)
-        self._file = key_file
-        self._recheck = recheck_seconds
-        self._clock = clock
-        self._file_keys: tuple[str, ...] = ()
-        self._file_sig: tuple[float, int, int] | None = None
-        self._next_check = 0.0
-        if key_file is not None:
-            try:
-                self._reload(force=True)
-            except OSError as e:
-                raise ConfigError(f"cannot read server.api_key_file {key_file}: {e}") from e
+        self._file = (
+            WatchedKeyFile(key_file, tuple, "server.api_key_file", recheck_seconds, clock)
+            if key_file is not None
+            else None
+        )
 
     @property
     def enabled(self) -> bool:
         return bool(self._static) or self._file is not None
 
-    def _reload(self, force: bool = False) -> None:
-        assert self._file is not None
-        st = os.stat(self._file)
-        sig = (st.st_mtime, st.st_size, st.st_ino)
-        if force or sig != self._file_sig:
-            self._file_keys = read_key_file(self._file)
-            self._file_sig = sig
-            logger.info("loaded %d API key(s) from %s", len(self._file_keys), self._file)
-
-    def _maybe_reload(self) -> None:
-        if self._file is None:
-            return
-        now = self._clock()
-        if now < self._next_check:
-            return
-        self._next_check = now + self._recheck
-        try:
-            self._reload()
-        except OSError as e:
-            logger.warning("API key file %s unreadable, keeping the previous keys: %s", self._file, e)
-
     def check(self, authorization: str | None) -> bool:
         """True when auth is off or the header carries a valid key."""
         if not self.enabled:
             return True
-        self._maybe_reload()
+        file_keys = self._file.current() if self._file is not None else ()
         token = bearer_token(authorization)
         if token is None:
             return False
         given = token.encode()
         ok = False
-        for key in (*self._static, *self._file_keys):
+        for key in (*self._static, *file_keys):
             ok |= hmac.compare_digest(given, key.encode())
         return ok
