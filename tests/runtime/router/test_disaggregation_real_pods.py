@@ -14,14 +14,10 @@ import json
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 from tokenfleet.runtime.router.app import ROUTER, build_app
 from tokenfleet.runtime.router.config import RouterConfig
 
@@ -34,63 +30,10 @@ SYSTEM = "You are a museum guide. " + " ".join(
 )
 
 
-def _start_pod(tmp: Path, port: int) -> subprocess.Popen:
-    cfg = {
-        "model": {"model": MODEL},
-        "cache": {"num_blocks": 128},
-        "server": {"host": "127.0.0.1", "port": port},
-    }
-    path = tmp / f"pod-{port}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with open(tmp / f"pod-{port}.log", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,  # never the repo root: its `operator/` folder would shadow the stdlib module
-        )
-
-
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 400.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pod {url} exited with {proc.returncode}")
-            try:
-                async with s.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(1.0)
-    raise TimeoutError(f"pod {url} not ready in {timeout}s")
-
-
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory):
-    import socket
-
-    tmp = tmp_path_factory.mktemp("disagg-router")
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    procs = [_start_pod(tmp, p) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-
-        async def all_ready():
-            await asyncio.gather(*(_wait_ready(u, p) for u, p in zip(urls, procs, strict=True)))
-
-        asyncio.run(all_ready())
-        yield list(zip(urls, procs, strict=True))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=30)
+def pods(tmp_path_factory, real_pods):
+    with real_pods(tmp_path_factory.mktemp("disagg-router"), 2, num_blocks=128, timeout=400.0) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,10 @@ import asyncio
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 from tokenfleet.runtime.router.app import ROUTER, build_app
 from tokenfleet.runtime.router.config import RouterConfig
 
@@ -30,23 +27,6 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 TIMEOUT = aiohttp.ClientTimeout(total=600)
 NUM_BLOCKS = 12  # 16-token blocks: four 80-token requests need 20 at the end, so the pod must preempt
-
-
-def _start_pod(tmp: Path, port: int) -> subprocess.Popen:
-    cfg = {
-        "model": {"model": MODEL},
-        "cache": {"num_blocks": NUM_BLOCKS},
-        "server": {"host": "127.0.0.1", "port": port},
-    }
-    path = tmp / "pod.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with open(tmp / "pod.log", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,  # never the repo root: its `operator/` folder would shadow the stdlib module
-        )
 
 
 async def _metric(s: aiohttp.ClientSession, url: str, name: str) -> float:
@@ -63,10 +43,12 @@ async def _complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens:
         return r.status, raw, time.monotonic()
 
 
-async def test_started_together_then_priority_under_contention(tmp_path, serve_app, free_ports):
+async def test_started_together_then_priority_under_contention(
+    tmp_path, serve_app, free_ports, spawn_real_pod
+):
     (port,) = free_ports(1)
     pod_url = f"http://127.0.0.1:{port}"
-    proc = _start_pod(tmp_path, port)
+    proc = spawn_real_pod(tmp_path, port, NUM_BLOCKS, {})
     cfg = RouterConfig.model_validate(
         {
             "backends": [{"name": "pod", "model": MODEL, "url": pod_url}],
@@ -89,7 +71,7 @@ async def test_started_together_then_priority_under_contention(tmp_path, serve_a
             # 1. A burst sent at once, while the pod process is still starting.
             burst = [_complete(s, url, f"Request number {i} says", 2) for i in range(6)]
             results = await asyncio.wait_for(asyncio.gather(*burst), 550)
-            assert proc.poll() is None, (tmp_path / "pod.log").read_text()[-2000:]
+            assert proc.poll() is None, (tmp_path / f"pod-{port}.log").read_text()[-2000:]
             assert [status for status, _, _ in results] == [200] * 6, [r[1][:200] for r in results]
             assert router.metrics.requests.labels(MODEL, "503")._value.get() == 0
             assert router.metrics.ejections.labels(pod_url)._value.get() == 0
