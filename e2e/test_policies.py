@@ -1,5 +1,5 @@
 """CachePolicy edits reach running pods: a live field is reloaded in place by every pod that uses the policy
-(same pods, no restart), a restart-only field rolls the pods with `maxUnavailable: 0` while a small load
+(same pods, no restart); a RoutingPolicy edit is applied in place by its router; a restart-only field rolls the pods with `maxUnavailable: 0` while a small load
 through the router sees no failure. An invalid spec gives a False condition and an Event; fixing it
 recovers, and readiness then comes from a real pod."""
 
@@ -120,6 +120,36 @@ def test_cache_policy_edit_reloads_live_and_rolls_without_loss(cluster, namespac
         timeout=MODEL_READY_S,
         what="router",
     )[0]
+
+    # A live RoutingPolicy field: the router applies it in place (same pod, no restart, no rollout) and the
+    # policy's status names the generation each router runs.
+    rp_generation = cluster.get("routingpolicy", "front", namespace)["metadata"]["generation"]
+    router_hash = _hash(cluster, namespace, "front-router")
+    cluster.kubectl("patch", "routingpolicy", "front", "-n", namespace, "--type=merge",
+                    "-p", '{"spec": {"strategy": "round-robin"}}')  # fmt: skip
+    router_url = f"http://{router['status']['podIP']}:8080"
+    applied = wait(
+        lambda: (
+            (c := get_json(f"{router_url}/v1/config"))["effective"]["routing"]["strategy"] == "round-robin"
+            and c
+        ),
+        timeout=60,
+        what="the router to apply the new strategy",
+    )
+    assert applied["generation"] == rp_generation + 1 and applied["pending_restart"] == [], applied
+    (router_now,) = _pods(cluster, namespace, "front", component="router")
+    assert router_now["metadata"]["uid"] == router["metadata"]["uid"]
+    assert router_now["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert _hash(cluster, namespace, "front-router") == router_hash
+    wait(
+        lambda: (
+            (cluster.get("routingpolicy", "front", namespace).get("status") or {}).get("routers")
+            == [{"pod": router["metadata"]["name"], "generation": rp_generation + 1}]
+        ),
+        timeout=60,
+        what="status.routers to report the applied generation",
+    )
+
     load = StreamingLoad(f"http://{router['status']['podIP']}:8080", "a", workers=2, max_tokens=12).start()
     timeline = PodTimeline(cluster, namespace, "a")
     timeline.start()
