@@ -50,8 +50,23 @@ def test_restart_causes_no_churn_and_deleted_children_return(cluster, namespace,
     }  # fmt: skip
     wait(lambda: set(_versions(cluster, namespace)) == expected, what="every child")
 
-    # Settled: two consecutive snapshots a resync apart are identical (status written once, not per resync).
+    # Settled: the pods that can run are Ready (the GPU model stays Pending on CPU nodes), every router reports
+    # the policy generation it runs, and two consecutive snapshots a resync apart are identical (status
+    # written once, not per resync). Readiness first: a pod that turns Ready later changes its Deployment's
+    # status and the RoutingPolicy's status.routers, which would look like churn after the restart.
+    def running() -> bool:
+        for name in ("smollm2", "chat-routing-router"):
+            dep = cluster.get("deployment", name, namespace)
+            if (dep.get("status") or {}).get("readyReplicas") != dep["spec"]["replicas"]:
+                return False
+        routers = (cluster.get("rp", "chat-routing", namespace).get("status") or {}).get("routers") or []
+        replicas = cluster.get("deployment", "chat-routing-router", namespace)["spec"]["replicas"]
+        return len(routers) == replicas and all(r.get("generation") is not None for r in routers)
+
     def settled():
+        if not running():
+            time.sleep(1)
+            return False
         before = _versions(cluster, namespace)
         time.sleep(operator.resync_seconds + 1)
         return before == _versions(cluster, namespace) and before
@@ -108,7 +123,20 @@ def test_restart_causes_no_churn_and_deleted_children_return(cluster, namespace,
         what="Ready on the new config after the restart",
     )
     assert st["readyReplicas"] == 1
-    (pod,) = [p for p in cluster.pods(namespace, SELECTOR) if not p["metadata"].get("deletionTimestamp")]
+    # The Deployment controller scales the old ReplicaSet down just after the new pod is Ready.
+    (pod,) = wait(
+        lambda: (
+            len(
+                live := [
+                    p for p in cluster.pods(namespace, SELECTOR) if not p["metadata"].get("deletionTimestamp")
+                ]
+            )
+            == 1
+            and live
+        ),
+        timeout=60,
+        what="the old pod to be terminating",
+    )
     assert pod["metadata"]["annotations"][HASH] == st["configHash"]
     owned = _children_by_owner(cluster, namespace)
     assert all(n == 1 for n in owned.values()), owned
