@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     attention_backend: str
-    generation_defaults: GenerationDefaults = GenerationDefaults()
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -15,8 +15,8 @@ import logging
 from aiohttp import web
 from tokenfleet.runtime.errors import EngineDeadError
 from tokenfleet.runtime.kv_wire import LoadReport
-from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes
 from tokenfleet.runtime.server.errors import unavailable
+from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from tokenfleet.runtime.server.generation import ChoiceState
 from tokenfleet.runtime.openai.protocol import PromptTokensDetails, Usage
+from tokenfleet.runtime.server.generation import ChoiceState
 from tokenfleet.runtime.server.state import ServerState
 
 # A client-supplied x-request-id is echoed and logged, so keep it to a safe, bounded alphabet.
