@@ -41,6 +41,7 @@ def main(spec_path: str) -> None:
         except OSError as e:
             print(f"failed to mount {mount['source']} at {mount['target']}: {e.strerror}", file=sys.stderr)
             sys.exit(128)
+    image_fds = [os.open(path, os.O_PATH) for path in spec.get("image", [])]
     for mount, fd in zip(spec["mounts"], sources, strict=True):
         try:
             _mount(f"/proc/self/fd/{fd}", mount["target"], MS_BIND | MS_REC)
@@ -49,6 +50,17 @@ def main(spec_path: str) -> None:
         except OSError as e:
             print(f"failed to mount {mount['source']} at {mount['target']}: {e.strerror}", file=sys.stderr)
             sys.exit(128)
+        os.close(fd)
+    # The image's own paths (the installed code) stay visible under a volume that covers them: a pod whose
+    # emptyDir sits on /tmp must still find a checkout under /tmp, as a container finds its image's files.
+    for path, fd in zip(spec.get("image", []), image_fds, strict=True):
+        if any(path == m["target"] or path.startswith(m["target"].rstrip("/") + "/") for m in spec["mounts"]):
+            try:
+                os.makedirs(path, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", path, MS_BIND | MS_REC)
+            except OSError as e:
+                print(f"failed to keep the image path {path}: {e.strerror}", file=sys.stderr)
+                sys.exit(128)
         os.close(fd)
     if spec.get("workingDir"):
         os.chdir(spec["workingDir"])
