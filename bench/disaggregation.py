@@ -22,7 +22,6 @@ import json
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,8 +30,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-import yaml
 from aiohttp import web
+from pods import free_port, start_pod, wait_ready
 from tokenfleet.runtime.router.app import ROUTER, build_app
 from tokenfleet.runtime.router.config import RouterConfig
 from tokenfleet.runtime.router.main import load_tokenizer
@@ -53,42 +52,6 @@ WORDS = [
     "lantern",
     "orchard",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_pod(tmp: Path, port: int) -> subprocess.Popen:
-    cfg = {
-        "model": {"model": MODEL},
-        "cache": {"num_blocks": 512},
-        "server": {"host": "127.0.0.1", "port": port},
-    }
-    path = tmp / f"pod-{port}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
-    with open(tmp / f"pod-{port}.log", "w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-
-
-async def wait_ready(
-    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pod {url} exited ({proc.returncode}); see its log")
-        try:
-            async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(1.0)
-    raise TimeoutError(f"pod {url} not ready after {timeout}s")
 
 
 async def counter(session: aiohttp.ClientSession, url: str, name: str, labels: str = "") -> float:
@@ -226,7 +189,7 @@ async def run_phase(name: str, args, urls: list[str], tokenizer, session) -> dic
 async def main_async(args) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     ports = [free_port(), free_port()]
-    procs = [start_pod(tmp, p) for p in ports]
+    procs = [start_pod(tmp, p, 512) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:

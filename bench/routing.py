@@ -25,7 +25,6 @@ import json
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,8 +34,8 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import yaml
 from aiohttp import web
+from pods import free_port, start_pod, wait_ready
 from tokenfleet.runtime.router.app import ROUTER, build_app
 from tokenfleet.runtime.router.config import RouterConfig
 from tokenfleet.runtime.router.main import load_tokenizer
@@ -86,38 +85,6 @@ STRATEGIES = {
     "prefix-approx": ({"strategy": "prefix-affinity"}, False),
 }
 DEFAULT_STRATEGIES = ["round-robin", "least-load", "prefix-exact", "prefix-balanced"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_pod(tmp: Path, port: int, num_blocks: int) -> subprocess.Popen:
-    cfg = {"model": {"model": MODEL}, "cache": {"num_blocks": num_blocks}, "server": {"port": port}}
-    path = tmp / f"pod-{port}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
-    with open(tmp / f"pod-{port}.log", "w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-
-
-async def wait_ready(
-    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pod {url} exited ({proc.returncode}); see its log")
-        try:
-            async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(1.0)
-    raise TimeoutError(f"pod {url} not ready after {timeout}s")
 
 
 async def pod_counters(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
