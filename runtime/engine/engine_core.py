@@ -179,8 +179,8 @@ class EngineCore:
         for req in requests.values():
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-                if req.block_hashes:
-                    announced.append(PrefillScheduled(tuple(req.block_hashes)))
+                # Every request, also one without a full block: routers count announcements as work.
+                announced.append(PrefillScheduled(tuple(req.block_hashes)))
         if announced and self.kv_event_sink is not None:
             self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
         result = self.runner.execute(sched, requests)

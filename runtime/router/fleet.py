@@ -182,6 +182,9 @@ class Fleet:
 
     def release(self, ep: Endpoint) -> None:
         ep.in_flight -= 1
+        work = getattr(self.strategy, "work", None)
+        if work is not None:
+            work.settle(ep.id, ep.in_flight)
         if ep.id in self.endpoints.by_id:
             self.metrics.in_flight.labels(ep.id).set(ep.in_flight)
         self.gate.release()

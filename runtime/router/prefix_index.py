@@ -87,19 +87,24 @@ class ExactPrefixIndex:
 
 
 class ApproximatePrefixIndex:
-    """The router's own memory of routed prefixes: hash -> endpoints, least recently routed evicted first."""
+    """The router's own memory of routed prefixes: hash -> endpoints, least recently routed evicted first.
+
+    Keeps the reverse map too: `forget` runs on every eviction a pod reports, and must cost what that pod
+    has here, not a scan of the whole index."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self._capacity = capacity_blocks
         self._entries: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._by_endpoint: dict[str, set[bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         """`endpoint_id` was sent this prompt: after it runs, the pod will have cached these blocks."""
+        own = self._by_endpoint.setdefault(endpoint_id, set())
         for h in hashes:
             holders = self._entries.get(h)
             if holders is None:
@@ -107,11 +112,14 @@ class ApproximatePrefixIndex:
             else:
                 holders.add(endpoint_id)
                 self._entries.move_to_end(h)
+            own.add(h)
         while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+            h, holders = self._entries.popitem(last=False)
+            for e in holders:
+                self._by_endpoint[e].discard(h)
 
     def forget(self, endpoint_id: str) -> None:
-        for h in [h for h, holders in self._entries.items() if endpoint_id in holders]:
+        for h in self._by_endpoint.pop(endpoint_id, ()):
             holders = self._entries[h]
             holders.discard(endpoint_id)
             if not holders:

@@ -127,11 +127,15 @@ class WorkBound:
     For a pod whose KV events this router follows, the count comes from the pod itself: one `scheduled`
     event per request it starts, whoever routed it, so every router replica counts the same work and
     bounds it the same way (own counts would diverge across replicas and split a popular prefix over
-    more pods). This router's own decision for such a pod counts provisionally until the pod's next
-    event (or `provisional_s`), which covers the lag. For other pods the router's decisions are the count.
+    more pods). This router's own decision for such a pod counts provisionally until the pod announces a
+    request, or until this router no longer has more requests in flight there than provisional entries
+    (`settle`). A pod announces a request only when it first schedules it, which on a busy pod can be many
+    seconds after it arrived; a fixed short expiry undercounted exactly the busiest pod and sent it more.
+    `provisional_s` is only a backstop for decisions that were never forwarded. For other pods the
+    router's decisions are the count.
     """
 
-    def __init__(self, window: int, provisional_s: float = 5.0, clock=time.monotonic) -> None:
+    def __init__(self, window: int, provisional_s: float = 300.0, clock=time.monotonic) -> None:
         self._recent: deque[str] = deque(maxlen=window)
         self._counts: Counter[str] = Counter()
         self._provisional: dict[str, deque[float]] = {}
@@ -159,6 +163,14 @@ class WorkBound:
         self._push(endpoint_id)
         pending = self._provisional.get(endpoint_id)
         if pending:
+            pending.popleft()
+
+    def settle(self, endpoint_id: str, in_flight: int) -> None:
+        """A request to `endpoint_id` ended here, `in_flight` remain: at most that many can still be
+        waiting for the pod's announcement (an unannounced one failed, or its event is still on the way
+        and will count when it comes)."""
+        pending = self._provisional.get(endpoint_id)
+        while pending and len(pending) > max(in_flight, 0):
             pending.popleft()
 
     def count(self, endpoint_id: str) -> int:

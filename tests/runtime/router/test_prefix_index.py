@@ -54,6 +54,10 @@ def test_approximate_records_routes_and_evicts_least_recent():
     assert idx.match(H, ["a", "b"]) == {"a": 2, "b": 2}
     idx.forget("a")
     assert idx.match(H, ["a", "b"]) == {"a": 0, "b": 2}
+    idx.forget("c")  # entries held by nobody else go with it; b's shared ones stay
+    assert len(idx) == 2 and idx.match(other, ["c"]) == {"c": 0}
+    idx.forget("a")  # nothing left of a: a no-op
+    assert idx.match(H, ["b"]) == {"b": 2}
 
 
 def test_recent_routes_bridge_the_event_lag_then_expire():
