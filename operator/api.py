@@ -146,9 +146,20 @@ class InferencePoolSettings(_Spec):
 class DisaggregationRole(_Spec):
     """The pods of one role of a disaggregated deployment; unset fields take the deployment's values."""
 
-    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Pods of this role.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Pods of this role (the autoscaler sets it while this role's autoscaling is set).",
+    )
     resources: Resources | None = Field(None, description="Per-pod compute; default: the deployment's.")
     engine: Engine | None = Field(None, description="Scheduler limits; default: the deployment's.")
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Size this role from what its own pods report, as spec.autoscaling sizes an aggregated "
+        "deployment: prefill pods by their queue (waitingRequestsPerReplica) and TTFT, decode pods by KV-cache "
+        "usage, queue and tokens/s. While set, the autoscaler owns this role's `replicas`.",
+    )
 
 
 class Disaggregation(_Spec):
@@ -208,20 +219,34 @@ class ModelDeploymentSpec(_Spec):
         if self.engine.speculative.method == "draft" and not self.engine.speculative.draft_model:
             raise ValueError("engine.speculative.method draft needs engine.speculative.draftModel")
         if self.autoscaling is not None:
-            _check_autoscaling(self.autoscaling, self.routing_policy_ref)
             if self.disaggregation is not None:
-                raise ValueError("autoscaling a disaggregated deployment (per role) is not supported yet")
+                raise ValueError(
+                    "autoscaling: a disaggregated deployment scales each role on its own signals: set "
+                    "disaggregation.prefill.autoscaling and/or disaggregation.decode.autoscaling instead"
+                )
+            _check_autoscaling(self.autoscaling, self.routing_policy_ref)
+        if self.disaggregation is not None:
+            for role in ("prefill", "decode"):
+                a = getattr(self.disaggregation, role).autoscaling
+                if a is None:
+                    continue
+                # Nothing would bring a role back from zero: the router never holds requests for a prefill
+                # pod (without one the decode pod computes the prompt) and sends every request to the
+                # prefill pods first while some are up (so it holds none for a decode pod).
+                if a.min_replicas < 1:
+                    raise ValueError(f"disaggregation.{role}.autoscaling.minReplicas must be >= 1")
+                _check_autoscaling(a, self.routing_policy_ref, f"disaggregation.{role}.autoscaling")
         return self
 
 
-def _check_autoscaling(a: AutoscalingSpec, routing_policy_ref: str | None) -> None:
+def _check_autoscaling(a: AutoscalingSpec, routing_policy_ref: str | None, at: str = "autoscaling") -> None:
     """The rules AutoscalingSpec leaves to the resource (the CEL rules below say the same)."""
     if a.max_replicas > MAX_REPLICAS:
-        raise ValueError(f"autoscaling.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)")
+        raise ValueError(f"{at}.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)")
     if a.targets.ttft is not None and a.targets.ttft.window_seconds > MAX_WINDOW_SECONDS:
-        raise ValueError(f"autoscaling.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}")
+        raise ValueError(f"{at}.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}")
     if a.scale_to_zero_after_seconds > MAX_SCALE_TO_ZERO_SECONDS:
-        raise ValueError(f"autoscaling.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}")
+        raise ValueError(f"{at}.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}")
     # At zero there is no pod to take a request: only a router holds it and tells the operator to scale up.
     if a.min_replicas == 0 and not routing_policy_ref:
         raise ValueError(
@@ -314,6 +339,19 @@ class AutoscalingStatus(_Spec):
     history: AutoscalingHistory = AutoscalingHistory()
 
 
+class RoleStatus(_Spec):
+    """One role of a disaggregated deployment."""
+
+    autoscaling: AutoscalingStatus | None = Field(
+        None, description="The autoscaler's latest decision for this role (its own pods' signals)."
+    )
+
+
+class RolesStatus(_Spec):
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+
+
 class ModelDeploymentStatus(_Spec):
     phase: Phase | None = None
     replicas: int | None = Field(None, description="Runtime pods the Deployment has (scale subresource).")
@@ -324,6 +362,7 @@ class ModelDeploymentStatus(_Spec):
     observed_generation: int | None = None
     conditions: tuple[Condition, ...] = ()
     autoscaling: AutoscalingStatus | None = None
+    roles: RolesStatus | None = Field(None, description="Disaggregated: per role (prefill, decode).")
 
 
 class RouterGeneration(_Spec):
@@ -349,6 +388,49 @@ LIST_MAP_KEYS: dict[str, dict[str, list[str]]] = {
     "RoutingPolicy": {"priorityClasses": ["name"], "modelRoutes": ["model"]},
 }
 
+
+def _autoscaling_rules(at: str, min_one: bool = False) -> dict[str, list[dict[str, str]]]:
+    """CEL rules of an AutoscalingSpec at schema path `at` (the spec's, or a disaggregated role's)."""
+    rules = {
+        at: [
+            {
+                "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+                "message": f"{at}.minReplicas must be <= maxReplicas",
+            },
+            {
+                "rule": f"self.maxReplicas <= {MAX_REPLICAS}",
+                "message": f"{at}.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)",
+            },
+            {
+                "rule": f"!has(self.scaleToZeroAfterSeconds) || self.scaleToZeroAfterSeconds <= {MAX_SCALE_TO_ZERO_SECONDS}",
+                "message": f"{at}.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}",
+            },
+        ],
+        f"{at}.targets": [
+            {
+                "rule": "has(self.waitingRequestsPerReplica) || has(self.kvCacheUsage) || has(self.ttft) || "
+                "has(self.outputTokensPerSecondPerReplica)",
+                "message": f"{at}.targets: set at least one of waitingRequestsPerReplica, kvCacheUsage, ttft, "
+                "outputTokensPerSecondPerReplica",
+            }
+        ],
+        f"{at}.targets.ttft": [
+            {
+                "rule": f"!has(self.windowSeconds) || self.windowSeconds <= {MAX_WINDOW_SECONDS}",
+                "message": f"{at}.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}",
+            }
+        ],
+    }
+    if min_one:
+        rules[at].append(
+            {
+                "rule": "!has(self.minReplicas) || self.minReplicas >= 1",
+                "message": f"{at}.minReplicas must be >= 1",
+            }
+        )
+    return rules
+
+
 # CEL rules per schema path (dotted, camelCase; "" = the spec itself). The operator checks the same rules in
 # the validators above, so a cluster without CEL still reports them (as a condition instead of a rejection).
 CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
@@ -369,35 +451,18 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
                 "self.autoscaling.minReplicas > 0 || has(self.routingPolicyRef)",
                 "message": "autoscaling.minReplicas 0 needs routingPolicyRef (the router holds requests at zero)",
             },
-        ],
-        "autoscaling": [
             {
-                "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
-                "message": "autoscaling.minReplicas must be <= maxReplicas",
-            },
-            {
-                "rule": f"self.maxReplicas <= {MAX_REPLICAS}",
-                "message": f"autoscaling.maxReplicas must be <= {MAX_REPLICAS} (the bound of replicas)",
-            },
-            {
-                "rule": f"!has(self.scaleToZeroAfterSeconds) || self.scaleToZeroAfterSeconds <= {MAX_SCALE_TO_ZERO_SECONDS}",
-                "message": f"autoscaling.scaleToZeroAfterSeconds must be <= {MAX_SCALE_TO_ZERO_SECONDS:.0f}",
+                "rule": "!has(self.autoscaling) || !has(self.disaggregation)",
+                "message": "autoscaling: a disaggregated deployment scales each role on its own signals: set "
+                "disaggregation.prefill.autoscaling and/or disaggregation.decode.autoscaling instead",
             },
         ],
-        "autoscaling.targets": [
-            {
-                "rule": "has(self.waitingRequestsPerReplica) || has(self.kvCacheUsage) || has(self.ttft) || "
-                "has(self.outputTokensPerSecondPerReplica)",
-                "message": "autoscaling.targets: set at least one of waitingRequestsPerReplica, kvCacheUsage, ttft, "
-                "outputTokensPerSecondPerReplica",
-            }
-        ],
-        "autoscaling.targets.ttft": [
-            {
-                "rule": f"!has(self.windowSeconds) || self.windowSeconds <= {MAX_WINDOW_SECONDS}",
-                "message": f"autoscaling.targets.ttft.windowSeconds must be <= {MAX_WINDOW_SECONDS:.0f}",
-            }
-        ],
+        **_autoscaling_rules("autoscaling"),
+        **{
+            path: rules
+            for role in ("prefill", "decode")
+            for path, rules in _autoscaling_rules(f"disaggregation.{role}.autoscaling", min_one=True).items()
+        },
     },
     "CachePolicy": {
         "cpuOffload": [

@@ -22,6 +22,11 @@ Manual scaling while autoscaling is on: the autoscaler decides from its own last
 (`status.autoscaling.desiredReplicas`), not from a `kubectl scale` made since, and writes its decision back
 with an Event `ManualScaleOverridden` — the HPA's contract.
 
+A disaggregated ModelDeployment is sized role by role (`disaggregation.<role>.autoscaling`): the same
+policy, each role's own pods (its Deployment's selector), its own history in `status.roles.<role>.autoscaling`,
+and its count written to `spec.disaggregation.<role>.replicas` by a merge patch of that one field (a role has
+no scale subresource). The routers' held requests count as decode demand only (`scale_targets`).
+
 Recent scrapes of each pod are kept in the object's kopf memo (rates and TTFT percentiles are differences
 over a window); after a restart the first decisions simply have no rate or TTFT figure yet.
 """
@@ -38,7 +43,7 @@ from typing import Any
 import aiohttp
 import kopf
 from prometheus_client.parser import text_string_to_metric_families
-from tokenfleet.operator.api import GROUP, VERSION, parse_model_deployment
+from tokenfleet.operator.api import GROUP, VERSION, ModelDeploymentSpec, parse_model_deployment
 from tokenfleet.operator.autoscaling_policy import (
     AutoscalingSpec,
     Decision,
@@ -48,6 +53,7 @@ from tokenfleet.operator.autoscaling_policy import (
 )
 from tokenfleet.operator.autoscaling_status import autoscaling_status, history_from_status
 from tokenfleet.operator.builders import RUNTIME_PORT, model_mount, selector_string
+from tokenfleet.operator.disaggregation import ROLES, role_name
 from tokenfleet.operator.pod_metrics import MetricsParseError, PodMetrics, parse_metrics, pod_sample
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
@@ -140,6 +146,7 @@ class ScrapeBook:
 
     def __init__(self) -> None:
         self._by_pod: dict[str, list[tuple[float, PodMetrics]]] = {}
+        self._scopes: dict[str, ScrapeBook] = {}
 
     def add(self, pod: str, t: float, metrics: PodMetrics, window: float) -> list[tuple[float, PodMetrics]]:
         series = self._by_pod.setdefault(pod, [])
@@ -148,6 +155,10 @@ class ScrapeBook:
         base = max((i for i, (ti, _) in enumerate(series[:-1]) if t - ti >= window), default=0)
         del series[:base]
         return series
+
+    def scoped(self, scope: str) -> ScrapeBook:
+        """A book of its own for one part of the fleet (a role), whose decisions retain only its pods."""
+        return self._scopes.setdefault(scope, ScrapeBook())
 
     def retain(self, pods: Iterable[str]) -> None:
         keep = set(pods)
@@ -214,6 +225,41 @@ async def observe(
 
 
 # ------------------------------------------------------------------------------------------------ a decision
+@dataclass(frozen=True, slots=True)
+class ScaleTarget:
+    """What one decision sizes: the whole fleet of an aggregated deployment, or one role's pods."""
+
+    role: str | None  # None: the fleet (spec.replicas); else "prefill" / "decode"
+    autoscaling: AutoscalingSpec
+    replicas: int  # the count the spec says now
+    selector: str  # its pods
+    previous: Mapping[str, Any]  # its status.autoscaling as stored
+    routers: bool  # whether the routers' held requests count as its demand
+
+
+def scale_targets(name: str, spec: ModelDeploymentSpec, status: Mapping[str, Any]) -> list[ScaleTarget]:
+    """The autoscaled parts of a ModelDeployment (pure).
+
+    Disaggregated, each role is sized from its own pods only: a prefill pod's queue and TTFT say nothing
+    about decode capacity, and a decode pod's KV usage nothing about prefill. The requests routers hold
+    count as decode demand alone: a request takes a decode slot for its whole generation (a prefill slot
+    for its prompt only), so it is decode capacity that bounds how many run at once.
+    """
+    if spec.disaggregation is None:
+        if spec.autoscaling is None:
+            return []
+        previous = status.get("autoscaling") or {}
+        return [ScaleTarget(None, spec.autoscaling, spec.replicas, selector_string(name), previous, True)]
+    out = []
+    for role in ROLES:
+        r = getattr(spec.disaggregation, role)
+        if r.autoscaling is not None:
+            previous = ((status.get("roles") or {}).get(role) or {}).get("autoscaling") or {}
+            selector = selector_string(role_name(name, role))
+            out.append(ScaleTarget(role, r.autoscaling, r.replicas, selector, previous, role == "decode"))
+    return out
+
+
 async def autoscale(
     ctx: OperatorContext,
     namespace: str,
@@ -223,32 +269,91 @@ async def autoscale(
     now: float,
     logger: logging.Logger,
 ) -> Decision | None:
-    """One decision for one ModelDeployment; None when it has no (valid) autoscaling spec or is going away."""
+    """One decision for an aggregated ModelDeployment; None when it has no (valid) autoscaling spec, is
+    disaggregated (`autoscale_roles`) or is going away."""
+    decisions = await autoscale_all(ctx, namespace, name, book, session, now, logger)
+    return decisions.get(None)
+
+
+async def autoscale_roles(
+    ctx: OperatorContext,
+    namespace: str,
+    name: str,
+    book: ScrapeBook,
+    session: aiohttp.ClientSession,
+    now: float,
+    logger: logging.Logger,
+) -> dict[str, Decision]:
+    """One decision per autoscaled role of a disaggregated ModelDeployment, by role."""
+    decisions = await autoscale_all(ctx, namespace, name, book, session, now, logger)
+    return {role: d for role, d in decisions.items() if role is not None}
+
+
+async def autoscale_all(
+    ctx: OperatorContext,
+    namespace: str,
+    name: str,
+    book: ScrapeBook,
+    session: aiohttp.ClientSession,
+    now: float,
+    logger: logging.Logger,
+) -> dict[str | None, Decision]:
+    """What the timer runs each period: a decision for every autoscaled part (key None: the whole fleet)."""
     kube = ctx.kube
     body = await asyncio.to_thread(kube.get, "ModelDeployment", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
-        return None
+        return {}
     try:
         spec = parse_model_deployment(body.get("spec"))
     except ConfigError:
-        return None  # the reconcile reports an invalid spec (status condition and Event)
-    if spec.autoscaling is None:
-        return None
-    pods = await asyncio.to_thread(kube.list, "Pod", namespace, selector_string(name))
+        return {}  # the reconcile reports an invalid spec (status condition and Event)
+    targets = scale_targets(name, spec, body.get("status") or {})
+    if not targets:
+        return {}
     routers: list[Mapping[str, Any]] = []
-    if spec.routing_policy_ref:
+    if spec.routing_policy_ref and any(t.routers for t in targets):
         selector = ",".join(f"{k}={v}" for k, v in router_selector(spec.routing_policy_ref).items())
         routers = await asyncio.to_thread(kube.list, "Pod", namespace, selector)
     model = model_mount(spec, {}).served_name  # the name clients send, which the router's gauge is keyed by
-    seen = await observe(session, pods, routers, model, spec.autoscaling, book, now)
-    if seen.router_failures:
-        logger.info("autoscaler: %d router pod(s) did not report pending requests", seen.router_failures)
+    out: dict[str | None, Decision] = {}
+    for target in targets:
+        scoped = book if target.role is None else book.scoped(target.role)
+        out[target.role] = await _decide(
+            ctx, body, target, routers if target.routers else [], model, scoped, session, now, logger
+        )
+    return out
 
-    previous = (body.get("status") or {}).get("autoscaling") or {}
-    last = previous.get("desiredReplicas")
-    current = last if isinstance(last, int) else spec.replicas
+
+async def _decide(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    target: ScaleTarget,
+    routers: list[Mapping[str, Any]],
+    model: str,
+    book: ScrapeBook,
+    session: aiohttp.ClientSession,
+    now: float,
+    logger: logging.Logger,
+) -> Decision:
+    kube = ctx.kube
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    pods = await asyncio.to_thread(kube.list, "Pod", namespace, target.selector)
+    seen = await observe(session, pods, routers, model, target.autoscaling, book, now)
+    what = "" if target.role is None else f"{target.role}: "
+    if seen.router_failures:
+        logger.info(
+            "autoscaler: %s%d router pod(s) did not report pending requests", what, seen.router_failures
+        )
+
+    last = target.previous.get("desiredReplicas")
+    current = last if isinstance(last, int) else target.replicas
     decision = decide(
-        current, seen.samples, spec.autoscaling, history_from_status(previous), now, seen.pending_requests
+        current,
+        seen.samples,
+        target.autoscaling,
+        history_from_status(target.previous),
+        now,
+        seen.pending_requests,
     )
     scaled = decision.replicas != current
     observed = {
@@ -257,41 +362,67 @@ async def autoscale(
     }
     if routers:
         observed["router_scrape_failures"] = seen.router_failures
-    status = autoscaling_status(decision, previous, scaled, now, observed)
-    await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, {"autoscaling": status})
-    if spec.replicas != decision.replicas:
-        await asyncio.to_thread(kube.scale, "ModelDeployment", namespace, name, decision.replicas)
-    if spec.replicas != current:
+    status = autoscaling_status(decision, target.previous, scaled, now, observed)
+    if target.role is None:
+        await asyncio.to_thread(
+            kube.patch_status, "ModelDeployment", namespace, name, {"autoscaling": status}
+        )
+        if target.replicas != decision.replicas:
+            await asyncio.to_thread(kube.scale, "ModelDeployment", namespace, name, decision.replicas)
+    else:
+        patch = {"roles": {target.role: {"autoscaling": status}}}
+        await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, patch)
+        if target.replicas != decision.replicas:
+            # The role's count is a spec field with no scale subresource of its own: a merge patch of
+            # exactly that field (the reconcile then writes it to the role's Deployment).
+            replicas = {"spec": {"disaggregation": {target.role: {"replicas": decision.replicas}}}}
+            await asyncio.to_thread(kube.patch, "ModelDeployment", namespace, name, replicas)
+    field = "replicas" if target.role is None else f"disaggregation.{target.role}.replicas"
+    if target.replicas != current:
         ctx.event(
-            body,
+            dict(body),
             "Normal",
             "ManualScaleOverridden",
-            f"replicas were set to {spec.replicas} outside the autoscaler, which owns them while "
-            f"spec.autoscaling is set: now {decision.replicas} ({decision.reason})",
+            f"{field} were set to {target.replicas} outside the autoscaler, which owns them while "
+            f"{'spec.autoscaling' if target.role is None else f'disaggregation.{target.role}.autoscaling'} "
+            f"is set: now {decision.replicas} ({decision.reason})",
         )
     elif scaled:
-        ctx.event(
-            body, "Normal", "ScaledUp" if decision.replicas > current else "ScaledDown", decision.reason
-        )
-    if scaled or spec.replicas != decision.replicas:
-        logger.info("autoscaler: %s", decision.reason)
+        reason = "ScaledUp" if decision.replicas > current else "ScaledDown"
+        ctx.event(dict(body), "Normal", reason, what + decision.reason)
+    if scaled or target.replicas != decision.replicas:
+        logger.info("autoscaler: %s%s", what, decision.reason)
     return decision
 
 
 def autoscaling_changed(
-    ctx: OperatorContext, namespace: str, name: str, new: Any, status: Mapping[str, Any] | None
+    ctx: OperatorContext,
+    namespace: str,
+    name: str,
+    new: Any,
+    status: Mapping[str, Any] | None,
+    role: str | None = None,
 ) -> bool:
-    """`spec.autoscaling` changed to `new`; when it is gone, clear the old decision (spec.replicas is the
-    user's again, from its current value) and say whether status was written."""
-    if new or (status or {}).get("autoscaling") is None:
+    """`spec.autoscaling` (or a role's) changed to `new`; when it is gone, clear the old decision (the
+    replicas are the user's again, from their current value) and say whether status was written."""
+    status = status or {}
+    stored = (
+        status.get("autoscaling")
+        if role is None
+        else ((status.get("roles") or {}).get(role) or {}).get("autoscaling")
+    )
+    if new or stored is None:
         return False
-    ctx.kube.patch_status("ModelDeployment", namespace, name, {"autoscaling": None})
+    patch = {"autoscaling": None} if role is None else {"roles": {role: {"autoscaling": None}}}
+    ctx.kube.patch_status("ModelDeployment", namespace, name, patch)
     return True
 
 
 # ------------------------------------------------------------------------------------------------ kopf wiring
 def _autoscaling_on(spec: Mapping[str, Any], **_: Any) -> bool:
-    return bool((spec or {}).get("autoscaling"))
+    spec = spec or {}
+    roles = spec.get("disaggregation") or {}
+    return bool(spec.get("autoscaling")) or any((roles.get(r) or {}).get("autoscaling") for r in ROLES)
 
 
 def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_INTERVAL_SECONDS) -> None:
@@ -310,7 +441,7 @@ def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_
         timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             try:
-                await autoscale(memo.ctx, namespace, name, book, session, time.time(), logger)
+                await autoscale_all(memo.ctx, namespace, name, book, session, time.time(), logger)
             except Exception as e:  # an API hiccup: the next tick decides again from stored state
                 logger.warning("autoscaler: no decision this period: %s", e)
 
@@ -319,3 +450,22 @@ def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_
         memo: kopf.Memo, namespace: str, name: str, new: Any, status: Mapping[str, Any], **_: Any
     ) -> None:
         autoscaling_changed(memo.ctx, namespace, name, new, status)
+
+    for role in ROLES:
+
+        @kopf.on.field(
+            *MD,
+            field=f"spec.disaggregation.{role}.autoscaling",
+            id=f"autoscaler-off-{role}",
+            registry=registry,
+        )
+        def role_autoscaling_field(
+            memo: kopf.Memo,
+            namespace: str,
+            name: str,
+            new: Any,
+            status: Mapping[str, Any],
+            role: str = role,
+            **_: Any,
+        ) -> None:
+            autoscaling_changed(memo.ctx, namespace, name, new, status, role)

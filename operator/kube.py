@@ -160,6 +160,16 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A JSON merge patch of the object itself (the autoscaler sets a disaggregated role's replicas,
+        a spec field without a scale subresource of its own)."""
+        self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name),
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
         """Set the replica count through the `/scale` subresource, as an HPA does (the autoscaler)."""
         self._call(

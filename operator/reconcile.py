@@ -22,6 +22,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import (
     DEFAULT_IMAGE,
+    GROUP,
     ModelDeploymentSpec,
     parse_cache_policy,
     parse_model_deployment,
@@ -180,6 +181,7 @@ def _reconcile_model_deployment(
             if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
                 children, served = build_disaggregated_children(name, spec, cache), role_name(name, "decode")
             _adopt_and_apply(ctx, body, children)
+            prune_children(ctx, body, children, logger)
             sync_inference_pool(ctx, body, spec, logger)
             outcome = ReconcileOutcome(
                 desired_replicas=spec.replicas if served == name else spec.disaggregation.decode.replicas,
@@ -206,6 +208,49 @@ def _reconcile_model_deployment(
         raise kopf.TemporaryError(
             f"waiting for {', '.join(outcome.missing_policies)}", delay=ctx.resync_seconds
         )
+
+
+# The kinds of a ModelDeployment's runtime children: those of its other serving mode (aggregated, or a
+# disaggregated role) go when the spec switches between them.
+PRUNED_KINDS = ("Deployment", "Service", "ConfigMap")
+
+
+def stale_children(
+    owner: Mapping[str, Any], wanted: Collection[dict[str, Any]], existing: Collection[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    """(kind, name) of the objects in `existing` that `owner` controls but the current spec no longer builds.
+
+    Pure. Only what the owner controls goes (its uid in a controller ownerReference), never an object of the
+    same name and labels made by someone else.
+    """
+    keep = {(c["kind"], c["metadata"]["name"]) for c in wanted}
+    uid = owner["metadata"].get("uid")
+    out = []
+    for obj in existing:
+        key = (obj.get("kind"), obj["metadata"]["name"])
+        refs = obj["metadata"].get("ownerReferences") or []
+        controlled = any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+        if uid and controlled and key not in keep:
+            out.append(key)
+    return sorted(out)
+
+
+def prune_children(
+    ctx: OperatorContext, owner: dict[str, Any], wanted: list[dict[str, Any]], logger: logging.Logger
+) -> list[tuple[str, str]]:
+    """Delete the runtime children of the mode the ModelDeployment no longer runs (a switch between
+    aggregated and disaggregated serving). Level-based: it compares what exists now with what the spec
+    builds, so a switch made while the operator was down is cleaned up at its next reconcile."""
+    meta = owner["metadata"]
+    selector = f"{GROUP}/model-deployment={meta['name']}"
+    existing = []
+    for kind in PRUNED_KINDS:
+        existing += [{**o, "kind": kind} for o in ctx.kube.list(kind, meta["namespace"], selector)]
+    removed = stale_children(owner, wanted, existing)
+    for kind, name in removed:
+        ctx.kube.delete(kind, meta["namespace"], name)
+        logger.info("removed %s %s (no longer part of the spec)", kind, name)
+    return removed
 
 
 def sync_inference_pool(

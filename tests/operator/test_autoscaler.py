@@ -26,8 +26,10 @@ from tokenfleet.operator.autoscaler import (
     SCRAPE_TIMEOUT_SECONDS,
     ScrapeBook,
     autoscale,
+    autoscale_roles,
     autoscaling_changed,
     pod_view,
+    scale_targets,
 )
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.autoscaling_status import (
@@ -572,3 +574,132 @@ def test_a_removed_pod_stops_taking_requests_before_sigterm_and_drains():
     assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": PRE_STOP_SECONDS}}
     # The grace period runs from deletion: it must cover the preStop sleep and then the whole drain.
     assert pod["terminationGracePeriodSeconds"] > PRE_STOP_SECONDS + math.ceil(config.server.drain_seconds)
+
+
+# ------------------------------------------------------------------------------------- disaggregated, per role
+def _patch(cluster: Cluster):
+    def patch(kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
+        obj = cluster.objects[(kind, name)]
+        cluster.objects[(kind, name)] = merge_patch(obj, body)
+
+    return patch
+
+
+def role_labels(role: str) -> dict[str, str]:
+    return common_labels(f"chat-{role}") | {"serving.tokenfleet.dev/role": role}
+
+
+def disaggregated(prefill: dict | None, decode: dict | None, **extra: Any) -> dict[str, Any]:
+    roles: dict[str, Any] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    if prefill is not None:
+        roles["prefill"]["autoscaling"] = prefill
+    if decode is not None:
+        roles["decode"]["autoscaling"] = decode
+    return {"disaggregation": roles, **extra}
+
+
+class RoleLoop(Loop):
+    async def tick(self, now: float):  # type: ignore[override]
+        return await autoscale_roles(self.ctx, NS, self.name, self.book, self.session, now, LOG)
+
+    def role_replicas(self, role: str) -> int:
+        return self.cluster.md(self.name)["spec"]["disaggregation"][role]["replicas"]
+
+    def role_status(self, role: str) -> dict[str, Any]:
+        return self.cluster.md(self.name)["status"]["roles"][role]["autoscaling"]
+
+
+async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
+    cluster = Cluster()
+    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
+    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
+    cluster.create_md(
+        "chat",
+        disaggregated(
+            autoscaling(targets={"waitingRequestsPerReplica": 2}, scaleUp=now_up, maxReplicas=4),
+            autoscaling(targets={"kvCacheUsage": 0.5}, scaleUp=now_up, maxReplicas=4),
+        ),
+    )
+    p, d = await servers(FakePod()), await servers(FakePod())
+    cluster.add_pod("chat-prefill-a", role_labels("prefill"), p.port)
+    cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    loop = RoleLoop(cluster, session)
+
+    # A long-prompt burst queues on the prefill pod; the decode pod's KV is light: only prefill grows.
+    # The decode pod's own queue (requests waiting for KV) is no prefill signal.
+    p.load(waiting=6, running=1, kv=0.1)
+    d.load(waiting=9, running=4, kv=0.3)
+    decisions = await loop.tick(0.0)
+    assert decisions["prefill"].replicas == 3 and decisions["decode"].replicas == 1
+    assert (loop.role_replicas("prefill"), loop.role_replicas("decode")) == (3, 1)
+    assert loop.role_status("prefill")["desiredReplicas"] == 3
+    assert loop.role_status("prefill")["signals"]["waitingPerReplica"] == 6
+    assert loop.role_status("decode")["signals"]["kvCacheUsage"] == pytest.approx(0.3)
+    assert loop.events == [("Normal", "ScaledUp", "prefill: " + decisions["prefill"].reason)]
+    assert "autoscaling" not in (cluster.md("chat").get("status") or {})  # the fleet-wide field stays unset
+
+    # Long generations fill the decode pod's KV: now decode grows; prefill (idle queue, its new pods not
+    # created yet) keeps its 3.
+    p.load()
+    d.load(running=20, kv=0.9)
+    decisions = await loop.tick(10.0)
+    assert decisions["decode"].replicas == 2 and loop.role_replicas("decode") == 2
+    assert loop.role_replicas("prefill") == 3 and decisions["prefill"].replicas == 3
+    assert [r for r in loop.reasons()] == ["ScaledUp", "ScaledUp"]
+
+    # The aggregated entry point leaves a disaggregated deployment alone.
+    assert await Loop(cluster, session).tick(20.0) is None
+
+
+async def test_router_demand_counts_for_decode_and_a_manual_role_scale_is_undone(servers, session):
+    cluster = Cluster()
+    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
+    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
+    cluster.create_md(
+        "chat",
+        disaggregated(
+            autoscaling(targets={"waitingRequestsPerReplica": 2}, scaleUp=now_up),
+            autoscaling(targets={"waitingRequestsPerReplica": 2}, scaleUp=now_up),
+            routingPolicyRef="front",
+        ),
+    )
+    p, d, router = await servers(FakePod()), await servers(FakePod()), await servers(FakeRouter())
+    cluster.add_pod("chat-prefill-a", role_labels("prefill"), p.port)
+    cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    cluster.add_pod("front-router-x", router_labels("front"), router.port)
+    loop = RoleLoop(cluster, session)
+
+    router.hold(MODEL, 5)  # every endpoint at its in-flight limit: the router holds 5
+    decisions = await loop.tick(0.0)
+    assert decisions["decode"].replicas == 3 and decisions["prefill"].replicas == 1
+    assert loop.role_status("decode")["signals"]["pending"] == 5
+    assert loop.role_status("prefill")["signals"]["pending"] == 0
+
+    router.hold(MODEL, 0)
+    cluster.md("chat")["spec"]["disaggregation"]["prefill"]["replicas"] = 4  # a manual edit
+    await loop.tick(15.0)
+    assert loop.role_replicas("prefill") == 1
+    _, reason, message = loop.events[-1]
+    assert reason == "ManualScaleOverridden"
+    assert message.startswith("disaggregation.prefill.replicas were set to 4 outside the autoscaler")
+
+    # The prefill role's autoscaling is removed: its decision goes, decode's stays, and the loop lets the
+    # prefill count be the user's again.
+    del cluster.md("chat")["spec"]["disaggregation"]["prefill"]["autoscaling"]
+    md = cluster.md("chat")
+    assert autoscaling_changed(loop.ctx, NS, "chat", None, md["status"], role="prefill")
+    assert "autoscaling" not in cluster.md("chat")["status"]["roles"]["prefill"]
+    assert "autoscaling" in cluster.md("chat")["status"]["roles"]["decode"]
+    cluster.md("chat")["spec"]["disaggregation"]["prefill"]["replicas"] = 2
+    decisions = await loop.tick(30.0)
+    assert set(decisions) == {"decode"} and loop.role_replicas("prefill") == 2
+
+
+def test_scale_targets_name_each_roles_pods():
+    spec = parse_model_deployment(
+        disaggregated(None, autoscaling(targets={"kvCacheUsage": 0.8}), routingPolicyRef="front")
+    )
+    [target] = scale_targets("chat", spec, {})
+    assert target.role == "decode" and target.routers and target.replicas == 1
+    assert target.selector == "app.kubernetes.io/instance=chat-decode,app.kubernetes.io/component=runtime"
+    assert scale_targets("chat", parse_model_deployment({"replicas": 2}), {}) == []

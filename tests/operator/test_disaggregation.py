@@ -72,23 +72,82 @@ def test_the_router_gets_one_backend_per_role_with_its_role():
     assert backends[0].model == backends[1].model
 
 
-def test_autoscaling_a_disaggregated_deployment_is_refused_with_a_reason():
-    with pytest.raises(ConfigError, match="disaggregated"):
+def test_deployment_wide_autoscaling_on_a_disaggregated_deployment_points_to_the_roles():
+    with pytest.raises(ConfigError, match=r"disaggregation\.prefill\.autoscaling and/or"):
         parse_model_deployment({**SPEC, "autoscaling": {"maxReplicas": 4, "targets": {"kvCacheUsage": 0.8}}})
     with pytest.raises(ConfigError):
         parse_model_deployment({"disaggregation": {"prefill": {"replicas": -1}}})
 
 
-def test_reconcile_creates_both_roles_reports_on_decode_and_the_router_gets_both_backends():
+def _role_autoscaling(**overrides) -> dict:
+    return {"maxReplicas": 4, "targets": {"waitingRequestsPerReplica": 2}} | overrides
+
+
+def test_each_role_takes_its_own_autoscaling():
+    spec = parse_model_deployment(
+        {
+            "disaggregation": {
+                "prefill": {"autoscaling": _role_autoscaling()},
+                "decode": {"autoscaling": _role_autoscaling(targets={"kvCacheUsage": 0.7}, maxReplicas=8)},
+            }
+        }
+    )
+    assert spec.disaggregation.prefill.autoscaling.targets.waiting_requests_per_replica == 2
+    assert spec.disaggregation.decode.autoscaling.max_replicas == 8
+
+
+@pytest.mark.parametrize(
+    ("role_autoscaling", "message"),
+    [
+        (_role_autoscaling(minReplicas=0), "disaggregation.decode.autoscaling.minReplicas must be >= 1"),
+        (
+            _role_autoscaling(maxReplicas=3000),
+            "disaggregation.decode.autoscaling.maxReplicas must be <= 1000",
+        ),
+        (_role_autoscaling(minReplicas=5), "must be <= maxReplicas"),
+        (_role_autoscaling(targets={}), "set at least one of"),
+    ],
+)
+def test_invalid_role_autoscaling_is_refused_naming_the_role(role_autoscaling, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_model_deployment({"disaggregation": {"decode": {"autoscaling": role_autoscaling}}})
+
+
+def test_the_crd_checks_role_autoscaling_with_the_same_rules():
+    from tokenfleet.operator.crdgen import build_crd
+
+    schema = build_crd("ModelDeployment")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    for role in ("prefill", "decode"):
+        a = spec["properties"]["disaggregation"]["properties"][role]["properties"]["autoscaling"]
+        rules = [r["rule"] for r in a["x-kubernetes-validations"]]
+        assert "!has(self.minReplicas) || self.minReplicas >= 1" in rules
+        assert "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas" in rules
+        assert any(
+            "has(self.ttft)" in r["rule"] for r in a["properties"]["targets"]["x-kubernetes-validations"]
+        )
+    assert "!has(self.autoscaling) || !has(self.disaggregation)" in [
+        r["rule"] for r in spec["x-kubernetes-validations"]
+    ]
+    roles = schema["properties"]["status"]["properties"]["roles"]["properties"]
+    assert set(roles) == {"prefill", "decode"} and "autoscaling" in roles["decode"]["properties"]
+
+
+def _reconcile_cluster():
+    """The in-memory cluster (`Kube` over a dict) of the reconcile tests."""
     import importlib.util
     from pathlib import Path
 
-    # The in-memory cluster (`Kube` over a dict) of the reconcile tests.
     spec = importlib.util.spec_from_file_location(
         "reconcile_cluster", Path(__file__).with_name("test_reconcile.py")
     )
     cluster = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cluster)
+    return cluster
+
+
+def test_reconcile_creates_both_roles_reports_on_decode_and_the_router_gets_both_backends():
+    cluster = _reconcile_cluster()
     LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
     from tokenfleet.operator.reconcile import reconcile_model_deployment, reconcile_routers
 
@@ -107,3 +166,93 @@ def test_reconcile_creates_both_roles_reports_on_decode_and_the_router_gets_both
         ("chat-decode", "decode"),
         ("chat-prefill", "prefill"),
     ]
+
+
+AGGREGATED = [("ConfigMap", "chat-runtime"), ("Deployment", "chat"), ("Service", "chat")]
+DISAGGREGATED = [
+    ("ConfigMap", "chat-decode-runtime"),
+    ("ConfigMap", "chat-prefill-runtime"),
+    ("Deployment", "chat-decode"),
+    ("Deployment", "chat-prefill"),
+    ("Service", "chat-decode"),
+    ("Service", "chat-prefill"),
+]
+
+
+def _children(kube) -> list[tuple[str, str]]:
+    """The ModelDeployment's runtime children (not the router's)."""
+    kinds = ("ConfigMap", "Deployment", "Service")
+    return sorted((k, n) for k in kinds for n in kube.names(k) if not n.startswith("front-"))
+
+
+def test_switching_modes_removes_the_other_modes_children_and_leaves_others_alone():
+    cluster = _reconcile_cluster()
+    LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
+    from tokenfleet.operator.reconcile import reconcile_model_deployment, reconcile_routers
+
+    kube, events = FakeKube(), []
+    ctx = _ctx(kube, events, Clock())
+    kube.create("RoutingPolicy", "front", {})
+    kube.create("ModelDeployment", "chat", {"routingPolicyRef": "front"})
+    # A ConfigMap someone else made with our label (not owned by the ModelDeployment): never touched.
+    kube.objects[("ConfigMap", NS, "chat-notes")] = {
+        "kind": "ConfigMap",
+        "metadata": {"name": "chat-notes", "namespace": NS, "labels": {f"{GROUP}/model-deployment": "chat"}},
+    }
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*AGGREGATED, ("ConfigMap", "chat-notes")])
+
+    # aggregated -> disaggregated: the single Deployment, its Service and ConfigMap go.
+    kube.edit("ModelDeployment", "chat", {**SPEC, "routingPolicyRef": "front"})
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*DISAGGREGATED, ("ConfigMap", "chat-notes")])
+    assert kube.obj("ModelDeployment", "chat")["status"]["endpoint"].startswith("http://chat-decode.")
+    reconcile_routers(ctx, kube.watched(), NS, LOG)
+    config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
+    assert sorted(b["name"] for b in config["backends"]) == ["chat-decode", "chat-prefill"]
+
+    # disaggregated -> aggregated, and again: level-based, a second reconcile changes nothing.
+    kube.edit("ModelDeployment", "chat", {"routingPolicyRef": "front"})
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*AGGREGATED, ("ConfigMap", "chat-notes")])
+    before = len([c for c in kube.calls if c[0] == "delete"])
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert len([c for c in kube.calls if c[0] == "delete"]) == before
+    reconcile_routers(ctx, kube.watched(), NS, LOG)
+    config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
+    assert [b["name"] for b in config["backends"]] == ["chat"]
+
+
+def test_a_switch_made_while_the_operator_was_down_is_cleaned_up_by_the_next_one():
+    cluster = _reconcile_cluster()
+    LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
+    from tokenfleet.operator.reconcile import reconcile_model_deployment
+
+    kube = FakeKube()
+    kube.create("ModelDeployment", "chat", SPEC)
+    reconcile_model_deployment(_ctx(kube, [], Clock()), kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == DISAGGREGATED
+    # The spec changes while no operator runs; a new operator (new context, nothing remembered) starts.
+    kube.edit("ModelDeployment", "chat", {})
+    reconcile_model_deployment(_ctx(kube, [], Clock()), kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == AGGREGATED
+
+
+def test_only_controlled_children_are_stale():
+    from tokenfleet.operator.reconcile import stale_children
+
+    owner = {"metadata": {"name": "chat", "uid": "u1"}}
+
+    def obj(kind, name, uid, controller=True):
+        refs = [{"uid": uid, "controller": controller}] if uid else []
+        return {"kind": kind, "metadata": {"name": name, "ownerReferences": refs}}
+
+    wanted = [obj("Deployment", "chat-decode", "u1")]
+    existing = [
+        obj("Deployment", "chat-decode", "u1"),  # still built
+        obj("Deployment", "chat", "u1"),  # the old mode's
+        obj("Service", "chat", "u2"),  # another owner's
+        obj("ConfigMap", "chat-runtime", "u1", controller=False),  # merely referenced, not controlled
+        obj("ConfigMap", "loose", None),
+    ]
+    assert stale_children(owner, wanted, existing) == [("Deployment", "chat")]
