@@ -19,7 +19,8 @@ weights and an activation reserve.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from operator import itemgetter, mul
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from tokenfleet.sim.hardware import Efficiency, GPUProfile
 from tokenfleet.sim.model_profile import ModelProfile
 
 DEFAULT_EFFICIENCY = Efficiency()
+_token_ids, _start_pos, _sample = itemgetter(1), itemgetter(2), itemgetter(4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,17 +41,27 @@ class BatchShape:
     kv_read_tokens: int  # sum over sequences of the context read (cached + new)
 
 
-def batch_shape(scheduled) -> BatchShape:
-    """From `SchedulerOutput.scheduled` (tuples: id, token_ids, start_pos, block_ids, sample, spec_ids)."""
-    num_tokens = num_samples = kv = 0
-    attn = 0.0
-    for _, token_ids, start, _, sample, spec in scheduled:
-        q = len(token_ids) + len(spec)
-        num_tokens += q
-        num_samples += sample
-        kv += start + q
-        attn += q * (start + (q + 1) * 0.5)
-    return BatchShape(num_tokens, len(scheduled), num_samples, attn, kv)
+def batch_shape(output) -> BatchShape:
+    """From a `SchedulerOutput` (`scheduled` tuples: id, token_ids, start_pos, block_ids, sample, spec_ids).
+
+    Runs once per simulated step over every scheduled request, so it is written as C-level passes (map,
+    sum) rather than a Python loop per request: sum over requests of q x (start + (q + 1) / 2) for q new
+    tokens = sum(q x start) + (sum(q^2) + sum(q)) / 2, and a pure decode step (every q = 1) needs neither
+    product.
+    """
+    scheduled = output.scheduled
+    num_tokens = output.num_batched_tokens  # token ids + speculative proposals, as the budget counts them
+    qs = list(map(len, map(_token_ids, scheduled)))
+    starts = list(map(_start_pos, scheduled))
+    sum_q, sum_start = sum(qs), sum(starts)
+    if sum_q != num_tokens:  # speculative proposals ride along: count them per request
+        qs = [len(e[1]) + len(e[5]) for e in scheduled]
+        sum_q = sum(qs)
+    if sum_q == len(qs):  # every request gets one token (decodes)
+        attn = sum_start + sum_q
+    else:
+        attn = sum(map(mul, qs, starts)) + (sum(map(mul, qs, qs)) + sum_q) / 2
+    return BatchShape(sum_q, len(qs), sum(map(_sample, scheduled)), attn, sum_start + sum_q)
 
 
 class CostModel(Protocol):
@@ -67,6 +79,32 @@ class RooflineCost:
     tp: int = 1
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     gpu_memory_utilization: float = 0.9
+    # Per-step constants, derived once (a simulated hour is millions of steps).
+    _k: tuple = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        m, g, e, tp = self.model, self.gpu, self.efficiency, self.tp
+        per_layer_dense = m.attn_params_per_layer
+        lm_head = m.vocab_size * m.hidden_size
+        fp8 = m.weight_bytes_per_param <= 1.0 and g.fp8_flops is not None
+        flops_per_s = (g.fp8_flops if fp8 else g.bf16_flops) * e.compute * tp
+        bytes_per_s = g.hbm_bandwidth * e.memory * tp
+        dense_weight_bytes = (m.num_layers * per_layer_dense + lm_head) * m.weight_bytes_per_param
+        # MoE: the experts read depend on the step's tokens (step_seconds adds them).
+        mlp_bytes = 0.0 if m.num_experts else m.num_layers * m.mlp_params_per_layer * m.weight_bytes_per_param
+        ring = 2.0 * (tp - 1) / tp * m.hidden_size * 2.0 / (g.link_bandwidth * e.interconnect)  # per token
+        k = (
+            2.0 * m.num_layers * (per_layer_dense + m.active_mlp_params_per_layer) / flops_per_s,  # per token
+            2.0 * lm_head / flops_per_s,  # per sampled position
+            4.0 * m.num_layers * m.num_heads * m.head_dim / flops_per_s,  # per unit of attention work
+            (dense_weight_bytes + mlp_bytes) / bytes_per_s,
+            m.kv_bytes_per_token / bytes_per_s,
+            2 * m.num_layers * ring if tp > 1 else 0.0,  # all-reduces per token
+            2 * m.num_layers * e.allreduce_latency_s if tp > 1 else 0.0,
+            e.step_overhead_s,
+            bytes_per_s,
+        )
+        object.__setattr__(self, "_k", k)
 
     @property
     def name(self) -> str:
@@ -75,32 +113,17 @@ class RooflineCost:
     def step_seconds(self, shape: BatchShape) -> float:
         if shape.num_seqs == 0:
             return 0.0
-        m, g, e, tp = self.model, self.gpu, self.efficiency, self.tp
-        per_layer_dense = m.attn_params_per_layer
-        lm_head = m.vocab_size * m.hidden_size
-        mlp_active = m.active_mlp_params_per_layer
-        flops = 2.0 * shape.num_tokens * m.num_layers * (per_layer_dense + mlp_active)
-        flops += 2.0 * shape.num_samples * lm_head
-        flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * shape.attn_work
-        fp8 = m.weight_bytes_per_param <= 1.0 and g.fp8_flops is not None
-        peak = g.fp8_flops if fp8 else g.bf16_flops
-        t_compute = flops / (peak * e.compute * tp)
-
+        per_token, per_sample, per_attn, weights_s, per_kv, comm_token, comm_fixed, overhead, bw = self._k
+        n = shape.num_tokens
+        t_compute = per_token * n + per_sample * shape.num_samples + per_attn * shape.attn_work
+        t_memory = weights_s + per_kv * (shape.kv_read_tokens + n)
+        m = self.model
         if m.num_experts:
-            touched = m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** shape.num_tokens)
-            mlp_read = touched * m.expert_params + m.hidden_size * m.num_experts
-        else:
-            mlp_read = m.mlp_params_per_layer
-        weight_bytes = (m.num_layers * (per_layer_dense + mlp_read) + lm_head) * m.weight_bytes_per_param
-        kv_bytes = (shape.kv_read_tokens + shape.num_tokens) * m.kv_bytes_per_token
-        t_memory = (weight_bytes + kv_bytes) / (g.hbm_bandwidth * e.memory * tp)
-
-        t_comm = 0.0
-        if tp > 1:
-            act_bytes = shape.num_tokens * m.hidden_size * 2.0  # bf16 activations
-            ring = 2.0 * (tp - 1) / tp * act_bytes / (g.link_bandwidth * e.interconnect)
-            t_comm = 2 * m.num_layers * (ring + e.allreduce_latency_s)
-        return max(t_compute, t_memory) + t_comm + e.step_overhead_s
+            touched = m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** n)
+            mlp_read = m.num_layers * (touched * m.expert_params + m.hidden_size * m.num_experts)
+            t_memory += mlp_read * m.weight_bytes_per_param / bw
+        t_comm = comm_token * n + comm_fixed
+        return max(t_compute, t_memory) + t_comm + overhead
 
     def num_kv_blocks(self, block_size: int) -> int:
         m, g = self.model, self.gpu

@@ -88,28 +88,60 @@ def _row(r: tuple) -> str:
     )
 
 
-def speed(duration: float, replicas: int, rate: float) -> None:
+def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128) -> dict:
+    """CPU seconds per virtual second of steady traffic, measured between the end of the warm-up (the first
+    third of the arrivals: caches fill, batches grow) and the last arrival, read at the timeline's ticks —
+    so neither the start nor the drain after the last arrival dilutes or inflates it."""
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
     config = parse_config(
         {
             "model": "llama-3-8b",
             "fleet": {"gpu": "h100-sxm", "replicas": replicas},
             "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": 4096},
-            "workload": {"rate": rate, "duration_s": duration, "num_tenants": 150, "seed": 0},
+            "workload": {
+                "rate": rate,
+                "duration_s": duration,
+                "num_tenants": 150,
+                "output_tokens": output_tokens,
+                "seed": 0,
+            },
+            "timeline_points": max(2, int(duration)),
         }
     )
+    model = build_model(config)
+    cost = build_cost(config, model)
+    sim = Simulation(config, build_workload(config), cost, model.name, model.max_model_len)
+    marks: list[tuple[float, float]] = []
+    sim.on_tick = lambda now: marks.append((now, time.process_time()))
     t0, c0 = time.perf_counter(), time.process_time()
-    r = simulate(config)
+    r = sim.run()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steady = [m for m in marks if duration / 3 <= m[0] <= duration]
+    (v0, p0), (v1, p1) = steady[0], steady[-1]
+    cpu_per_s = (p1 - p0) / max(v1 - v0, 1e-9)
     busy = r["load"]["busy_fraction_max"], r["load"]["busy_fraction_min"]
-    per_hour = wall / r["virtual_seconds"] * 3600
+    out = {
+        "requests": r["requests"]["finished"],
+        "steps": r["engine_steps"],
+        "output_tok_s": r["throughput"]["output_tokens_per_s"],
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "steady_cpu_per_virtual_s": cpu_per_s,
+        "hour_cpu_min": cpu_per_s * 3600 / 60,
+    }
     print(
-        f"{replicas} replicas, {rate} req/s for {duration} s: {r['requests']['finished']} requests, "
-        f"{r['engine_steps']} steps, {r['throughput']['output_tokens_per_s']:.0f} output tok/s, "
+        f"{replicas} replicas, {rate} req/s for {duration} s ({output_tokens}-token answers): "
+        f"{out['requests']} requests, {out['steps']} steps, {out['output_tok_s']:.0f} output tok/s, "
         f"TPOT p50 {r['latency_s']['tpot']['p50'] * 1000:.1f} ms, TTFT p50 {r['latency_s']['ttft']['p50'] * 1000:.0f} ms, "
-        f"busy {busy[1]:.0%}..{busy[0]:.0%}; simulated {r['virtual_seconds']} s in {wall:.1f} s wall "
-        f"({wall / r['engine_steps'] * 1e6:.0f} us/step), {cpu:.1f} s of CPU -> one hour of this traffic: "
-        f"{per_hour / 60:.0f} min wall here, {cpu / r['virtual_seconds'] * 3600 / 60:.0f} min of one core"
+        f"busy {busy[1]:.0%}..{busy[0]:.0%}, prefix hits {r['cache']['prefix_hit_rate']:.0%}; "
+        f"{cpu:.1f} s of CPU in all ({wall:.1f} s wall); steady state {v0:.0f}..{v1:.0f} s: "
+        f"{cpu_per_s:.2f} CPU s per simulated second -> one hour of this traffic: {out['hour_cpu_min']:.1f} min "
+        "of one core",
+        flush=True,
     )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--rate", type=float)
     p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=128, help="speed: mean answer length")
     args = p.parse_args(argv)
     if args.experiment == "routing":
         print(HEADER)
         print("|" + "---|" * 10)
         routing(args.duration, args.rate or 200.0, args.replicas)
     else:
-        speed(args.duration, args.replicas, args.rate or 880.0)
+        speed(args.duration, args.replicas, args.rate or 880.0, args.output_tokens)
     return 0
 
 

@@ -1,9 +1,17 @@
 """One simulated serving pod: the real `Scheduler` and `KVCacheManager`, with the forward pass replaced by a cost.
 
-A step is exactly the engine's: `schedule()` -> (the model would run) -> `update(output, sampled)`. The
-"sampled" tokens are the request's predetermined output tokens, so lengths are exact and a session's next
-turn finds its previous answer's KV under the same hashes. The step lasts `cost.step_seconds(shape)` of
-virtual time; tokens appear when it ends. The KV manager's TTL clock is the simulation clock.
+A step is exactly the engine's: `schedule()` -> (the model would run) -> `update(output, sampled)`. Each
+request's "model" emits one fixed token over and over (`SimRequest.output` is that token `max_tokens` times;
+`ignore_eos`, so lengths are exact): the scheduler appends what it is given, the KV manager hashes the output
+blocks from those tokens, and a session's next turn — built from the previous prompt + output — finds that
+answer's KV under the same hashes. Chained hashes keep two requests' identical-looking output blocks apart.
+The step lasts `cost.step_seconds(shape)` of virtual time; tokens appear when it ends. The KV manager's TTL
+clock is the simulation clock.
+
+Why one fixed token per request: the sampled-token mapping the scheduler reads can then be one dict per pod,
+kept from admission to finish, instead of a new dict built every step; and every per-token figure is taken
+with set operations over the step's request ids (C loops) instead of a Python loop per token. One hour of a
+16-replica fleet is ~400 million tokens: each Python-level operation per token is minutes of wall time.
 
 Per-request timings and the pod's cumulative counters are kept here, as the server's metrics would.
 """
@@ -14,10 +22,12 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
-from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
+from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent, PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -29,6 +39,13 @@ from tokenfleet.sim.workload import SimRequest
 
 # 1%-wide log bins: bin k holds gaps in [1.01^k, 1.01^(k+1)).
 ITL_BINS_PER_E = 1.0 / math.log(1.01)
+
+_rid = itemgetter(0)
+_sample = itemgetter(4)
+
+
+def itl_bin(gap: float) -> int:
+    return math.floor(math.log(max(gap, 1e-7)) * ITL_BINS_PER_E)
 
 
 @dataclass(slots=True)
@@ -89,12 +106,19 @@ class SimReplica:
         self.itl_bins: dict[int, int] = {}  # log-spaced bins of inter-token gaps (results.py reads them)
         self._on_first_token = on_first_token
         self._pending = None  # the step in flight
+        # The "model": request id -> [its token]; update() reads it for every sampling entry.
+        self._tokens: dict[str, list[int]] = {}
+        self._no_token_yet: set[str] = set()
+        self._prev_sampled: set[str] = set()  # ids that got a token at the end of the previous step ...
+        self._prev_end = 0.0  # ... which ended then
+        self._left_at: dict[str, float] = {}  # ids that got no token in the last step: when they last did
+        self.announced: list[PrefillScheduled] = []  # requests started since the router last looked
         self.busy = False
         self.num_steps = 0
         self.busy_seconds = 0.0
         self.generation_tokens_total = 0
         self.num_served = 0
-        # (time, ttft) of recent first tokens and (time, generated total) for the autoscaler's windows.
+        # (time, ttft) of recent first tokens for the autoscaler's window.
         self.recent_ttft: deque[tuple[float, float]] = deque()
 
     # ---- the pod's load report ------------------------------------------------------------------------
@@ -116,11 +140,15 @@ class SimReplica:
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def add(self, sreq: SimRequest, now: float) -> RequestRecord:
+    def add(self, sreq: SimRequest, now: float, max_tokens: int | None = None) -> RequestRecord:
+        """Hand the pod a request; `max_tokens` (default: its whole output) ends it early (a prefill pod
+        runs the prompt and the first token only)."""
         record = RequestRecord(sreq, self.name)
-        params = SamplingParams(max_tokens=len(sreq.output), ignore_eos=True, temperature=0.0)
+        output = sreq.output
+        params = SamplingParams(max_tokens=max_tokens or len(output), ignore_eos=True, temperature=0.0)
+        rid = sreq.request_id
         request = Request(
-            sreq.request_id,
+            rid,
             sreq.prompt,
             params,
             priority=sreq.priority,
@@ -133,25 +161,37 @@ class SimReplica:
             record.rejected = f"{type(e).__name__}: {e}"
             record.finished = now
             return record
-        self.records[sreq.request_id] = record
+        self.records[rid] = record
+        self._tokens[rid] = [output[0]]
+        self._no_token_yet.add(rid)
         return record
 
     # ---- the step -------------------------------------------------------------------------------------
 
     def start_step(self, now: float) -> float | None:
         """Schedule a step at `now`; its duration, or None when there is nothing to run."""
-        output = self.scheduler.schedule()
-        if output.is_empty:
+        scheduler = self.scheduler
+        num_before = len(scheduler.running)
+        output = scheduler.schedule()
+        scheduled = output.scheduled
+        if not scheduled:
             self.busy = False
             return None
-        records = self.records
-        for entry in output.scheduled:
-            rec = records[entry[0]]
-            if rec.first_scheduled is None:
-                rec.first_scheduled = now
+        # Requests leave the waiting queue only by admission, which appends them to `running` (the
+        # scheduler's admission order): the newly running tail are this step's admissions.
+        num_admitted = len(scheduler.running) - num_before + len(output.preempted_ids)
+        if num_admitted > 0:
+            records = self.records
+            for request in scheduler.running[-num_admitted:]:
+                rec = records[request.request_id]
+                if rec.first_scheduled is None:
+                    rec.first_scheduled = now
+                    # The engine announces every request it starts (routers count it as work and follow
+                    # the prefix while it is prefilled), before the forward.
+                    self.announced.append(PrefillScheduled(tuple(request.block_hashes)))
         self._pending = output
         self.busy = True
-        duration = self.cost.step_seconds(batch_shape(output.scheduled))
+        duration = self.cost.step_seconds(batch_shape(output))
         self.busy_seconds += duration
         self.num_steps += 1
         return duration
@@ -160,39 +200,51 @@ class SimReplica:
         """The step ends at `now`: tokens appear, finished requests leave; returns those."""
         output = self._pending
         self._pending = None
-        sampled: dict[str, list[int]] = {}
+        scheduled = output.scheduled
+        sampled = set(compress(map(_rid, scheduled), map(_sample, scheduled)))
+        finished = self.scheduler.update(output, self._tokens)
+        self.generation_tokens_total += len(sampled)
         records = self.records
         itl_bins = self.itl_bins
-        log, floor = math.log, math.floor
-        for rid, _, _, _, sample, _ in output.scheduled:
-            if not sample:
-                continue
-            rec = records.get(rid)
-            if rec is None:
-                continue
-            # The "model" emits the request's next predetermined token (ignore_eos, exact max_tokens: the
-            # scheduler takes every sampled token, so the count of emitted ones is the index).
-            sampled[rid] = [rec.request.output[rec.num_emitted]]
-            rec.num_emitted += 1
-            if rec.first_token is None:
-                rec.first_token = now
-                ttft = now - rec.request.arrival
-                self.recent_ttft.append((now, ttft))
-                self._on_first_token(ttft)
-            else:
-                key = floor(log(max(now - rec.last_token, 1e-7)) * ITL_BINS_PER_E)
-                itl_bins[key] = itl_bins.get(key, 0) + 1
-            rec.last_token = now
-        self.generation_tokens_total += len(sampled)
-        finished = self.scheduler.update(output, sampled)
+        prev = self._prev_sampled
+        # Gaps of requests that also got a token at the previous step's end: all the same, one bin.
+        num_cont = len(sampled) - len(sampled - prev) if prev else 0
+        if num_cont:
+            key = itl_bin(now - self._prev_end)
+            itl_bins[key] = itl_bins.get(key, 0) + num_cont
+        left_at = self._left_at
+        for rid in prev - sampled:  # got no token this step (preempted, or out of budget)
+            left_at[rid] = self._prev_end
+        fresh = sampled - prev
+        if fresh:
+            no_token_yet = self._no_token_yet
+            for rid in fresh:
+                if rid in no_token_yet:
+                    no_token_yet.discard(rid)
+                    rec = records[rid]
+                    rec.first_token = now
+                    ttft = now - rec.request.arrival
+                    self.recent_ttft.append((now, ttft))
+                    self._on_first_token(ttft)
+                else:  # back after a gap
+                    key = itl_bin(now - left_at.pop(rid))
+                    itl_bins[key] = itl_bins.get(key, 0) + 1
         done = []
-        for request in finished:
-            rec = records.pop(request.request_id)
-            rec.finished = now
-            rec.num_cached_tokens = request.num_cached_tokens
-            rec.num_preemptions = request.num_preemptions
-            done.append(rec)
-        self.num_served += len(done)
+        if finished:
+            tokens = self._tokens
+            for request in finished:
+                rid = request.request_id
+                rec = records.pop(rid)
+                del tokens[rid]
+                sampled.discard(rid)
+                rec.finished = rec.last_token = now
+                rec.num_emitted = len(request.output_token_ids)
+                rec.num_cached_tokens = request.num_cached_tokens
+                rec.num_preemptions = request.num_preemptions
+                done.append(rec)
+            self.num_served += len(done)
+        self._prev_sampled = sampled
+        self._prev_end = now
         return done
 
     def take_events(self) -> list[KVEvent]:

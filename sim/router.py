@@ -1,13 +1,19 @@
 """The router's decision on the virtual clock, built from the router's own parts.
 
-The strategy (`scoring.make_strategy`: round-robin, least-load, prefix-affinity with the hot-spot guard,
-session affinity), the exact prefix index fed by the replicas' real KV events, the recent-routes bridge
-(on the simulation clock) and the prompt block hashes (`prompt_blocks.token_block_hashes`) are the
-router's code. What this file adds is what `Fleet.pick` does around them without its network parts: the
-candidates' load is max(the pod's last polled running + waiting, the router's own in-flight count), as
-the router computes it; an endpoint at `max_in_flight_per_endpoint` is skipped while another is below it,
-and when all are at the limit (or none is ready) the request waits in the router's queue in
+The strategy (`scoring.make_strategy`: round-robin, least-load, prefix-affinity with the work bound and the
+hot-spot guard, session affinity), the exact prefix index fed by the replicas' real KV events, the two
+recent-routes bridges (this router's own routes, and the prefixes pods announce when they start a request;
+both on the simulation clock, both forgotten for a pod that reports an eviction), the work bound's counts
+(provisional per routed request, confirmed by the pod's announcement, settled when a request ends) and the
+prompt block hashes (`prompt_blocks.token_block_hashes`) are the router's code. What this file adds is what
+`Fleet.pick` does around them without its network parts: the candidates' load is max(the pod's last polled
+running + waiting, the router's own in-flight count), as the router computes it; every pod's event stream
+is live (`reports_work`); an endpoint at `max_in_flight_per_endpoint` is skipped while another is below
+it, and when all are at the limit (or none is ready) the request waits in the router's queue in
 (priority, arrival) order until one frees up.
+
+The rendezvous tie-break key is the prompt's first block hash under the pod's hash extra (the router uses
+its own "approx" extra for that key): a different but equally fixed name for the same prefix.
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
-from tokenfleet.runtime.engine.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tokenfleet.runtime.engine.kv_cache.block_hash import encode_extra, extend_block_hashes, hash_extra
+from tokenfleet.runtime.engine.kv_cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    PrefillScheduled,
+)
 from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.runtime.router.fleet import RECENT_ROUTES_TTL_S
 from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
 from tokenfleet.runtime.router.prompt_blocks import token_block_hashes
-from tokenfleet.runtime.router.scoring import Candidate, RouteQuery, make_strategy
+from tokenfleet.runtime.router.scoring import Candidate, RouteQuery, WorkBound, make_strategy
 from tokenfleet.sim.workload import SimRequest
 
 
@@ -52,9 +64,18 @@ class SimRouter:
         self.spec = spec
         self.block_size = block_size
         self.extra = hash_extra(model_name)
+        self._extra_bytes = encode_extra(self.extra)
         self.strategy = make_strategy(spec)
+        # The work bound's provisional entries expire on a clock: give it the simulation's. (Session
+        # affinity keeps its work bound in its prefix-affinity fallback.)
+        owner = getattr(self.strategy, "_fallback", self.strategy)
+        self.work: WorkBound | None = None
+        if isinstance(getattr(owner, "work", None), WorkBound):
+            self.work = owner.work = WorkBound(spec.balance.window, clock=clock)
         self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
-        self.exact = ExactPrefixIndex(on_removal=self.recent.forget)
+        self.scheduled = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
+        self.exact = ExactPrefixIndex(on_removal=self._evicted)
+        self._prefix_hashes: dict[str, list[bytes]] = {}
         self.endpoints: dict[str, EndpointView] = {}
         self._queue: list[tuple[int, float, int, SimRequest]] = []
         self._order = 0
@@ -69,6 +90,12 @@ class SimRouter:
         self.endpoints.pop(name, None)
         self.exact.clear(name)
         self.recent.forget(name)
+        self.scheduled.forget(name)
+
+    def _evicted(self, name: str) -> None:
+        """The pod reported an eviction: from now on its events alone say what it holds."""
+        self.recent.forget(name)
+        self.scheduled.forget(name)
 
     def report(self, name: str, load: int, kv_usage: float) -> None:
         ep = self.endpoints.get(name)
@@ -91,16 +118,44 @@ class SimRouter:
                 removed = []
             if isinstance(ev, BlockStored):
                 self.exact.stored(name, ev.block_hashes)
+            elif isinstance(ev, PrefillScheduled):
+                self.announced(name, ev)
             elif isinstance(ev, AllBlocksCleared):
                 self.exact.clear(name)
         if removed:
             self.exact.removed(name, removed)
 
+    def announced(self, name: str, ev: PrefillScheduled) -> None:
+        """A pod started a request: its prefix is being computed there, and it counts as work there."""
+        if name not in self.endpoints:
+            return
+        if ev.block_hashes:
+            self.scheduled.record(name, ev.block_hashes)
+        if self.work is not None:
+            self.work.observed(name)
+
     # ---- routing ----------------------------------------------------------------------------------------
 
     def hash_prompt(self, sreq: SimRequest) -> None:
-        if not sreq.block_hashes:
-            sreq.block_hashes = token_block_hashes(sreq.prompt, self.block_size, self.extra, None)
+        """The prompt's block hashes (`token_block_hashes`), extending hashes already computed for its
+        leading tokens — the same values, since each hash covers exactly the tokens up to its block."""
+        if sreq.block_hashes:
+            return
+        bs, prompt = self.block_size, sreq.prompt
+        base: list[bytes] = []
+        parent = sreq.parent
+        sreq.parent = None  # one turn back is all it needs: do not keep whole conversations alive
+        if parent is not None and parent.block_hashes:
+            base = parent.block_hashes
+        elif sreq.prefix_key is not None and sreq.prefix_len >= bs:
+            base = self._prefix_hashes.get(sreq.prefix_key)
+            if base is None:
+                base = token_block_hashes(prompt[: sreq.prefix_len], bs, self.extra, None)
+                self._prefix_hashes[sreq.prefix_key] = base
+        if not base or len(base) * bs > len(prompt):
+            sreq.block_hashes = token_block_hashes(prompt, bs, self.extra, None)
+        else:
+            sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extra_bytes)
 
     def pick(self, sreq: SimRequest) -> str | None:
         """The endpoint for this request, or None: no endpoint below the in-flight limit (it must queue)."""
@@ -111,11 +166,16 @@ class SimRouter:
         hashes = sreq.block_hashes
         ids = [ep.name for ep in eps]
         held = self.exact.match(hashes, ids)
+        scheduled = self.scheduled.match(hashes, ids)
         recent = self.recent.match(hashes, ids)
         candidates = [
-            Candidate(ep.name, ep.load, ep.kv_usage, max(held[ep.name], recent[ep.name])) for ep in eps
+            Candidate(
+                ep.name, ep.load, ep.kv_usage, max(held[ep.name], scheduled[ep.name], recent[ep.name]), True
+            )
+            for ep in eps
         ]
-        decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session), candidates)
+        first = hashes[0] if hashes else b""
+        decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)
         self.recent.record(decision.endpoint_id, hashes)
         self.endpoints[decision.endpoint_id].in_flight += 1
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
@@ -125,6 +185,8 @@ class SimRouter:
         ep = self.endpoints.get(name)
         if ep is not None:
             ep.in_flight -= 1
+            if self.work is not None:
+                self.work.settle(name, ep.in_flight)
 
     # ---- the router's queue ------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.pod_metrics import histogram_quantile
@@ -72,6 +72,8 @@ class Simulation:
         self.scale_events: list[tuple[float, int, int, str]] = []
         self.last_arrival = 0.0
         self._tick_s = 1.0
+        # Called at each timeline tick with the virtual time (the speed experiment reads the CPU clock there).
+        self.on_tick: Callable[[float], None] | None = None
 
     def clock(self) -> float:
         return self.now
@@ -154,8 +156,13 @@ class Simulation:
             self._start_step(pod)
 
     def _start_step(self, pod: _Pod) -> None:
-        duration = pod.replica.start_step(self.now)
+        replica = pod.replica
+        duration = replica.start_step(self.now)
         if duration is not None:
+            if replica.announced:  # published before the forward: the router knows while it runs
+                for ev in replica.announced:
+                    self.router.announced(replica.name, ev)
+                replica.announced.clear()
             self._push(self.now + duration, STEP, pod)
         else:
             self._retire_if_idle(pod)
@@ -264,6 +271,8 @@ class Simulation:
 
     def _on_tick(self, _: object) -> None:
         self._tick()
+        if self.on_tick is not None:
+            self.on_tick(self.now)
         self._push(self.now + self._tick_s, TICK)
 
     # ---- the loop -----------------------------------------------------------------------------------------

@@ -113,6 +113,9 @@ class TraceWorkload:
         def tokens(n: int) -> list[int]:
             return content.integers(VOCAB_LOW, VOCAB_HIGH, size=n).tolist()
 
+        def output(n: int) -> list[int]:
+            return [int(content.integers(VOCAB_LOW, VOCAB_HIGH))] * n  # one token, repeated (replica.py)
+
         groups: dict[str, list[int]] = {}
         sessions: dict[str, SimRequest] = {}
         for i, rec in enumerate(self._records):
@@ -136,11 +139,14 @@ class TraceWorkload:
                 f"r{i + 1}",
                 rec["t"],
                 prompt,
-                tokens(rec["output_tokens"]),
+                output(rec["output_tokens"]),
                 rec["priority"],
                 rec["session"],
                 rec["prefix_group"],
                 0 if prev is None else prev.turn + 1,
+                prefix_key=None if prev is not None else rec["prefix_group"],
+                prefix_len=rec["prefix_tokens"] or 0,
+                parent=prev,
             )
             if rec["session"] is not None:
                 sessions[rec["session"]] = req

@@ -14,6 +14,7 @@ turn *finished* in the simulation (`Workload.follow_up`), so its prompt can reus
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 VOCAB_LOW, VOCAB_HIGH = 100, 30000
+CHUNK = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -30,12 +32,19 @@ class SimRequest:
     request_id: str
     arrival: float
     prompt: list[int]
-    output: list[int]  # the tokens the "model" will produce (fixed in advance: exact length, reusable KV)
+    # What the "model" will produce: one token, repeated (exact length, reusable KV; see replica.py).
+    output: list[int]
     priority: int = 0
     session: str | None = None
     tenant: str | None = None
     turn: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # filled once (router), shared with the replica
+    # Where the prompt's leading blocks were hashed before (the router extends those hashes instead of
+    # rehashing a shared system prompt or a conversation's history): a shared prefix's key and length ...
+    prefix_key: str | None = None
+    prefix_len: int = 0
+    # ... or the previous turn of the same session (its prompt is a prefix of this one); dropped once used.
+    parent: SimRequest | None = None
 
 
 class WorkloadSpec(BaseModel):
@@ -72,7 +81,8 @@ class Workload:
         self._content = np.random.Generator(np.random.PCG64(spec.seed + 1_000_003))
         ranks = np.arange(1, spec.num_tenants + 1, dtype=np.float64)
         weights = ranks ** (-spec.zipf_s)
-        self._tenant_p = weights / weights.sum()
+        cdf = np.cumsum(weights / weights.sum())
+        self._tenant_cdf = (cdf / cdf[-1]).tolist()  # numpy's choice(p=...) draw, without its overhead
         self._system = [self._tokens(spec.system_prompt_tokens) for _ in range(spec.num_tenants)]
         self._turns_left: dict[str, int] = {}
         self._count = 0
@@ -82,66 +92,93 @@ class Workload:
     def _tokens(self, n: int) -> list[int]:
         return self._content.integers(VOCAB_LOW, VOCAB_HIGH, size=n).tolist()
 
+    def _output(self, n: int) -> list[int]:
+        return [int(self._content.integers(VOCAB_LOW, VOCAB_HIGH))] * n
+
     def _length(self, mean: int) -> int:
+        return self._lengths(mean, 1)[0]
+
+    def _lengths(self, mean: int, n: int) -> list[int]:
         s = self.spec.length_sigma
         if s == 0:
-            return mean
+            return [mean] * n
         # Lognormal with the given mean: mu = ln(mean) - s^2 / 2.
-        return max(1, round(float(self._content.lognormal(math.log(mean) - s * s / 2, s))))
+        draws = self._content.lognormal(math.log(mean) - s * s / 2, s, n)
+        return np.maximum(1, np.rint(draws)).astype(np.int64).tolist()
 
-    def _gaps(self) -> Iterator[float]:
+    def _gap_chunks(self) -> Iterator[list[float]]:
+        """Inter-arrival gaps, `CHUNK` at a time (one numpy call per chunk, not per request)."""
         spec, rng = self.spec, self._rng
         if spec.arrival == "poisson":
             while True:
-                yield float(rng.exponential(1.0 / spec.rate))
+                yield rng.exponential(1.0 / spec.rate, CHUNK).tolist()
         elif spec.arrival == "gamma":
             shape = 1.0 / spec.burstiness**2
             while True:
-                yield float(rng.gamma(shape, 1.0 / (spec.rate * shape)))
+                yield rng.gamma(shape, 1.0 / (spec.rate * shape), CHUNK).tolist()
         else:
             peak = spec.rate * (1 + spec.diurnal_amplitude)
             t = 0.0
             while True:
-                gap = 0.0
-                while True:
-                    step = float(rng.exponential(1.0 / peak))
-                    gap += step
-                    phase = 2 * math.pi * (t + gap) / spec.diurnal_period_s
-                    rate = spec.rate * (1 + spec.diurnal_amplitude * math.sin(phase))
-                    if rng.random() * peak <= rate:
-                        break
-                t += gap
-                yield gap
+                gaps = []
+                for _ in range(CHUNK):
+                    gap = 0.0
+                    while True:
+                        gap += float(rng.exponential(1.0 / peak))
+                        phase = 2 * math.pi * (t + gap) / spec.diurnal_period_s
+                        rate = spec.rate * (1 + spec.diurnal_amplitude * math.sin(phase))
+                        if rng.random() * peak <= rate:
+                            break
+                    t += gap
+                    gaps.append(gap)
+                yield gaps
 
     # ---- requests -------------------------------------------------------------------------------------
 
     def arrivals(self) -> Iterator[SimRequest]:
-        spec = self.spec
+        """First turns and single requests in arrival order. Every random draw is made per chunk of
+        `CHUNK` requests (a simulated hour is millions of requests: a numpy call per field per request
+        would cost minutes)."""
+        spec, rng, content = self.spec, self._rng, self._content
+        cdf = self._tenant_cdf
+        p_turn = 1.0 / spec.turns_mean
         t = 0.0
-        for gap in self._gaps():
-            t += gap
-            if t >= spec.duration_s:
-                return
-            yield self._new_request(t)
-
-    def _new_request(self, t: float) -> SimRequest:
-        spec, rng = self.spec, self._rng
-        tenant = int(rng.choice(spec.num_tenants, p=self._tenant_p))
-        prompt = list(self._system[tenant])
-        if rng.random() < spec.long_doc_fraction:
-            prompt += self._tokens(spec.long_doc_tokens)
-        prompt += self._tokens(self._length(spec.user_tokens))
-        prompt = prompt[: spec.max_prompt_tokens]
-        self._count += 1
-        rid = f"r{self._count}"
-        session = None
-        if rng.random() < spec.session_fraction:
-            session = f"s{self._count}"
-            self._turns_left[session] = max(0, int(rng.geometric(1.0 / spec.turns_mean)) - 1)
-        priority = 0 if rng.random() < spec.high_priority_fraction else 1
-        return SimRequest(
-            rid, t, prompt, self._tokens(self._length(spec.output_tokens)), priority, session, f"t{tenant}"
-        )
+        for gaps in self._gap_chunks():
+            n = len(gaps)
+            u_tenant, u_doc, u_session, u_priority = rng.random((4, n)).tolist()
+            turns = rng.geometric(p_turn, n).tolist()
+            user_len = self._lengths(spec.user_tokens, n)
+            out_len = self._lengths(spec.output_tokens, n)
+            out_token = content.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
+            user = content.integers(VOCAB_LOW, VOCAB_HIGH, sum(user_len)).tolist()
+            pos = 0
+            for i in range(n):
+                t += gaps[i]
+                if t >= spec.duration_s:
+                    return
+                tenant = bisect.bisect_right(cdf, u_tenant[i])
+                prompt = list(self._system[tenant])
+                if u_doc[i] < spec.long_doc_fraction:
+                    prompt += self._tokens(spec.long_doc_tokens)
+                prompt += user[pos : pos + user_len[i]]
+                pos += user_len[i]
+                del prompt[spec.max_prompt_tokens :]
+                self._count += 1
+                session = None
+                if u_session[i] < spec.session_fraction:
+                    session = f"s{self._count}"
+                    self._turns_left[session] = max(0, turns[i] - 1)
+                yield SimRequest(
+                    f"r{self._count}",
+                    t,
+                    prompt,
+                    [out_token[i]] * out_len[i],
+                    0 if u_priority[i] < spec.high_priority_fraction else 1,
+                    session,
+                    f"t{tenant}",
+                    prefix_key=f"t{tenant}",
+                    prefix_len=spec.system_prompt_tokens,
+                )
 
     def follow_up(self, previous: SimRequest, finished_at: float) -> SimRequest | None:
         """The session's next turn (its prompt extends the previous prompt + answer), or None."""
@@ -160,9 +197,10 @@ class Workload:
             f"r{self._count}",
             finished_at + think,
             prompt,
-            self._tokens(self._length(self.spec.output_tokens)),
+            self._output(self._length(self.spec.output_tokens)),
             previous.priority,
             session,
             previous.tenant,
             previous.turn + 1,
+            parent=previous,
         )

@@ -104,7 +104,7 @@ def test_autoscaling_follows_a_burst_and_loses_nothing_on_scale_down():
         autoscale_interval_s=5,
         cold_start_s=20,
         run_until_s=400,
-        workload={"rate": 40, "duration_s": 10, "output_tokens": 200, "user_tokens": 400},
+        workload={"rate": 80, "duration_s": 10, "output_tokens": 200, "user_tokens": 400},  # 2x one H100
     )
     events = r["fleet"]["scale_events"]
     ups = [e for e in events if e[2] > e[1]]
