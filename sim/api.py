@@ -65,5 +65,7 @@ def simulate(config: SimConfig, cost: CostModel | None = None) -> dict:
             f"{model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) leaves no KV cache on {cost.name}",
         )
     max_model_len = min(model.max_model_len, cost.num_kv_blocks(config.block_size) * config.block_size)
-    sim = Simulation(config, build_workload(config), cost, model.name, max(max_model_len, 2))
+    sim = Simulation(
+        config, build_workload(config), cost, model.name, max(max_model_len, 2), model.kv_bytes_per_token
+    )
     return sim.run()

@@ -56,6 +56,20 @@ class FleetSpec(_Model):
         return self
 
 
+class Disaggregation(_Model):
+    """Prefill/decode disaggregation: the first `prefill_replicas` of `fleet.replicas` run prompts (and the
+    first token), the rest generate; a prompt's KV moves between them by block hash over a link."""
+
+    prefill_replicas: int = Field(ge=1, description="How many of fleet.replicas are prefill pods.")
+    link_gb_per_s: float = Field(
+        50.0, gt=0, description="KV transfer bandwidth per GPU, GB/s (50: a 400 Gb/s RDMA NIC per GPU)."
+    )
+    transfer_latency_s: float = Field(
+        0.002, ge=0, description="Fixed cost of one transfer (the fetch round trip, its setup)."
+    )
+    hold_seconds: float = Field(30.0, gt=0, description="How long a prefill pod holds unfetched KV.")
+
+
 class SimConfig(_Model):
     model: str = Field(
         "llama-3-8b", description="A preset, a HF config.json / checkpoint directory, or a .gguf."
@@ -67,6 +81,7 @@ class SimConfig(_Model):
     eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
     ttl_seconds: float | None = Field(None, gt=0)
     autoscaling: AutoscalingSpec | None = None
+    disaggregation: Disaggregation | None = None
     autoscale_interval_s: float = Field(15.0, gt=0)
     cold_start_s: float = Field(60.0, ge=0, description="From a new replica's creation to Ready.")
     probe_interval_s: float = Field(0.5, gt=0, description="How often the router polls each pod's load.")
@@ -83,6 +98,17 @@ class SimConfig(_Model):
             raise SimInputError("block_size", f"got {self.block_size}", "8, 16, 32, 64, 128")
         if self.fleet.replicas == 0 and self.autoscaling is None:
             raise SimInputError("fleet.replicas", "0 replicas need autoscaling to ever serve anything")
+        if self.disaggregation is not None:
+            if self.autoscaling is not None:
+                raise SimInputError(
+                    "disaggregation", "not simulated together with autoscaling (each role scales separately)"
+                )
+            if self.disaggregation.prefill_replicas >= self.fleet.replicas:
+                raise SimInputError(
+                    "disaggregation.prefill_replicas",
+                    f"{self.disaggregation.prefill_replicas} of {self.fleet.replicas} replicas leaves no decode pod",
+                    f"1..{self.fleet.replicas - 1}",
+                )
         return self
 
     @classmethod

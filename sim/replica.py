@@ -140,9 +140,12 @@ class SimReplica:
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def add(self, sreq: SimRequest, now: float, max_tokens: int | None = None) -> RequestRecord:
+    def add(
+        self, sreq: SimRequest, now: float, max_tokens: int | None = None, resumed_at: float | None = None
+    ) -> RequestRecord:
         """Hand the pod a request; `max_tokens` (default: its whole output) ends it early (a prefill pod
-        runs the prompt and the first token only)."""
+        runs the prompt and the first token only). `resumed_at`: another pod produced the first token,
+        which reached the client then; this pod continues after it (a decode pod)."""
         record = RequestRecord(sreq, self.name)
         output = sreq.output
         params = SamplingParams(max_tokens=max_tokens or len(output), ignore_eos=True, temperature=0.0)
@@ -155,6 +158,8 @@ class SimReplica:
             arrival_time=now,
             block_hashes=list(sreq.block_hashes),  # the router's hashes: the same function, computed once
         )
+        if resumed_at is not None:
+            request.output_token_ids = [output[0]]  # as the engine takes a resumed stream's tokens
         try:
             self.scheduler.add_request(request)
         except InvalidRequest as e:  # CapacityError, ContextLengthExceeded: the pod answers 400
@@ -163,7 +168,11 @@ class SimReplica:
             return record
         self.records[rid] = record
         self._tokens[rid] = [output[0]]
-        self._no_token_yet.add(rid)
+        if resumed_at is None:
+            self._no_token_yet.add(rid)
+        else:  # its next token's gap runs from the first one
+            record.first_token = record.last_token = resumed_at
+            self._left_at[rid] = resumed_at
         return record
 
     # ---- the step -------------------------------------------------------------------------------------

@@ -118,6 +118,13 @@ class Collector:
                     break
         return out
 
+    @staticmethod
+    def _disaggregation(sim) -> dict | None:
+        if sim.handoffs is None:
+            return None
+        h = sim.handoffs
+        return {**h.summary(), "transfer_s": _pcts(h.transfer_seconds)}
+
     def results(self, sim, end: float) -> dict:
         cfg = self.config
         pods = sim.pods
@@ -190,6 +197,7 @@ class Collector:
                 "cost_usd": _r(gpu_hours * price),
                 "scale_events": [[_r(t), a, b, why] for t, a, b, why in sim.scale_events],
             },
+            "disaggregation": self._disaggregation(sim),
             "virtual_seconds": _r(end),
             "engine_steps": sum(p.replica.num_steps for p in pods.values()),
             "timeline": self.timeline,
@@ -227,4 +235,12 @@ def table(results: dict) -> str:
         f"{len(fleet['scale_events'])} scale events",
         f"simulated     {results['virtual_seconds']} s, {results['engine_steps']} engine steps",
     ]
+    dis = results.get("disaggregation")
+    if dis:
+        lines.insert(
+            -1,
+            f"KV transfers  {dis['transfers']}: {dis['blocks_sent']} blocks sent ({dis['bytes_sent'] / 1e9:.1f} GB), "
+            f"{dis['blocks_already_on_decode_pod']} already on the decode pod; transfer p50 "
+            f"{dis['transfer_s']['p50'] * 1000:.1f} ms, p99 {dis['transfer_s']['p99'] * 1000:.1f} ms",
+        )
     return "\n".join(lines)

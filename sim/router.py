@@ -43,6 +43,7 @@ class EndpointView:
     """The router's view of one pod: last polled load report plus its own in-flight count."""
 
     name: str
+    role: str = "both"  # both | prefill | decode
     reported_load: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
@@ -77,14 +78,15 @@ class SimRouter:
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self._prefix_hashes: dict[str, list[bytes]] = {}
         self.endpoints: dict[str, EndpointView] = {}
-        self._queue: list[tuple[int, float, int, SimRequest]] = []
+        self._queues: dict[str, list[tuple[int, float, int, SimRequest, object]]] = {}
+        self.num_queued = 0
         self._order = 0
         self.decisions: dict[str, int] = {}
 
     # ---- membership and reports -----------------------------------------------------------------------
 
-    def add_endpoint(self, name: str) -> None:
-        self.endpoints[name] = EndpointView(name)
+    def add_endpoint(self, name: str, role: str = "both") -> None:
+        self.endpoints[name] = EndpointView(name, role)
 
     def remove_endpoint(self, name: str) -> None:
         self.endpoints.pop(name, None)
@@ -106,8 +108,8 @@ class SimRouter:
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         if name not in self.endpoints:
             return
-        # Consecutive removals are applied as one: each `removed` call makes the index tell RecentRoutes to
-        # forget the endpoint, a scan of its whole memory, and a step under eviction pressure emits many.
+        # Consecutive removals are applied as one: each `removed` call makes the index tell both recent-route
+        # memories to forget the endpoint, and a step under eviction pressure emits many.
         removed: list[bytes] = []
         for ev in events:
             if isinstance(ev, BlockRemoved):
@@ -157,26 +159,38 @@ class SimRouter:
         else:
             sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extra_bytes)
 
-    def pick(self, sreq: SimRequest) -> str | None:
-        """The endpoint for this request, or None: no endpoint below the in-flight limit (it must queue)."""
-        eps = [ep for ep in self.endpoints.values() if ep.in_flight < self.spec.max_in_flight_per_endpoint]
+    def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
+        """The endpoint of `role` for this request, or None: none below the in-flight limit (it must queue).
+
+        A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
+        with the request, so no prefix term, no prompt key, no session)."""
+        limit = self.spec.max_in_flight_per_endpoint
+        eps = [ep for ep in self.endpoints.values() if ep.role == role and ep.in_flight < limit]
         if not eps:
             return None
-        self.hash_prompt(sreq)
-        hashes = sreq.block_hashes
-        ids = [ep.name for ep in eps]
-        held = self.exact.match(hashes, ids)
-        scheduled = self.scheduled.match(hashes, ids)
-        recent = self.recent.match(hashes, ids)
-        candidates = [
-            Candidate(
-                ep.name, ep.load, ep.kv_usage, max(held[ep.name], scheduled[ep.name], recent[ep.name]), True
-            )
-            for ep in eps
-        ]
-        first = hashes[0] if hashes else b""
-        decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)
-        self.recent.record(decision.endpoint_id, hashes)
+        if role == "decode":
+            candidates = [Candidate(ep.name, ep.load, ep.kv_usage, 0, True) for ep in eps]
+            decision = self.strategy.choose(RouteQuery(0, None, b""), candidates)
+        else:
+            self.hash_prompt(sreq)
+            hashes = sreq.block_hashes
+            ids = [ep.name for ep in eps]
+            held = self.exact.match(hashes, ids)
+            scheduled = self.scheduled.match(hashes, ids)
+            recent = self.recent.match(hashes, ids)
+            candidates = [
+                Candidate(
+                    ep.name,
+                    ep.load,
+                    ep.kv_usage,
+                    max(held[ep.name], scheduled[ep.name], recent[ep.name]),
+                    True,
+                )
+                for ep in eps
+            ]
+            first = hashes[0] if hashes else b""
+            decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)
+            self.recent.record(decision.endpoint_id, hashes)
         self.endpoints[decision.endpoint_id].in_flight += 1
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
@@ -190,22 +204,24 @@ class SimRouter:
 
     # ---- the router's queue ------------------------------------------------------------------------------
 
-    def enqueue(self, sreq: SimRequest) -> None:
+    def enqueue(self, sreq: SimRequest, role: str = "both", item: object = None) -> None:
+        """Hold a request (or `item`, a request between its phases) until an endpoint of `role` has room."""
         self._order += 1
-        heapq.heappush(self._queue, (sreq.priority, sreq.arrival, self._order, sreq))
+        queue = self._queues.setdefault(role, [])
+        heapq.heappush(queue, (sreq.priority, sreq.arrival, self._order, sreq, item))
+        self.num_queued += 1
 
-    @property
-    def num_queued(self) -> int:
-        return len(self._queue)
-
-    def dispatch_queued(self) -> list[tuple[SimRequest, str]]:
-        """Route queued requests, best first, while endpoints have room."""
+    def dispatch_queued(self) -> list[tuple[SimRequest, str, str, object]]:
+        """Route queued requests, best first, while endpoints have room: (request, endpoint, role, item).
+        Each role's requests wait in (priority, arrival) order for that role's endpoints."""
         out = []
-        while self._queue:
-            sreq = self._queue[0][3]
-            name = self.pick(sreq)
-            if name is None:
-                break
-            heapq.heappop(self._queue)
-            out.append((sreq, name))
+        for role, queue in self._queues.items():
+            while queue:
+                sreq, item = queue[0][3], queue[0][4]
+                name = self.pick(sreq, role)
+                if name is None:
+                    break
+                heapq.heappop(queue)
+                self.num_queued -= 1
+                out.append((sreq, name, role, item))
         return out

@@ -23,19 +23,21 @@ from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.server.metrics import TTFT_BUCKETS
 from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import CostModel
+from tokenfleet.sim.handoff import Handoff, KVHandoffs
 from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
 from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
-ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK = range(7)
+ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF = range(8)
 
 
 class _Pod:
-    __slots__ = ("created", "draining", "ready", "replica", "retired", "tokens")
+    __slots__ = ("created", "draining", "ready", "replica", "retired", "role", "tokens")
 
-    def __init__(self, replica: SimReplica, created: float, ready: bool) -> None:
+    def __init__(self, replica: SimReplica, created: float, ready: bool, role: str = "both") -> None:
         self.replica = replica
+        self.role = role
         self.created = created
         self.ready = ready
         self.draining = False
@@ -45,7 +47,13 @@ class _Pod:
 
 class Simulation:
     def __init__(
-        self, config: SimConfig, workload, cost: CostModel, model_name: str, max_model_len: int
+        self,
+        config: SimConfig,
+        workload,
+        cost: CostModel,
+        model_name: str,
+        max_model_len: int,
+        kv_bytes_per_token: float = 0.0,
     ) -> None:
         self.config = config
         self.workload = workload
@@ -72,6 +80,13 @@ class Simulation:
         self.scale_events: list[tuple[float, int, int, str]] = []
         self.last_arrival = 0.0
         self._tick_s = 1.0
+        self.handoffs: KVHandoffs | None = None
+        if config.disaggregation is not None:
+            self.handoffs = KVHandoffs(
+                config.disaggregation, kv_bytes_per_token, config.block_size, config.fleet.tp, self.clock
+            )
+        self._pending_handoffs = 0
+        self._phases: dict[str, RequestRecord] = {}  # request id -> its prefill record, while it decodes
         # Called at each timeline tick with the virtual time (the speed experiment reads the CPU clock there).
         self.on_tick: Callable[[float], None] | None = None
 
@@ -83,13 +98,13 @@ class Simulation:
 
     # ---- replicas -----------------------------------------------------------------------------------------
 
-    def _add_pod(self, ready: bool) -> _Pod:
-        name = f"replica-{next(self._names)}"
+    def _add_pod(self, ready: bool, role: str = "both") -> _Pod:
+        name = f"replica-{next(self._names)}" if role == "both" else f"{role}-{next(self._names)}"
         replica = SimReplica(name, self.cost, self.replica_config, self.clock, self.collector.first_token)
-        pod = _Pod(replica, self.now, ready)
+        pod = _Pod(replica, self.now, ready, role)
         self.pods[name] = pod
         if ready:
-            self.router.add_endpoint(name)
+            self.router.add_endpoint(name, role)
         else:
             self._push(self.now + self.config.cold_start_s, READY, name)
         return pod
@@ -138,22 +153,50 @@ class Simulation:
         self._push(sreq.arrival, ARRIVAL, sreq)
 
     def _route(self, sreq: SimRequest) -> None:
-        name = self.router.pick(sreq)
+        role = "both" if self.handoffs is None else "prefill"
+        name = self.router.pick(sreq, role)
         if name is None:
-            self.router.enqueue(sreq)
+            self.router.enqueue(sreq, role)
             return
-        self._deliver(sreq, name)
+        self._deliver(sreq, name, role)
 
-    def _deliver(self, sreq: SimRequest, name: str) -> None:
+    def _dispatch_queued(self) -> None:
+        for sreq, name, role, item in self.router.dispatch_queued():
+            self._deliver(sreq, name, role, item)
+
+    def _deliver(
+        self, sreq: SimRequest, name: str, role: str = "both", handoff: Handoff | None = None
+    ) -> None:
         pod = self.pods[name]
-        record = pod.replica.add(sreq, self.now)
+        if role == "decode":  # the decode pod fetches the prompt's KV first, then runs the request
+            assert handoff is not None and self.handoffs is not None
+            duration = self.handoffs.start(handoff, pod.replica, self.now)
+            self._pending_handoffs += 1
+            self._push(self.now + duration, HANDOFF, handoff)
+            return
+        record = pod.replica.add(sreq, self.now, max_tokens=1 if role == "prefill" else None)
+        self._admitted(record, pod)
+
+    def _admitted(self, record: RequestRecord, pod: _Pod) -> None:
         self.collector.admitted(record)
         if record.rejected is not None:
-            self.router.release(name)
+            self.router.release(pod.replica.name)
             self.collector.finished(record)
             return
         if not pod.replica.busy:
             self._start_step(pod)
+
+    def _on_handoff(self, handoff: Handoff) -> None:
+        """The prompt's KV reached the decode pod: insert it, release the hold, run the rest there."""
+        self._pending_handoffs -= 1
+        assert self.handoffs is not None and handoff.decode_pod is not None
+        decode = self.pods[handoff.decode_pod]
+        prefill = self.pods.get(handoff.prefill_pod)
+        self.handoffs.finish(handoff, prefill.replica if prefill else None, decode.replica)
+        first = handoff.prefill
+        record = decode.replica.add(first.request, self.now, resumed_at=first.first_token)
+        self._phases[first.request.request_id] = first
+        self._admitted(record, decode)
 
     def _start_step(self, pod: _Pod) -> None:
         replica = pod.replica
@@ -177,11 +220,26 @@ class Simulation:
             self._finished(rec, pod)
         self._start_step(pod)
         if done and self.router.num_queued:
-            for sreq, name in self.router.dispatch_queued():
-                self._deliver(sreq, name)
+            self._dispatch_queued()
 
     def _finished(self, rec: RequestRecord, pod: _Pod) -> None:
         self.router.release(pod.replica.name)
+        sreq = rec.request
+        if pod.role == "prefill" and rec.rejected is None and len(sreq.output) > 1:
+            # Hold the prompt's blocks now, in the step that freed them, then on to a decode pod.
+            assert self.handoffs is not None
+            handoff = self.handoffs.hold(pod.replica, rec, self.now)
+            name = self.router.pick(sreq, "decode")
+            if name is None:
+                self.router.enqueue(sreq, "decode", handoff)
+            else:
+                self._deliver(sreq, name, "decode", handoff)
+            return
+        if pod.role == "decode":  # the client's view spans both phases
+            first = self._phases.pop(sreq.request_id)
+            rec.first_scheduled = first.first_scheduled
+            rec.num_cached_tokens = first.num_cached_tokens
+            rec.num_preemptions += first.num_preemptions
         self.collector.finished(rec)
         follow = self.workload.follow_up(rec.request, self.now)
         if follow is not None:
@@ -227,8 +285,7 @@ class Simulation:
         self.history = d.history
         self._scale_to(d.replicas, d.reason)
         if self.router.num_queued:
-            for sreq, name in self.router.dispatch_queued():
-                self._deliver(sreq, name)
+            self._dispatch_queued()
 
     def _tick(self) -> None:
         pods = [p for p in self.pods.values() if p.retired is None]
@@ -265,9 +322,8 @@ class Simulation:
         pod = self.pods[name]
         if pod.retired is None and not pod.draining:
             pod.ready = True
-            self.router.add_endpoint(name)
-            for sreq, target in self.router.dispatch_queued():
-                self._deliver(sreq, target)
+            self.router.add_endpoint(name, pod.role)
+            self._dispatch_queued()
 
     def _on_tick(self, _: object) -> None:
         self._tick()
@@ -278,7 +334,12 @@ class Simulation:
     # ---- the loop -----------------------------------------------------------------------------------------
 
     def _idle(self) -> bool:
-        if not self._arrivals_done or self._pending_followups or self.router.num_queued:
+        if (
+            not self._arrivals_done
+            or self._pending_followups
+            or self._pending_handoffs
+            or self.router.num_queued
+        ):
             return False
         return not any(
             p.replica.busy or p.replica.has_work() for p in self.pods.values() if p.retired is None
@@ -286,8 +347,10 @@ class Simulation:
 
     def run(self):
         cfg = self.config
-        for _ in range(cfg.fleet.replicas):
-            self._add_pod(ready=True)
+        num_prefill = cfg.disaggregation.prefill_replicas if cfg.disaggregation else 0
+        for i in range(cfg.fleet.replicas):
+            role = "both" if cfg.disaggregation is None else "prefill" if i < num_prefill else "decode"
+            self._add_pod(ready=True, role=role)
         self._next_arrival()
         self._push(0.0, PROBE)
         if cfg.autoscaling is not None:
@@ -303,6 +366,7 @@ class Simulation:
             SCALE: self._on_scale,
             READY: self._on_ready,
             TICK: self._on_tick,
+            HANDOFF: self._on_handoff,
         }
         heap = self._heap
         pop = heapq.heappop

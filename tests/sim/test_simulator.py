@@ -156,3 +156,58 @@ def test_kv_events_feed_the_routers_exact_index():
         held = sim.router.exact.num_blocks(name)
         assert held > 0
         assert held == sum(1 for b in pod.replica.kv.pool.blocks if b.block_hash is not None)
+
+
+def test_disaggregated_fleet_moves_kv_and_keeps_long_prefills_off_the_decodes():
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    workload = {
+        "rate": 12,
+        "duration_s": 12,
+        "system_prompt_tokens": 1000,
+        "long_doc_fraction": 0.5,
+        "long_doc_tokens": 6000,
+        "max_prompt_tokens": 8000,
+        "output_tokens": 30,
+    }
+    aggregated = run(fleet={"replicas": 4}, workload=workload)
+    config = parse_config(
+        small(fleet={"replicas": 4}, workload=workload, disaggregation={"prefill_replicas": 2})
+    )
+    model = build_model(config)
+    sim = Simulation(
+        config,
+        build_workload(config),
+        build_cost(config, model),
+        model.name,
+        model.max_model_len,
+        model.kv_bytes_per_token,
+    )
+    r = sim.run()
+    rq = r["requests"]
+    assert rq["finished"] == rq["arrived"] == aggregated["requests"]["arrived"] and rq["cut_short"] == 0
+    dis = r["disaggregation"]
+    assert dis["transfers"] == rq["finished"]  # every request with more than one token moved its KV
+    assert dis["blocks_sent"] > 0 and dis["transfer_s"]["p50"] > 0
+    served = r["load"]["per_replica_served"]
+    assert set(served) == {"prefill-0", "prefill-1", "decode-2", "decode-3"}
+    assert sum(served[n] for n in ("decode-2", "decode-3")) == rq["finished"]
+    for pod in sim.pods.values():  # nothing held, nothing in use: every hold was fetched and released
+        assert pod.replica.kv.usage == 0.0
+    for holds in sim.handoffs._holds.values():
+        assert len(holds) == 0
+    # A long prompt never shares a step with decodes: the decode pods' inter-token gaps stay short (the
+    # client's gap between the prefill pod's token and the decode pod's first one included).
+    assert r["latency_s"]["itl"]["p99"] < 0.5 * aggregated["latency_s"]["itl"]["p99"]
+    assert r["latency_s"]["tpot"]["p99"] < 0.7 * aggregated["latency_s"]["tpot"]["p99"]
+    assert to_json(r) == to_json(
+        Simulation(
+            config,
+            build_workload(config),
+            build_cost(config, model),
+            model.name,
+            model.max_model_len,
+            model.kv_bytes_per_token,
+        ).run()
+    )
