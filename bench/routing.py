@@ -1,7 +1,7 @@
 """Routing benchmark: N real CPU runtime pods behind the router, four strategies, one run, one table.
 
     python bench/routing.py [--replicas 3] [--tenants 6] [--zipf 1.0] [--system-tokens 1000] [--requests 30]
-                            [--rate 0.5]
+                            [--rate R | --utilization 0.6]
 
 Workload: `tenants` system prompts of about `system-tokens` tokens, many short user turns, Poisson arrivals;
 tenant k is picked with weight 1/(k+1)^zipf (uneven tenants: the first has several times the traffic of the
@@ -198,6 +198,26 @@ async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> di
     }
 
 
+async def miss_capacity(session, urls, tokenizer, args) -> float:
+    """Cold prompts per second this machine serves with every pod busy: one fresh system prompt per pod, all
+    at once, straight to the pods. Offered load is set from it (--utilization), so the comparison runs below
+    saturation on any machine; past it, every strategy's TTFT is just its position in an ever-growing queue."""
+    rng = random.Random(f"{args.seed}-calibration")
+    systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in urls]
+    records: list[dict] = [{} for _ in urls]
+    t0 = time.perf_counter()
+    await asyncio.gather(
+        *(
+            one_request(session, u, s, "Hello?", args.max_tokens, r)
+            for u, s, r in zip(urls, systems, records, strict=True)
+        )
+    )
+    wall = time.perf_counter() - t0
+    if any(r.get("status") != 200 for r in records):
+        raise RuntimeError(f"calibration requests failed: {[r.get('status') for r in records]}")
+    return len(urls) / wall
+
+
 def make_arrivals(args) -> list[tuple[float, int, str]]:
     rng = random.Random(args.seed)
     weights = [1.0 / (k + 1) ** args.zipf for k in range(args.tenants)]
@@ -223,6 +243,10 @@ async def main_async(args) -> list[dict]:
                 *(wait_ready(session, u, p, args.start_timeout) for u, p in zip(urls, procs, strict=True))
             )
             tokenizer = await tokenizer_task
+            if args.rate is None:
+                capacity = await miss_capacity(session, urls, tokenizer, args)
+                args.rate = args.utilization * capacity
+                print(f"capacity {capacity:.2f} cold prompts/s -> rate {args.rate:.2f}/s", file=sys.stderr)
             arrivals = make_arrivals(args)
             results = []
             for name in args.strategies:
@@ -257,7 +281,7 @@ def print_table(results: list[dict], args) -> None:
             print(f"\n{name}: TTFT p50 = {ratio:.2f}x round-robin, max/min load {lr:.2f} "
                   f"(target <= 0.5x and <= 1.5: {verdict})")  # fmt: skip
     print(f"\nsetup: {args.replicas} CPU pods of {MODEL}, {args.tenants} tenants (zipf {args.zipf}) x "
-          f"~{args.system_tokens}-token system prompts, {args.requests} requests at {args.rate}/s Poisson, "
+          f"~{args.system_tokens}-token system prompts, {args.requests} requests at {args.rate:.2f}/s Poisson, "
           f"max_tokens {args.max_tokens}")  # fmt: skip
     print("json: " + json.dumps(results))
 
@@ -269,7 +293,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.0, help="tenant k has weight 1/(k+1)^zipf; 0 = uniform")
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--requests", type=int, default=30)
-    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    p.add_argument(
+        "--rate", type=float, default=None, help="Poisson arrivals per second (default: from --utilization)"
+    )
+    p.add_argument(
+        "--utilization",
+        type=float,
+        default=0.6,
+        help="offered load as a fraction of the measured cold-prompt capacity (used when --rate is unset)",
+    )
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=768, help="KV blocks per pod")
     p.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, choices=list(STRATEGIES))
