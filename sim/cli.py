@@ -2,6 +2,7 @@
 
     tokenfleet simulate run --model 8b --gpu h100 --replicas 4 --rate 20 --duration 300 --json out.json --png out.png
     tokenfleet simulate run --config fleet.yaml
+    tokenfleet simulate run --model 8b --gpu h100 --replicas 8 --prefill-replicas 3 --rate 60
     tokenfleet simulate plan --model 70b --rate 30 --slo-ttft 2 --slo-tpot 0.05 --gpus h100,h200,a100 --tp 1,2,4,8
     tokenfleet simulate calibrate [--out PATH]
 
@@ -54,7 +55,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-def _config(args: argparse.Namespace, fleet: dict | None = None):
+def _config(args: argparse.Namespace, fleet: dict | None = None, extra: dict | None = None):
     import yaml
     from tokenfleet.sim.config import parse_config
 
@@ -83,6 +84,8 @@ def _config(args: argparse.Namespace, fleet: dict | None = None):
         if getattr(args, flag) is not None:
             fleet_data[flag] = getattr(args, flag)
     fleet_data.update(fleet or {})
+    for key, value in (extra or {}).items():
+        data[key] = {**(data.get(key) or {}), **value}
     return parse_config(data)
 
 
@@ -96,7 +99,10 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.cpu_profile:
         fleet["cpu_profile"] = str(args.cpu_profile)
-    config = _config(args, fleet)
+    extra = {}
+    if args.prefill_replicas:
+        extra["disaggregation"] = {"prefill_replicas": args.prefill_replicas}
+    config = _config(args, fleet, extra)
     t0 = time.perf_counter()
     results = simulate(config)
     wall = time.perf_counter() - t0
@@ -161,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--tp", type=int)
     run.add_argument("--replicas", type=int)
     run.add_argument("--cpu-profile", type=Path)
+    run.add_argument(
+        "--prefill-replicas",
+        type=int,
+        help="disaggregate: this many of --replicas run prompts, the rest decode",
+    )
     run.add_argument("--json", type=Path, help="write the results here (byte-identical for the same seed)")
     run.add_argument("--png", type=Path, help="write the timeline plot here")
     plan = sub.add_parser("plan", help="search the cheapest fleets that meet the SLO")

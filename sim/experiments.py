@@ -2,12 +2,18 @@
 
     python -m tokenfleet.sim.experiments routing [--duration 30] [--rate 200]
     python -m tokenfleet.sim.experiments speed [--duration 20] [--replicas 16] [--rate 880]
+    python -m tokenfleet.sim.experiments disaggregation [--duration 60] [--rate 60] [--replicas 8]
 
 `routing`: the routing benchmark's question at GPU scale — 16 H100 replicas of an 8B model, 150 tenants
 with 4,000-token system prompts (600k prefix tokens: more than one replica's KV cache holds), Zipf
 popularity, short user turns; one seeded arrival pattern, one row per strategy: round-robin, least-load,
 prefix affinity without the work bound ("prefix-exact"), with it (the default, "prefix-balanced"), and
 session affinity (30% of arrivals open sessions in every run so the rows stay comparable).
+
+`disaggregation`: the disaggregation benchmark's question at GPU scale — the same H100 fleet of an 8B model,
+aggregated vs split into prefill and decode pods (several splits), one seeded workload of chat turns
+(tenants' 1,000-token system prompts, ~150-token questions, ~200-token answers) mixed with long-document
+requests (6,000 fresh tokens); KV moves over a 50 GB/s-per-GPU link.
 
 `speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
 one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate).
@@ -74,18 +80,66 @@ def routing(
                 wall,
             )
         )
-        print(_row(rows[-1]), flush=True)
+        print(_row(rows[-1], rows[0][2]), flush=True)
     return rows
 
 
-HEADER = "| routing | prefix hit | TTFT p50 s | TTFT p99 s | TPOT p50 s | E2E p50 s | goodput | max/min served | preemptions | wall s |"
+HEADER = (
+    "| routing | prefix hit | TTFT p50 s | TTFT p50 vs RR | TTFT p99 s | TPOT p50 s | E2E p50 s | goodput "
+    "| max/min served | preemptions | wall s |"
+)
 
 
-def _row(r: tuple) -> str:
+def _row(r: tuple, rr_ttft: float) -> str:
     return (
-        f"| {r[0]} | {r[1]:.1%} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.4f} | {r[5]:.3f} | {r[6]:.1%} | {r[7]:.2f} "
-        f"| {r[8]} | {r[9]:.0f} |"
+        f"| {r[0]} | {r[1]:.1%} | {r[2]:.3f} | {r[2] / rr_ttft:.2f}x | {r[3]:.3f} | {r[4]:.4f} | {r[5]:.3f} "
+        f"| {r[6]:.1%} | {r[7]:.2f} | {r[8]} | {r[9]:.0f} |"
     )
+
+
+def disaggregation(duration: float, rate: float, replicas: int, splits: list[int], seed: int = 0) -> None:
+    print(
+        "| fleet | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | TPOT p99 ms | E2E p50 s | goodput "
+        "| KV moved GB | transfer p99 ms | wall s |"
+    )
+    print("|" + "---|" * 11)
+    for prefill in [0, *splits]:
+        config = parse_config(
+            {
+                "model": "llama-3-8b",
+                "fleet": {"gpu": "h100-sxm", "replicas": replicas},
+                "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": 4096},
+                "disaggregation": {"prefill_replicas": prefill} if prefill else None,
+                "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+                "workload": {
+                    "rate": rate,
+                    "duration_s": duration,
+                    "num_tenants": 150,
+                    "system_prompt_tokens": 1000,
+                    "user_tokens": 150,
+                    "output_tokens": 200,
+                    "long_doc_fraction": 0.2,
+                    "long_doc_tokens": 6000,
+                    "max_prompt_tokens": 8000,
+                    "seed": seed,
+                },
+            }
+        )
+        t0 = time.perf_counter()
+        r = simulate(config)
+        wall = time.perf_counter() - t0
+        lat, dis = r["latency_s"], r["disaggregation"]
+        label = (
+            f"aggregated x{replicas}" if not prefill else f"{prefill} prefill : {replicas - prefill} decode"
+        )
+        moved = f"{dis['bytes_sent'] / 1e9:.0f}" if dis else "-"
+        transfer = f"{dis['transfer_s']['p99'] * 1000:.1f}" if dis else "-"
+        print(
+            f"| {label} | {lat['ttft']['p50']:.3f} | {lat['ttft']['p99']:.3f} | {lat['itl']['p50'] * 1000:.1f} "
+            f"| {lat['itl']['p99'] * 1000:.1f} | {lat['tpot']['p99'] * 1000:.1f} | {lat['e2e']['p50']:.2f} "
+            f"| {r['slo']['goodput_fraction']:.1%} | {moved} | {transfer} | {wall:.0f} |",
+            flush=True,
+        )
 
 
 def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128) -> dict:
@@ -146,16 +200,20 @@ def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenfleet.sim.experiments")
-    p.add_argument("experiment", choices=["routing", "speed"])
+    p.add_argument("experiment", choices=["routing", "speed", "disaggregation"])
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--rate", type=float)
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=128, help="speed: mean answer length")
+    p.add_argument("--splits", help="disaggregation: prefill pod counts to try, e.g. 4,3,2")
     args = p.parse_args(argv)
     if args.experiment == "routing":
         print(HEADER)
-        print("|" + "---|" * 10)
+        print("|" + "---|" * 11)
         routing(args.duration, args.rate or 200.0, args.replicas)
+    elif args.experiment == "disaggregation":
+        splits = [int(x) for x in args.splits.split(",")] if args.splits else [args.replicas // 2]
+        disaggregation(args.duration, args.rate or 60.0, args.replicas, splits)
     else:
         speed(args.duration, args.replicas, args.rate or 880.0, args.output_tokens)
     return 0

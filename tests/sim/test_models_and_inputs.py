@@ -118,6 +118,16 @@ def test_hf_config_and_gguf_header(tmp_path):
         ({"slo": {"ttft_s": 0}}, "slo.ttft_s", None),
         ({"workload": {"rate": -1}}, "workload.rate", None),
         ({"block_size": 24}, "block_size", "16"),
+        (
+            {"fleet": {"replicas": 2}, "disaggregation": {"prefill_replicas": 2}},
+            "disaggregation.prefill_replicas",
+            "1..1",
+        ),
+        (
+            {"disaggregation": {"prefill_replicas": 1, "link_gb_per_s": 0}},
+            "disaggregation.link_gb_per_s",
+            None,
+        ),
     ],
 )
 def test_bad_config_names_the_field(data, field, accepted):
