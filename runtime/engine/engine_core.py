@@ -82,7 +82,16 @@ class EngineCore:
         # A draft that writes KV proposes into look-ahead slots the scheduler allocates with each step.
         lookahead = config.speculative.num_speculative_tokens if proposer and proposer.writes_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, lookahead)
-        self.runner = ModelRunner(self.loaded, config.cache, self.device, num_blocks, proposer, self.workers)
+        self.runner = ModelRunner(
+            self.loaded,
+            config.cache,
+            self.device,
+            num_blocks,
+            proposer,
+            self.workers,
+            compile=config.model.compile,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
         self.spec_decoder = (
             SpecDecoder(config.speculative, self.runner, self.scheduler) if proposer is not None else None
         )
@@ -98,6 +107,10 @@ class EngineCore:
         # router could listen (pinned prefixes at start-up) are still announced.
         self.kv_event_sink: Callable[[Sequence[object]], object] | None = None
         self._kv_event_backlog: list[object] = []
+        # Called with the requests that finished in a step, right after their blocks went back to the pool
+        # and before anything can allocate again: a disaggregated prefill's KV hold is taken there, while
+        # every block of its prompt is certainly still cached (kv_cache/kv_holds.py).
+        self.finish_listeners: list[Callable[[Sequence[Request]], None]] = []
         # Queues the pinned prefixes' prefill requests; whoever builds the engine runs them with
         # `prefill_pins()` before serving (or they run with the first requests).
         self.cache_policy = CachePolicyRuntime(self)
@@ -192,6 +205,10 @@ class EngineCore:
         outputs, ended = self.outputs.process(num_before, result.logprobs, finished)
         for rid in ended:
             self.runner.release(rid)
+        if ended and self.finish_listeners:
+            done = [requests[rid] for rid in ended if rid in requests]
+            for listener in self.finish_listeners:
+                listener(done)
         self._publish_kv_events()
         return outputs
 

@@ -151,6 +151,7 @@ class KVTransferState:
     def holds_of(self, core) -> KVHolds:
         if self.holds is None:
             self.holds = KVHolds(core.kv_manager)
+            core.finish_listeners.append(self.holds.requests_finished)
         return self.holds
 
 
@@ -190,24 +191,46 @@ async def _prefill(
         return await handler(request)  # no hold: the router then lets the decode pod compute the prompt
     token_ids, salt = _prompt(request.path, state, engine, raw)
     hold_id = uuid.uuid4().hex
+    # The hold is announced before the request runs and taken by the engine in the very step the request
+    # finishes, while all of its prompt blocks are still cached (kv_holds.py); taken after the answer, the
+    # blocks could already be evicted by then.
+
+    def expect(core):
+        km = core.kv_manager
+        hashes = block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
+        return kvs.holds_of(core).expect(hold_id, hashes, token_ids, salt, params.hold_seconds), km.block_size
+
+    try:
+        pending, block_size = await engine.call(expect)
+    except asyncio.CancelledError:  # the client left: `expect` still runs, this cancel runs after it
+        with contextlib.suppress(Exception):
+            await asyncio.shield(engine.call(lambda core: kvs.holds_of(core).cancel(hold_id)))
+        raise
     # A streamed prefill names its hold in a response header (sent before the body); a fetch that arrives
-    # before the stream has ended and the hold exists waits for it (`pending`).
+    # before the stream has ended waits for it (`pending`).
     request[_HOLD_ID_KEY] = hold_id
     kvs.pending[hold_id] = asyncio.Event()
+    keep = False
     try:
         resp = await handler(request)
-        if resp.status != 200:
+        keep = resp.status == 200
+        if not keep:
             return resp
-        deadline = time.monotonic() + params.hold_seconds
+        held = pending.held
+        if held is None:  # finished some other way than through an engine step (never expected): hold now
+            deadline = time.monotonic() + params.hold_seconds
 
-        def hold(core):
-            km = core.kv_manager
-            hashes = block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
-            return kvs.holds_of(core).hold(hold_id, hashes, token_ids, salt, deadline), km.block_size
+            def hold(core):
+                holds = kvs.holds_of(core)
+                holds.cancel(hold_id)
+                return holds.hold(hold_id, pending.block_hashes, token_ids, salt, deadline)
 
-        held, block_size = await engine.call(hold)
+            held = await engine.call(hold)
     finally:
         kvs.pending.pop(hold_id).set()
+        if not keep:  # refused, failed or the client left: nothing will fetch it
+            with contextlib.suppress(Exception):
+                await asyncio.shield(engine.call(lambda core: kvs.holds_of(core).cancel(hold_id)))
     if not isinstance(resp, web.Response) or resp.body is None:
         return resp  # a stream: the header named the hold
     done = wire.PrefillDone(
@@ -245,14 +268,28 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(pending.wait(), FETCH_TIMEOUT_SECONDS)
 
+    taken = []  # the hold once `begin` took it (engine thread)
+
     def begin(core):
         holds = kvs.holds_of(core)
         held = holds.num_blocks(req.hold_id)
         if held is None or req.start > held:
             return held, None, None
-        return held, holds.take(req.hold_id), layout_of(core.runner.kv_caches)
+        taken.append(holds.take(req.hold_id))
+        return held, taken[-1], layout_of(core.runner.kv_caches)
 
-    held, hold, layout = await engine.call(begin)
+    try:
+        held, hold, layout = await engine.call(begin)
+    except asyncio.CancelledError:
+        # The reader left while the engine was taking the hold: `begin` still runs, so a call queued after
+        # it (the engine runs calls in order) frees whatever it took.
+        def give_back(core):
+            for h in taken:
+                kvs.holds_of(core).free(h)
+
+        with contextlib.suppress(Exception):
+            await asyncio.shield(engine.call(give_back))
+        raise
     if held is None:
         raise HttpError(
             ApiError(404, f"no KV hold {req.hold_id!r} (unknown, fetched or expired)", code="not_found")

@@ -123,3 +123,72 @@ def test_holds_keep_blocks_from_eviction_and_are_released_on_release_or_expiry(d
     holds.hold("h2", hashes, prompt, None, deadline=5.0)
     assert holds.expire(4.0) == 0 and holds.expire(5.0) == 1 and holds.take("h2") is None
     assert km.num_free_blocks == km.num_blocks and holds.num_expired == 1
+
+
+def _step_until_finished(core, request_id: str, max_steps: int = 50) -> None:
+    for _ in range(max_steps):
+        if any(o.request_id == request_id and o.finished for o in core.step()):
+            return
+    raise AssertionError(f"{request_id} did not finish in {max_steps} steps")
+
+
+def test_a_hold_announced_before_the_prefill_is_taken_in_the_step_it_finishes(default_model, prompt):
+    """The race it closes: a prefill finishes, its blocks are free cached blocks, and the next step's
+    allocations (another request) evict them before a hold taken afterwards could reference them."""
+    ids = prompt[:64]  # exactly 4 full blocks
+    big = default_model.tokenizer.encode("Rivers run to the sea and back. " * 30, add_special_tokens=False)
+    big = big[:100]  # 7 blocks: more than the 4 blocks the prefill did not use (8 in all)
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    # Held after the fact (what a hold taken once the answer is out amounts to): the prompt is partly gone.
+    llm = _llm(default_model, num_blocks=8)
+    core, km = llm.engine, llm.engine.kv_manager
+    hashes = _hashes(llm, ids)
+    core.add_request("prefill", ids, one)
+    _step_until_finished(core, "prefill")
+    core.add_request("other", big, one)
+    _step_until_finished(core, "other")
+    late = KVHolds(km).hold("late", hashes, ids, None, deadline=10.0)
+    assert len(late.blocks) < 4
+
+    # Announced first: the engine takes it in the finishing step, every block is still there and stays.
+    llm = _llm(default_model, num_blocks=8)
+    core, km = llm.engine, llm.engine.kv_manager
+    holds = KVHolds(km, clock=lambda: 100.0)
+    core.finish_listeners.append(holds.requests_finished)
+    pending = holds.expect("h", hashes, ids, None, ttl=30.0)
+    assert pending.held is None and holds.num_pending == 1
+    core.add_request("prefill", ids, one)
+    _step_until_finished(core, "prefill")
+    assert pending.held is not None and len(pending.held.blocks) == 4 and pending.held.deadline == 130.0
+    assert holds.num_pending == 0 and holds.num_blocks("h") == 4
+    core.add_request("other", big, one)
+    for _ in range(3):  # it waits: the free blocks do not hold it, the held ones are not taken
+        core.step()
+    assert cached_prefix_len(km, hashes) == 4
+    taken = holds.take("h")  # the decode pod fetches ...
+    assert [b.block_id for b in taken.blocks] == pending.held.block_ids
+    holds.free(taken)  # ... and the blocks go back: the waiting request runs
+    _step_until_finished(core, "other")
+    assert km.num_free_blocks == km.num_blocks
+
+
+def test_an_announced_hold_is_dropped_on_cancel_and_one_without_full_blocks_is_empty(default_model, prompt):
+    llm = _llm(default_model, num_blocks=8)
+    km = llm.engine.kv_manager
+    holds = KVHolds(km)
+    llm.engine.finish_listeners.append(holds.requests_finished)
+    ids = prompt[:40]
+    holds.expect("a", _hashes(llm, ids), ids, None, ttl=30.0)
+    assert holds.cancel("a") and holds.num_pending == 0 and not holds.cancel("a")
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    assert len(holds) == 0 and km.num_free_blocks == km.num_blocks  # nothing was announced any more
+    # A salted prompt is another prompt: an announcement for the unsalted one is not taken by it.
+    holds.expect("b", _hashes(llm, ids), ids, None, ttl=30.0)
+    llm.engine.add_request("salted", ids, SamplingParams(temperature=0, max_tokens=1), cache_salt="tenant")
+    _step_until_finished(llm.engine, "salted")
+    assert holds.num_pending == 1
+    holds.cancel("b")
+    short = holds.expect("c", (), ids[:5], None, ttl=30.0)
+    assert short.held is not None and short.held.blocks == () and holds.release("c")
+    assert km.num_free_blocks == km.num_blocks

@@ -1,17 +1,24 @@
 """Held prefixes: a prefill pod keeps the KV blocks of a finished prefill until a decode pod fetches them.
 
-Right after a prefill-only request finishes, its full prompt blocks are free cached blocks; `hold` takes one
-reference on the leading ones still cached (a pressure eviction in between shortens the hold; the decode pod
-then recomputes the rest), so nothing evicts them. The hold ends exactly once: `take` (a fetch: the caller
-copies the KV, then calls `free`), `release`, or `expire` past its deadline — the pod sweeps holds on a
-timer, so an abandoned transfer frees its blocks after `ttl` seconds and nothing leaks. A taken hold is the
-fetch's alone: a concurrent release or expiry cannot free blocks still being copied. Engine thread only.
+A hold is announced before its request runs (`expect`) and taken when the request finishes, in the same
+engine step that gave its blocks back (`requests_finished`, an EngineCore finish listener): the prompt's
+full blocks are then free cached blocks and nothing has allocated since, so every one of them is still
+there and gets one reference, which keeps it from eviction. Taken any later (after the answer went out),
+other requests' allocations could evict the tail of the prompt first. `hold` references whatever leading
+blocks are cached now (a prompt without a pending hold, or a fallback). The hold ends exactly once: `take`
+(a fetch: the caller copies the KV, then calls `free`), `release`/`cancel`, or `expire` past its deadline —
+the pod sweeps holds on a timer, so an abandoned transfer frees its blocks after its ttl and nothing leaks.
+A taken hold is the fetch's alone: a concurrent release or expiry cannot free blocks still being copied.
+Engine thread only, except `PendingHold.held`, which the event loop reads once the request's answer is
+complete (the engine set it before delivering that answer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenfleet.runtime.engine.kv_cache.block_hash import BlockHash
 from tokenfleet.runtime.engine.kv_cache.block_pool import KVBlock
@@ -31,10 +38,33 @@ class Hold:
         return [b.block_id for b in self.blocks]
 
 
+@dataclass(slots=True)
+class PendingHold:
+    """A hold announced for a request that has not finished yet; `held` is set when it is taken."""
+
+    hold_id: str
+    block_hashes: tuple[BlockHash, ...]
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+    ttl: float
+    held: Hold | None = None
+
+
+class _Finished(Protocol):
+    """What a finish listener sees of a request (engine/request.py's Request)."""
+
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+
+
 class KVHolds:
-    def __init__(self, manager: KVCacheManager):
+    def __init__(self, manager: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         self._manager = manager
+        self._clock = clock
         self._holds: dict[str, Hold] = {}
+        # Announced holds by (prompt, salt), oldest first: requests with the same prompt finish with the
+        # same blocks, so whichever of them finishes first can take the oldest hold of that prompt.
+        self._pending: dict[tuple[tuple[int, ...], str | None], list[PendingHold]] = {}
         self.num_expired = 0
 
     def __len__(self) -> int:
@@ -73,6 +103,64 @@ class KVHolds:
         )
         self._holds[hold_id] = hold
         return hold
+
+    # ---- taken at the finish of a request -------------------------------------------------------------------
+
+    def expect(
+        self,
+        hold_id: str,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        ttl: float,
+    ) -> PendingHold:
+        """Announce a hold on the prompt `token_ids` (its chain `block_hashes`), taken with a deadline `ttl`
+        seconds on when a request with that prompt and salt finishes. A prompt without a full block is held
+        (empty) at once."""
+        if hold_id in self._holds or any(p.hold_id == hold_id for ps in self._pending.values() for p in ps):
+            raise ValueError(f"hold {hold_id!r} exists")
+        pending = PendingHold(hold_id, tuple(block_hashes), tuple(token_ids), cache_salt, ttl)
+        if not block_hashes:
+            pending.held = self.hold(hold_id, (), (), cache_salt, self._clock() + ttl)
+        else:
+            self._pending.setdefault((pending.token_ids, cache_salt), []).append(pending)
+        return pending
+
+    def requests_finished(self, requests: Sequence[_Finished]) -> None:
+        """The engine's finish listener: the requests that finished in this step, whose blocks just went back
+        to the pool (nothing has allocated since). Takes the pending holds of their prompts."""
+        if not self._pending:
+            return
+        for request in requests:
+            key = (tuple(request.prompt_token_ids), request.cache_salt)
+            waiting = self._pending.get(key)
+            if not waiting:
+                continue
+            pending = waiting.pop(0)
+            if not waiting:
+                del self._pending[key]
+            deadline = self._clock() + pending.ttl
+            pending.held = self.hold(
+                pending.hold_id, pending.block_hashes, pending.token_ids, pending.cache_salt, deadline
+            )
+
+    def cancel(self, hold_id: str) -> bool:
+        """Drop an announced hold, or release it if it was taken (its request failed or went away)."""
+        for key, waiting in list(self._pending.items()):
+            kept = [p for p in waiting if p.hold_id != hold_id]
+            if len(kept) != len(waiting):
+                if kept:
+                    self._pending[key] = kept
+                else:
+                    del self._pending[key]
+                return True
+        return self.release(hold_id)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(ps) for ps in self._pending.values())
+
+    # ---- the holds ------------------------------------------------------------------------------------------
 
     def ids(self) -> set[str]:
         return set(self._holds)
