@@ -202,6 +202,10 @@ async def miss_capacity(session, urls, tokenizer, args) -> float:
     """Cold prompts per second this machine serves with every pod busy: one fresh system prompt per pod, all
     at once, straight to the pods. Offered load is set from it (--utilization), so the comparison runs below
     saturation on any machine; past it, every strategy's TTFT is just its position in an ever-growing queue."""
+    warm: list[dict] = [{} for _ in urls]  # a pod's first request pays one-off start-up costs
+    await asyncio.gather(
+        *(one_request(session, u, "Hi.", "Hi?", 1, r) for u, r in zip(urls, warm, strict=True))
+    )
     rng = random.Random(f"{args.seed}-calibration")
     systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in urls]
     records: list[dict] = [{} for _ in urls]
