@@ -211,3 +211,23 @@ def test_disaggregated_fleet_moves_kv_and_keeps_long_prefills_off_the_decodes():
             model.kv_bytes_per_token,
         ).run()
     )
+
+
+def test_work_bound_keeps_a_dominant_tenant_from_skewing_load():
+    """One tenant with most of the traffic: unbounded affinity piles it up; the work bound (fed by the pods'
+    announcements of the requests they start) spreads it."""
+    workload = {"rate": 20, "num_tenants": 3, "zipf_s": 2.0, "system_prompt_tokens": 2000}
+
+    def spread(balance: dict) -> tuple[float, dict]:
+        r = run(
+            fleet={"replicas": 4},
+            routing={"strategy": "prefix-affinity", "balance": balance},
+            workload=workload,
+        )
+        served = r["load"]["per_replica_served"].values()
+        return max(served) / min(served), r["routing"]
+
+    unbounded, _ = spread({"maxRatio": None})
+    bounded, reasons = spread({})
+    assert reasons.get("work_bound", 0) > 0
+    assert bounded <= 1.3 < unbounded
