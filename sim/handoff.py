@@ -54,6 +54,7 @@ class KVHandoffs:
         self._holds: dict[str, KVHolds] = {}
         self._ids = itertools.count()
         self.num_transfers = 0
+        self.num_fallbacks = 0  # holds expired before the fetch: the decode pod recomputed the prompt
         self.blocks_sent = 0
         self.blocks_skipped = 0  # already on the decode pod
         self.transfer_seconds: list[float] = []
@@ -73,8 +74,16 @@ class KVHandoffs:
         )
         return Handoff(record, replica.name, hold_id, len(hold.blocks))
 
-    def start(self, handoff: Handoff, decode: SimReplica, now: float) -> float:
-        """The decode pod fetches what it lacks; the transfer's duration."""
+    def start(self, handoff: Handoff, prefill: SimReplica | None, decode: SimReplica, now: float) -> float:
+        """The decode pod fetches what it lacks; the transfer's duration. A hold that expired while the
+        request waited for a decode pod is gone (the prefill pod sweeps its holds): the decode pod then
+        computes the prompt itself, as after any failed transfer."""
+        if prefill is not None:
+            holds = self.holds_of(prefill)
+            holds.expire(now)
+            if holds.num_blocks(handoff.hold_id) is None:
+                handoff.num_held = 0
+                self.num_fallbacks += 1
         hashes = handoff.prefill.request.block_hashes[: handoff.num_held]
         have = _connector().cached_prefix_len(decode.kv, hashes)
         handoff.decode_pod = decode.name
@@ -105,7 +114,7 @@ class KVHandoffs:
             )
         if prefill is not None:
             holds = self.holds_of(prefill)
-            hold = holds.take(handoff.hold_id)
+            hold = holds.take(handoff.hold_id)  # None after an expiry
             if hold is not None:
                 holds.free(hold)
         return inserted
@@ -116,4 +125,5 @@ class KVHandoffs:
             "blocks_sent": self.blocks_sent,
             "blocks_already_on_decode_pod": self.blocks_skipped,
             "bytes_sent": self.blocks_sent * self.block_bytes,
+            "fallbacks_to_recompute": self.num_fallbacks,
         }

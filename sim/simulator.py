@@ -170,7 +170,10 @@ class Simulation:
         pod = self.pods[name]
         if role == "decode":  # the decode pod fetches the prompt's KV first, then runs the request
             assert handoff is not None and self.handoffs is not None
-            duration = self.handoffs.start(handoff, pod.replica, self.now)
+            prefill = self.pods.get(handoff.prefill_pod)
+            duration = self.handoffs.start(
+                handoff, prefill.replica if prefill else None, pod.replica, self.now
+            )
             self._pending_handoffs += 1
             self._push(self.now + duration, HANDOFF, handoff)
             return

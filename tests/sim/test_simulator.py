@@ -231,3 +231,32 @@ def test_work_bound_keeps_a_dominant_tenant_from_skewing_load():
     bounded, reasons = spread({})
     assert reasons.get("work_bound", 0) > 0
     assert bounded <= 1.3 < unbounded
+
+
+def test_a_hold_that_expires_while_decode_pods_are_full_falls_back_to_recompute():
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(
+        small(
+            fleet={"replicas": 2},
+            routing={"maxInFlightPerEndpoint": 2},  # the decode pod takes 2: the rest wait in the router
+            disaggregation={"prefill_replicas": 1, "hold_seconds": 0.05},
+            workload={"rate": 10, "duration_s": 5, "output_tokens": 200},
+        )
+    )
+    model = build_model(config)
+    sim = Simulation(
+        config,
+        build_workload(config),
+        build_cost(config, model),
+        model.name,
+        model.max_model_len,
+        model.kv_bytes_per_token,
+    )
+    r = sim.run()
+    assert r["requests"]["finished"] == r["requests"]["arrived"] and r["requests"]["cut_short"] == 0
+    dis = r["disaggregation"]
+    assert 0 < dis["fallbacks_to_recompute"] < dis["transfers"]
+    for pod in sim.pods.values():
+        assert pod.replica.kv.usage == 0.0  # expired holds were released, fetched ones freed
