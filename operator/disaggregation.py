@@ -1,9 +1,14 @@
 """The children of a disaggregated ModelDeployment: per role (prefill, decode) a ConfigMap, a Deployment and a
 Service, each built by the ordinary builders from the deployment's spec with the role's overrides.
 
-Each role's children are named `<name>-<role>` and their pods carry `<group>/role: <role>`; the role's
-Service (and so its EndpointSlices) selects only that role's pods, so a router backend per Service learns
-the role from where the endpoint comes from (`role` in the router's backend config, `router_backends`).
+Each role's children are named `<name>-<role>` and their pods carry `<group>/role: <role>` (the label the
+router reads, `ROLE_LABEL` of the router's config); the role's Service carries it too and selects only that
+role's pods. The operator's router gets one backend per role's Service with its `role` set
+(`router_backends`); a router configured by hand with one Service over both roles learns each endpoint's
+role from the pods' (or the EndpointSlices') labels instead.
+
+Autoscaling is per role (`disaggregation.<role>.autoscaling`, autoscaler.py); switching a deployment between
+aggregated and disaggregated serving removes the other mode's children (reconcile.prune_children).
 Both roles serve the same model with the same KV layout (dtype, block size): blocks move between them by
 hash and a decode pod refuses blocks of any other layout.
 """

@@ -28,6 +28,10 @@ from tokenfleet.runtime.config_file import load_config
 from tokenfleet.runtime.errors import ConfigError
 
 Strategy = Literal["round-robin", "least-load", "prefix-affinity", "session-affinity"]
+Role = Literal["both", "prefill", "decode"]
+# The pod (and Service) label naming a disaggregated pod's role; the operator sets it on both. A backend of
+# role `both` learns each endpoint's role from it (the pod's label, else its EndpointSlice's).
+ROLE_LABEL = "serving.tokenfleet.dev/role"
 
 
 class _Spec(BaseModel):
@@ -164,14 +168,18 @@ class Backend(_Spec):
         description="Model source to load the tokenizer from (built-in name, .gguf, HF dir); default `model`.",
     )
     block_size: int = Field(16, description="Used until the pods report theirs on the KV-event stream.")
-    role: Literal["both", "prefill", "decode"] = Field(
+    role: Role = Field(
         "both",
-        description="Prefill/decode disaggregation: a model with prefill and decode backends runs each prompt "
-        "on a prefill pod and generates on a decode pod, moving the KV between them.",
+        description="Prefill/decode disaggregation: a model with prefill and decode endpoints runs each prompt "
+        "on a prefill pod and generates on a decode pod, moving the KV between them. `prefill`/`decode`: every "
+        f"endpoint of this backend has that role; `both`: each endpoint's own `{ROLE_LABEL}` label says "
+        "(kubernetes discovery; one Service may then select both roles), unlabelled ones serve whole requests.",
     )
 
     @model_validator(mode="after")
     def _check_url(self) -> Backend:
+        if "#" in self.name:  # `name#role` names the endpoints of one role of a backend (endpoints.py)
+            raise ValueError(f"backend {self.name!r}: a name cannot contain '#'")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"backend {self.name!r}: url must be http(s)://host[:port], got {self.url!r}")

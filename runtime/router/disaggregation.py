@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation in the router: a prompt is computed on a prefill pod, its KV moves to a
 decode pod by block hash (runtime/openai/kv_transfer.py), and the decode pod generates.
 
-Roles come from the backends: a backend with `role: prefill` or `role: decode` holds the pods of that role
-(on Kubernetes, the role's own Service and so its EndpointSlices; statically, the pod URLs). A model served
-by both a prefill and a decode backend is disaggregated; any other model is proxied as before.
+Roles come from the backends and the pods: a backend with `role: prefill` or `role: decode` holds the pods
+of that role (on Kubernetes, the role's own Service and so its EndpointSlices; statically, the pod URLs);
+in a backend of role `both` each endpoint has the role its pod's label gives it (endpoints.py), so one
+Service over both roles works too. A model with prefill and decode endpoints is disaggregated; any other
+model is proxied as before.
 
 The flow for one request:
 1. prefill: the pod is chosen like any request (queue and prefix-cache affinity, `Fleet.pick`) among the
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import aiohttp
@@ -34,6 +36,7 @@ from aiohttp import web
 from tokenfleet.runtime.openai import kv_transfer as wire
 from tokenfleet.runtime.router import disaggregation_stream
 from tokenfleet.runtime.router.config import Backend, Retries
+from tokenfleet.runtime.router.endpoints import Endpoint, role_ref
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
 from tokenfleet.runtime.router.proxy import Outcome, Outgoing
@@ -49,15 +52,28 @@ _releases: set[asyncio.Task] = set()  # hold releases sent for clients that left
 
 
 def role_targets(
-    backends: Sequence[Backend], targets: Sequence[RouteTarget], role: str
+    backends: Sequence[Backend],
+    targets: Sequence[RouteTarget],
+    role: str,
+    endpoints: Iterable[Endpoint] = (),
 ) -> tuple[RouteTarget, ...]:
-    """The targets narrowed to the backends of one role (targets left with none are dropped)."""
+    """The targets narrowed to the endpoints of one role (targets left with none are dropped).
+
+    A backend configured with that role counts whole; a backend of role `both` (one Service over pods of
+    both roles) counts with those of its `endpoints` whose label gives them that role (`backend#role`).
+    """
     roles = {b.name: b.role for b in backends}
+    labelled = {(e.backend, e.role) for e in endpoints}
     out = []
     for t in targets:
-        names = tuple(n for n in t.backends if roles.get(n) == role)
+        names = []
+        for n in t.backends:
+            if roles.get(n) == role:
+                names.append(n)
+            elif roles.get(n) == "both" and (n, role) in labelled:
+                names.append(role_ref(n, role))
         if names:
-            out.append(replace(t, backends=names))
+            out.append(replace(t, backends=tuple(names)))
     return tuple(out)
 
 
@@ -84,8 +100,9 @@ async def forward(
     """Forward one admitted request, disaggregated when its model has prefill and decode backends."""
     if wire.FIELD in out.payload:
         out = replace(out, payload={k: v for k, v in out.payload.items() if k != wire.FIELD})
-    prefill_t = role_targets(fleet.config.backends, out.targets, PREFILL)
-    decode_t = role_targets(fleet.config.backends, out.targets, DECODE)
+    endpoints = fleet.endpoints.by_id.values()
+    prefill_t = role_targets(fleet.config.backends, out.targets, PREFILL, endpoints)
+    decode_t = role_targets(fleet.config.backends, out.targets, DECODE, endpoints)
     if not prefill_t or not decode_t:
         return await proxy_forward(request, fleet, out, retries)
     if out.stream:  # the first token goes to the client from the prefill pod, the rest from a decode pod

@@ -1,12 +1,22 @@
 """Endpoints: the pods behind each backend, from a static list or the backend Service's EndpointSlices.
 
-`Endpoint` is the router's live view of one pod (health, last load report, in-flight count); it is touched
-only from the event loop. Discovery produces, per backend, the set of pod base URLs; `EndpointSet.sync`
-diffs it against what is known and reports additions/removals so the app starts/stops the pod's monitor.
+`Endpoint` is the router's live view of one pod (health, last load report, in-flight count, role); it is
+touched only from the event loop. Discovery produces, per backend, the pod base URLs (with each one's role
+where known); `EndpointSet.sync` diffs it against what is known and reports additions/removals so the app
+starts/stops the pod's monitor.
 
 Kubernetes: the router watches `discovery.k8s.io/v1` EndpointSlices labelled
 `kubernetes.io/service-name=<service>` (the client's watch runs in a thread; updates hop to the loop).
-`ready_urls` is the pure mapping from slices to URLs: ready (or serving and not terminating) addresses only.
+`ready_endpoints` is the pure mapping from slices to URLs: ready (or serving and not terminating) addresses
+only, each with its prefill/decode role when one is known.
+
+Roles: a backend configured as `prefill` or `decode` gives every endpoint that role. A backend of role
+`both` takes each endpoint's from the `ROLE_LABEL` label: the pod's own (the slice endpoint's `targetRef`
+names the pod; a second watch follows the labelled pods of the namespace, needing `pods` get/list/watch),
+else the slice's (the endpoint-slice controller copies the Service's labels onto its slices, so a
+per-role Service labels all its endpoints). So one Service selecting both roles' pods is enough for the
+router to run a model disaggregated. `of_backends` takes `backend#role` to mean that backend's endpoints of
+one role (disaggregation.py narrows a request's targets that way).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tokenfleet.runtime.router.config import Backend, Discovery
+from tokenfleet.runtime.router.config import ROLE_LABEL, Backend, Discovery
 from tokenfleet.runtime.router.health import HealthState
 
 log = logging.getLogger(__name__)
@@ -34,6 +44,7 @@ class Endpoint:
     kv_cache_usage: float = 0.0
     in_flight: int = 0
     block_size: int | None = None
+    role: str = "both"  # prefill | decode | both (serves whole requests)
 
     @property
     def id(self) -> str:
@@ -44,46 +55,90 @@ class Endpoint:
         return max(self.num_running + self.num_waiting, self.in_flight)
 
 
+ROLE_SEP = "#"
+_ROLES = frozenset({"prefill", "decode", "both"})
+
+
+def role_ref(backend: str, role: str) -> str:
+    """The name `of_backends` reads as "the endpoints of `backend` whose role is `role`"."""
+    return f"{backend}{ROLE_SEP}{role}"
+
+
 @dataclass(slots=True)
 class EndpointSet:
     policy: Discovery
     by_id: dict[str, Endpoint] = field(default_factory=dict)
 
-    def sync(self, backend: Backend, urls: Iterable[str]) -> tuple[list[Endpoint], list[Endpoint]]:
-        """Make `backend`'s endpoints exactly `urls`; returns (added, removed)."""
-        wanted = {u.rstrip("/") for u in urls}
+    def sync(
+        self, backend: Backend, urls: Iterable[str] | Mapping[str, str | None]
+    ) -> tuple[list[Endpoint], list[Endpoint]]:
+        """Make `backend`'s endpoints exactly `urls` (a mapping gives each one's role label, None = none);
+        returns (added, removed). A known endpoint whose role changed (a relabelled pod) takes the new one."""
+        labelled = dict(urls) if isinstance(urls, Mapping) else dict.fromkeys(urls)
+        wanted = {u.rstrip("/"): endpoint_role(backend, r) for u, r in labelled.items()}
         current = {e.url for e in self.by_id.values() if e.backend == backend.name}
         added = [
-            Endpoint(u, backend.name, backend.model, HealthState(self.policy), block_size=None)
-            for u in sorted(wanted - current)
+            Endpoint(
+                u, backend.name, backend.model, HealthState(self.policy), block_size=None, role=wanted[u]
+            )
+            for u in sorted(wanted.keys() - current)
         ]
-        removed = [self.by_id.pop(u) for u in sorted(current - wanted)]
+        removed = [self.by_id.pop(u) for u in sorted(current - wanted.keys())]
+        for u in current & wanted.keys():
+            self.by_id[u].role = wanted[u]
         for e in added:
             self.by_id[e.id] = e
         return added, removed
 
     def of_backends(self, names: Iterable[str]) -> list[Endpoint]:
-        wanted = set(names)
-        return [e for e in self.by_id.values() if e.backend in wanted]
+        """The endpoints of the named backends; `backend#role` names those of one role only."""
+        whole: set[str] = set()
+        by_role: set[tuple[str, str]] = set()
+        for name in names:
+            backend, sep, role = name.partition(ROLE_SEP)
+            if sep:
+                by_role.add((backend, role))
+            else:
+                whole.add(name)
+        return [e for e in self.by_id.values() if e.backend in whole or (e.backend, e.role) in by_role]
 
 
-def ready_urls(slices: Iterable[Mapping], port: int, scheme: str = "http") -> list[str]:
-    """Base URLs of ready addresses in EndpointSlices (dicts in the API's camelCase shape)."""
-    urls: set[str] = set()
+def endpoint_role(backend: Backend, label: str | None) -> str:
+    """An endpoint's role: the backend's when configured, else its label's (when it is a role)."""
+    if backend.role != "both":
+        return backend.role
+    return label if label in _ROLES else "both"
+
+
+def ready_endpoints(
+    slices: Iterable[Mapping], port: int, scheme: str = "http", pod_roles: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """Base URL -> role label (None: unlabelled) of the ready addresses in EndpointSlices (dicts in the API's
+    camelCase shape); `pod_roles`: pod name -> its role label, which wins over the slice's."""
+    pod_roles = pod_roles or {}
+    out: dict[str, str | None] = {}
     for s in slices:
         ports = [p.get("port") for p in (s.get("ports") or []) if p.get("port")]
         # The Service's target port when the slice names one (a named port maps there), else the URL's port.
         slice_port = port if port in ports or not ports else ports[0]
+        slice_role = ((s.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
         for ep in s.get("endpoints") or []:
             cond = ep.get("conditions") or {}
             ready = cond.get("ready")
             serving = cond.get("serving", ready)
             if ready is False or (ready is None and not serving) or cond.get("terminating"):
                 continue
+            ref = ep.get("targetRef") or {}
+            role = pod_roles.get(ref.get("name", "")) if ref.get("kind", "Pod") == "Pod" else None
             for addr in ep.get("addresses") or []:
                 host = f"[{addr}]" if ":" in addr else addr
-                urls.add(f"{scheme}://{host}:{slice_port}")
-    return sorted(urls)
+                out[f"{scheme}://{host}:{slice_port}"] = role or slice_role
+    return dict(sorted(out.items()))
+
+
+def ready_urls(slices: Iterable[Mapping], port: int, scheme: str = "http") -> list[str]:
+    """Base URLs of ready addresses in EndpointSlices (dicts in the API's camelCase shape)."""
+    return list(ready_endpoints(slices, port, scheme))
 
 
 def static_urls(backend: Backend) -> list[str]:
@@ -110,31 +165,42 @@ class EndpointSliceWatch:
         self._loop = loop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the two watch threads share what they saw
+        self._slices: dict[str, dict] = {}
+        self._pod_roles: dict[str, str] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"eps-{self._service}", daemon=True)
         self._thread.start()
+        if self.backend.role == "both":  # its Service may select pods of both roles: read their labels
+            threading.Thread(target=self._run_pods, name=f"roles-{self._service}", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _run(self) -> None:
-        from kubernetes import client, config, watch
+    @staticmethod
+    def _api():
+        from kubernetes import client, config
 
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        api = client.DiscoveryV1Api()
+        return client
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        api = self._api().DiscoveryV1Api()
         selector = f"kubernetes.io/service-name={self._service}"
-        slices: dict[str, dict] = {}
         while not self._stop.is_set():
             try:
                 listing = api.list_namespaced_endpoint_slice(self._namespace, label_selector=selector)
-                slices = {
-                    s.metadata.name: api.api_client.sanitize_for_serialization(s) for s in listing.items
-                }
-                self._publish(slices)
+                with self._lock:
+                    self._slices = {
+                        s.metadata.name: api.api_client.sanitize_for_serialization(s) for s in listing.items
+                    }
+                self._publish()
                 w = watch.Watch()
                 for ev in w.stream(
                     api.list_namespaced_endpoint_slice,
@@ -148,15 +214,63 @@ class EndpointSliceWatch:
                         break
                     obj = api.api_client.sanitize_for_serialization(ev["object"])
                     name = obj["metadata"]["name"]
-                    if ev["type"] == "DELETED":
-                        slices.pop(name, None)
-                    else:
-                        slices[name] = obj
-                    self._publish(slices)
+                    with self._lock:
+                        if ev["type"] == "DELETED":
+                            self._slices.pop(name, None)
+                        else:
+                            self._slices[name] = obj
+                    self._publish()
             except Exception as e:  # the watch must survive API hiccups; relist after a pause
                 log.warning("EndpointSlice watch for %s/%s failed: %s", self._namespace, self._service, e)
                 self._stop.wait(2.0)
 
-    def _publish(self, slices: dict[str, dict]) -> None:
-        urls = ready_urls(slices.values(), self._port, self._scheme)
+    def _run_pods(self) -> None:
+        """The role labels of the namespace's labelled pods (name -> role), kept current."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        api = self._api().CoreV1Api()
+        warned = False
+        while not self._stop.is_set():
+            try:
+                listing = api.list_namespaced_pod(self._namespace, label_selector=ROLE_LABEL)
+                with self._lock:
+                    self._pod_roles = {p.metadata.name: p.metadata.labels[ROLE_LABEL] for p in listing.items}
+                self._publish()
+                w = watch.Watch()
+                for ev in w.stream(
+                    api.list_namespaced_pod,
+                    self._namespace,
+                    label_selector=ROLE_LABEL,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    pod = ev["object"]
+                    with self._lock:
+                        if ev["type"] == "DELETED":
+                            self._pod_roles.pop(pod.metadata.name, None)
+                        else:
+                            self._pod_roles[pod.metadata.name] = (pod.metadata.labels or {}).get(
+                                ROLE_LABEL, ""
+                            )
+                    self._publish()
+            except ApiException as e:
+                if e.status == 403 and not warned:  # not granted: the slices' own labels still give roles
+                    log.warning(
+                        "cannot read pods in %s (%s): endpoint roles come from EndpointSlice labels only",
+                        self._namespace,
+                        e.reason,
+                    )
+                    warned = True
+                self._stop.wait(30.0 if e.status == 403 else 2.0)
+            except Exception as e:
+                log.warning("pod role watch in %s failed: %s", self._namespace, e)
+                self._stop.wait(2.0)
+
+    def _publish(self) -> None:
+        with self._lock:
+            urls = ready_endpoints(self._slices.values(), self._port, self._scheme, self._pod_roles)
         self._loop.call_soon_threadsafe(self._on_change, self.backend, urls)

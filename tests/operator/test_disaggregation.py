@@ -64,6 +64,15 @@ def test_each_role_gets_its_deployment_service_and_config_with_its_overrides():
     assert decode_cfg.model == prefill_cfg.model and decode_cfg.cache == prefill_cfg.cache
 
 
+def test_the_pods_carry_the_role_label_the_router_reads():
+    from tokenfleet.runtime.router.config import ROLE_LABEL as ROUTER_ROLE_LABEL
+
+    assert ROLE_LABEL == ROUTER_ROLE_LABEL
+    children = build_disaggregated_children("chat", parse_model_deployment(SPEC), None)
+    svc = _by(children, "Service", "chat-decode")
+    assert svc["metadata"]["labels"][ROLE_LABEL] == "decode"  # mirrored onto its EndpointSlices
+
+
 def test_the_router_gets_one_backend_per_role_with_its_role():
     spec = parse_model_deployment(SPEC)
     backends = router_backends("chat", "ml", spec, None, builtin_model=True)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tokenfleet.runtime.openai import kv_transfer as wire
-from tokenfleet.runtime.router.config import Backend
+from tokenfleet.runtime.router.config import Backend, Discovery
 from tokenfleet.runtime.router.disaggregation import decode_payload, prefill_payload, role_targets
+from tokenfleet.runtime.router.endpoints import EndpointSet
 from tokenfleet.runtime.router.model_routes import RouteTarget
 
 BACKENDS = [
@@ -19,6 +20,21 @@ def test_targets_narrow_to_a_role_and_drop_targets_without_it():
     assert role_targets(BACKENDS, targets, "prefill") == (RouteTarget("m", ("p",), False),)
     assert role_targets(BACKENDS, targets, "decode") == (RouteTarget("m", ("d",), False),)
     assert role_targets(BACKENDS, [RouteTarget("other", ("plain",), False)], "decode") == ()
+
+
+def test_a_backend_of_both_roles_is_narrowed_by_its_endpoints_labels():
+    es = EndpointSet(Discovery())
+    es.sync(BACKENDS[2], {"http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode"})
+    targets = [RouteTarget("m", ("plain",), False)]
+    endpoints = es.by_id.values()
+    assert role_targets(BACKENDS, targets, "prefill", endpoints) == (
+        RouteTarget("m", ("plain#prefill",), False),
+    )
+    [decode] = role_targets(BACKENDS, targets, "decode", endpoints)
+    assert [e.url for e in es.of_backends(decode.backends)] == ["http://10.0.0.2:8000"]
+    # Unlabelled endpoints: no role anywhere, the model is not disaggregated.
+    es.sync(BACKENDS[2], ["http://10.0.0.1:8000"])
+    assert role_targets(BACKENDS, targets, "prefill", es.by_id.values()) == ()
 
 
 def test_the_prefill_pod_gets_one_token_unstreamed_and_a_bounded_hold():

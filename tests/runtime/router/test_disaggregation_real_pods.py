@@ -176,6 +176,50 @@ async def test_clients_leaving_in_either_phase_leave_no_used_kv_blocks_on_either
             await asyncio.sleep(0.2)
 
 
+async def test_one_service_over_both_roles_is_run_disaggregated_by_the_pods_labels(
+    pods, real_tokenizer, serve_app
+):
+    """One backend of role `both` (a Service selecting both roles' pods): the router learns each endpoint's
+    role from its label, as the EndpointSlice watch reports it, and runs the model disaggregated."""
+    (p_url, _), (d_url, _) = pods
+    cfg = RouterConfig.model_validate(
+        {
+            "backends": [{"name": "chat", "model": MODEL, "url": p_url}],
+            "discovery": {"probeIntervalSeconds": 0.2, "failureThreshold": 1},
+        }
+    )
+    app = build_app(cfg, lambda source: real_tokenizer)
+    async with serve_app(app) as router_url, aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        router = app[ROUTER]
+        await router.tokenizers_loaded()
+        # What the watch publishes for the Service: each ready address with its pod's role label.
+        router.fleet.sync_backend(cfg.backends[0], {p_url: "prefill", d_url: "decode"})
+        roles = {e.url: e.role for e in router.fleet.endpoints.of_backends(["chat"])}
+        assert roles == {p_url: "prefill", d_url: "decode"}
+        deadline = time.monotonic() + 30
+        while not all(router.fleet.available(e) for e in router.fleet.endpoints.of_backends(["chat"])):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        received0 = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
+        prompt = {"model": MODEL, "prompt": "A lighthouse keeper counts the ships at night. " * 5,
+                  "max_tokens": 8, "temperature": 0}  # fmt: skip
+        async with s.post(router_url + "/v1/completions", json=prompt) as r:
+            assert r.status == 200 and r.headers["x-tokenfleet-endpoint"] == d_url  # decode answers
+            via_router = (await r.json())["choices"][0]["text"]
+        received = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
+        assert received > received0  # the prompt's KV came from the prefill pod
+        async with s.post(p_url + "/v1/completions", json=prompt) as r:
+            assert via_router == (await r.json())["choices"][0]["text"]
+        # Without role labels the same Service is an ordinary backend: whole requests, no transfer.
+        router.fleet.sync_backend(cfg.backends[0], [p_url, d_url])
+        assert {e.role for e in router.fleet.endpoints.of_backends(["chat"])} == {"both"}
+        async with s.post(router_url + "/v1/completions", json={**prompt, "prompt": "Tides. " * 20}) as r:
+            assert r.status == 200
+        assert (
+            await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"') == received
+        )
+
+
 async def test_with_the_prefill_pod_gone_the_decode_pod_serves_alone(pods, real_tokenizer, serve_app):
     """Last in this module: it kills the prefill pod."""
     (p_url, p_proc), (d_url, _) = pods

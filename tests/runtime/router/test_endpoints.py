@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tokenfleet.runtime.router.config import Backend, Discovery
-from tokenfleet.runtime.router.endpoints import EndpointSet, ready_urls
+import pytest
+from tokenfleet.runtime.router.config import ROLE_LABEL, Backend, Discovery
+from tokenfleet.runtime.router.endpoints import EndpointSet, ready_endpoints, ready_urls, role_ref
 
 
 def slice_(endpoints, ports=({"name": "http", "port": 8000},)):
@@ -43,3 +44,55 @@ def test_sync_reports_additions_and_removals_per_backend():
     assert [e.url for e in added] == ["http://10.0.0.3:8000"]
     assert [e.url for e in removed] == ["http://10.0.0.1:8000"]
     assert sorted(e.url for e in es.of_backends(["b"])) == ["http://10.0.1.1:8000"]
+
+
+def _pod(addr, pod):
+    return {**ep(addr), "targetRef": {"kind": "Pod", "name": pod}}
+
+
+def test_roles_come_from_the_pods_labels_else_the_slices():
+    # One Service over both roles: its slice has no role label; the pods' labels say.
+    mixed = {**slice_([_pod("10.0.0.1", "chat-p-1"), _pod("10.0.0.2", "chat-d-1"), _pod("10.0.0.3", "x")])}
+    pods = {"chat-p-1": "prefill", "chat-d-1": "decode"}
+    assert ready_endpoints([mixed], 8000, pod_roles=pods) == {
+        "http://10.0.0.1:8000": "prefill",
+        "http://10.0.0.2:8000": "decode",
+        "http://10.0.0.3:8000": None,
+    }
+    # A per-role Service: the endpoint-slice controller copies its labels onto the slice.
+    per_role = slice_([_pod("10.0.1.1", "chat-decode-1")])
+    per_role["metadata"]["labels"] = {ROLE_LABEL: "decode", "kubernetes.io/service-name": "chat-decode"}
+    assert ready_endpoints([per_role], 8000) == {"http://10.0.1.1:8000": "decode"}
+    # The pod's own label wins over its slice's.
+    assert ready_endpoints([per_role], 8000, pod_roles={"chat-decode-1": "prefill"}) == {
+        "http://10.0.1.1:8000": "prefill"
+    }
+
+
+def test_endpoint_roles_follow_labels_only_in_a_backend_of_both_roles():
+    es = EndpointSet(Discovery())
+    mixed = Backend(name="chat", model="m", url="http://chat.ns.svc:8000")
+    configured = Backend(name="pre", model="m", url="http://pre.ns.svc:8000", role="prefill")
+    es.sync(
+        mixed,
+        {"http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode", "http://10.0.0.3:8000": None},
+    )
+    es.sync(configured, {"http://10.0.1.1:8000": "decode"})  # the configured role wins
+    assert {e.url: e.role for e in es.by_id.values()} == {
+        "http://10.0.0.1:8000": "prefill",
+        "http://10.0.0.2:8000": "decode",
+        "http://10.0.0.3:8000": "both",
+        "http://10.0.1.1:8000": "prefill",
+    }
+    assert [e.url for e in es.of_backends([role_ref("chat", "decode")])] == ["http://10.0.0.2:8000"]
+    assert len(es.of_backends(["chat"])) == 3
+    # A relabelled pod: same endpoint (its health and load history stay), new role.
+    before = es.by_id["http://10.0.0.2:8000"]
+    added, removed = es.sync(mixed, {"http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "prefill"})
+    assert added == [] and [e.url for e in removed] == ["http://10.0.0.3:8000"]
+    assert es.by_id["http://10.0.0.2:8000"] is before and before.role == "prefill"
+
+
+def test_a_backend_name_cannot_hold_the_role_separator():
+    with pytest.raises(ValueError, match="cannot contain"):
+        Backend(name="a#b", model="m", url="http://a:8000")
