@@ -141,71 +141,53 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        # Entries are built as soon as a request's allocation succeeds (its block table is final for
-        # the step then); a request preempted later in the step is taken out again. Insertion order is
-        # running order, then admission order.
-        scheduled: dict[str, ScheduledRequest] = {}
+        # Entries are appended as soon as a request's allocation succeeds (its block table is final for
+        # the step then); a request preempted later in the step is taken out again. Order: running
+        # order, then admission order.
+        entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self.running
+        tables = self.kv.tables
         allocate = self.kv.allocate_slots
-        block_ids = self.kv.get_block_ids
-        lookahead = self.num_lookahead_tokens
+        # Without look-ahead slots a plain decode needs exactly one slot: the fast path below applies.
+        plain = not self.num_lookahead_tokens
 
         i = 0
-        while i < len(running) and budget > 0:
+        num_running = len(running)
+        while i < num_running and budget > 0:
             request = running[i]
-            prompt = request.prompt_token_ids
             output_ids = request.output_token_ids
-            num_prompt = len(prompt)
-            num_tokens = num_prompt + len(output_ids)
             start = request.num_computed_tokens
-            num_missing = num_tokens - start
-            num_new = num_missing if num_missing < budget else budget
-            spec: tuple[int, ...] = ()
-            num_slots = num_new
-            if num_new == num_missing and (lookahead or request.spec_token_ids):  # samples, speculates
-                limit = self._stop_info[request.request_id][0]
-                if request.spec_token_ids:
-                    # Each accepted proposal adds a token: stay within max_tokens / the context length.
-                    num_spec = min(len(request.spec_token_ids), budget - num_new, limit - num_tokens - 1)
-                    if num_spec > 0:
-                        spec = tuple(request.spec_token_ids[:num_spec])
-                        num_slots += num_spec
-                if lookahead:
-                    num_slots = min(num_slots + lookahead, limit - 1 - start)
-            while allocate(request, num_slots) is None:
-                victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
-                victim = running.pop(victim_index)
-                vid = victim.request_id
-                taken_back = scheduled.pop(vid, None)
-                if taken_back is not None:  # already given tokens in this step: take them back
-                    budget += taken_back.num_tokens
-                self._preempt(victim)
-                preempted.append(vid)
-                if victim_index < i:
-                    i -= 1
-                if victim is request:
-                    break
-            else:
+            if (
+                plain
+                and start + 1 == len(request.prompt_token_ids) + len(output_ids)
+                and not request.spec_token_ids
+            ):
+                # A decode: one token, no proposals. When its blocks already hold the slot and no block
+                # fills (to be cached), `allocate_slots` would do nothing: skip the call. This is the
+                # path nearly every running request takes nearly every step; the others (a block to
+                # take or cache) call it here, and only an allocation that fails takes the general
+                # path (which preempts; a failed allocation changes nothing, so it may be retried).
                 rid = request.request_id
-                if num_new == 1:  # a decode: no slicing
-                    token_ids = (prompt[start],) if start < num_prompt else (output_ids[start - num_prompt],)
-                else:
-                    token_ids = tuple(token_slice(request, start, start + num_new))
-                # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper; this runs for
-                # every running request every step). Same fields, same order as ScheduledRequest.
-                scheduled[rid] = _new_tuple(
-                    ScheduledRequest,
-                    (rid, token_ids, start, block_ids(rid), start + num_new == num_tokens, spec),
-                )
-                budget -= num_new + len(spec)
-                i += 1
+                table = tables[rid]
+                if start < table.fast_limit or allocate(request, 1) is not None:
+                    token_id = output_ids[-1] if output_ids else request.prompt_token_ids[-1]
+                    # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper). Same
+                    # fields, same order as ScheduledRequest.
+                    entries.append(
+                        _new_tuple(ScheduledRequest, (rid, (token_id,), start, table.block_ids, True, ()))
+                    )
+                    budget -= 1
+                    i += 1
+                    continue
+            budget, i = self._schedule_running(i, budget, entries, preempted)
+            num_running = len(running)
 
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, entries)
 
         output = SchedulerOutput(
-            scheduled=tuple(scheduled.values()),
+            scheduled=tuple(entries),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(preempted),
             aborted_ids=tuple(self._aborted_ids),
@@ -215,7 +197,62 @@ class Scheduler:
         self._finished_ids.clear()
         return output
 
-    def _admit_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _schedule_running(
+        self, i: int, budget: int, entries: list[ScheduledRequest], preempted: list[str]
+    ) -> tuple[int, int]:
+        """Schedule `running[i]` in the general case (a chunk, proposals, look-ahead slots, a block to
+        allocate or cache), preempting while the cache cannot hold it; (budget left, next index)."""
+        running = self.running
+        request = running[i]
+        prompt = request.prompt_token_ids
+        output_ids = request.output_token_ids
+        num_prompt = len(prompt)
+        num_tokens = num_prompt + len(output_ids)
+        start = request.num_computed_tokens
+        num_missing = num_tokens - start
+        num_new = num_missing if num_missing < budget else budget
+        lookahead = self.num_lookahead_tokens
+        spec: tuple[int, ...] = ()
+        num_slots = num_new
+        if num_new == num_missing and (lookahead or request.spec_token_ids):  # samples, speculates
+            limit = self._stop_info[request.request_id][0]
+            if request.spec_token_ids:
+                # Each accepted proposal adds a token: stay within max_tokens / the context length.
+                num_spec = min(len(request.spec_token_ids), budget - num_new, limit - num_tokens - 1)
+                if num_spec > 0:
+                    spec = tuple(request.spec_token_ids[:num_spec])
+                    num_slots += num_spec
+            if lookahead:
+                num_slots = min(num_slots + lookahead, limit - 1 - start)
+        allocate = self.kv.allocate_slots
+        while allocate(request, num_slots) is None:
+            victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
+            victim = running.pop(victim_index)
+            vid = victim.request_id
+            for j in range(len(entries) - 1, -1, -1):  # newest first: victims are the newest
+                if entries[j][0] == vid:  # already given tokens in this step: take them back
+                    budget += entries.pop(j).num_tokens
+                    break
+            self._preempt(victim)
+            preempted.append(vid)
+            if victim_index < i:
+                i -= 1
+            if victim is request:
+                return budget, i
+        rid = request.request_id
+        if num_new == 1:  # a decode: no slicing
+            token_ids = (prompt[start],) if start < num_prompt else (output_ids[start - num_prompt],)
+        else:
+            token_ids = tuple(token_slice(request, start, start + num_new))
+        entries.append(
+            _new_tuple(
+                ScheduledRequest,
+                (rid, token_ids, start, self.kv.tables[rid].block_ids, start + num_new == num_tokens, spec),
+            )
+        )
+        return budget - num_new - len(spec), i + 1
+
+    def _admit_waiting(self, budget: int, entries: list[ScheduledRequest]) -> int:
         """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left."""
         chunked = self.config.enable_chunked_prefill
         waiting = self.waiting
@@ -244,12 +281,14 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)
-            scheduled[rid] = ScheduledRequest(
-                rid,
-                tuple(token_slice(request, num_hit_tokens, end)),
-                num_hit_tokens,
-                self.kv.get_block_ids(rid),
-                end == num_tokens,
+            entries.append(
+                ScheduledRequest(
+                    rid,
+                    tuple(token_slice(request, num_hit_tokens, end)),
+                    num_hit_tokens,
+                    self.kv.get_block_ids(rid),
+                    end == num_tokens,
+                )
             )
             budget -= num_new
         return budget
@@ -272,6 +311,23 @@ class Scheduler:
                 request.num_computed_tokens += len(token_ids)
                 continue
             new_token_ids = sampled.get(rid)
+            output_ids = request.output_token_ids
+            if not spec_token_ids and new_token_ids is not None and len(new_token_ids) == 1:
+                # A plain sample (no proposals to verify), the common case: one token, no rollback.
+                token_id = new_token_ids[0]
+                output_ids.append(token_id)
+                request.num_computed_tokens += len(token_ids)
+                if request.spec_token_ids:
+                    request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
+                limit, stop_ids, min_tokens = stop_info[rid]
+                if token_id in stop_ids and len(output_ids) >= min_tokens:
+                    request.status = self._stop_token_status(request, token_id)
+                elif len(request.prompt_token_ids) + len(output_ids) >= limit:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                else:
+                    continue
+                finished.append(request)
+                continue
             num_spec = len(spec_token_ids)
             if not new_token_ids or len(new_token_ids) > num_spec + 1:
                 raise ValueError(
@@ -280,7 +336,6 @@ class Scheduler:
             # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
             request.num_computed_tokens += len(token_ids) + len(new_token_ids) - 1
             limit, stop_ids, min_tokens = stop_info[rid]
-            output_ids = request.output_token_ids
             num_prompt = len(request.prompt_token_ids)
             status = None
             for token_id in new_token_ids:

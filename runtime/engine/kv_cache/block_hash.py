@@ -12,9 +12,10 @@ Encoding (version tag first, so a future change can never collide with today's h
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BlockHash = bytes
 ExtraItem = str | int | None
@@ -22,6 +23,8 @@ ExtraItem = str | int | None
 _VERSION = b"tfkv1"
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
+_HEAD_ROOT = _VERSION + b"\x00"
+_HEAD_CHILD = _VERSION + b"\x01"
 
 
 def hash_extra(model_name: str, cache_salt: str | None = None) -> tuple[str, ...]:
@@ -65,6 +68,39 @@ def hash_block_encoded(parent: BlockHash | None, token_ids: Sequence[int], extra
     return h.digest()
 
 
+@functools.lru_cache(maxsize=8)
+def _block_encoder(block_size: int) -> tuple[Callable[..., bytes], bytes]:
+    """(pack of `block_size` tokens, their encoded count): compiled once per block size."""
+    return struct.Struct(f"<{block_size}q").pack, _U32.pack(block_size)
+
+
+def append_block_hashes(
+    block_hashes: list[BlockHash],
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_bytes: bytes,
+) -> None:
+    """Append the chained hashes of consecutive full blocks to `block_hashes` (byte-identical to
+    `hash_block_encoded` per block). `token_ids` hold whole blocks only; `parent` precedes the first.
+
+    The KV manager hashes every block of every sequence as it fills, so this is its one hashing loop:
+    the token packer is compiled once per block size and each block is a single sha256 call.
+    """
+    pack, count = _block_encoder(block_size)
+    for i in range(0, len(token_ids) - block_size + 1, block_size):
+        data = b"".join(
+            (
+                _HEAD_ROOT if parent is None else _HEAD_CHILD + parent,
+                extra_bytes,
+                count,
+                pack(*token_ids[i : i + block_size]),
+            )
+        )
+        parent = hashlib.sha256(data).digest()
+        block_hashes.append(parent)
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: tuple[ExtraItem, ...]) -> BlockHash:
     """Hash of one block given its parent's hash (None for the first block of a sequence)."""
     return hash_block_encoded(parent, token_ids, encode_extra(extra))
@@ -83,10 +119,11 @@ def extend_block_hashes(
     """
     extra_bytes = extra if isinstance(extra, bytes) else encode_extra(extra)
     num_full = len(token_ids) // block_size
-    parent = block_hashes[-1] if block_hashes else None
-    for i in range(len(block_hashes), num_full):
-        parent = hash_block_encoded(parent, token_ids[i * block_size : (i + 1) * block_size], extra_bytes)
-        block_hashes.append(parent)
+    start = len(block_hashes)
+    if start < num_full:
+        parent = block_hashes[-1] if block_hashes else None
+        tokens = token_ids[start * block_size : num_full * block_size]
+        append_block_hashes(block_hashes, parent, tokens, block_size, extra_bytes)
     return block_hashes
 
 

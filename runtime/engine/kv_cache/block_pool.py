@@ -96,6 +96,12 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` free blocks (ref count 1 each); evicts cached ones only when no empty is left."""
+        empty = self._empty
+        if num_blocks <= len(empty):  # nothing to evict: the common case while the cache has room
+            out = [empty.popleft() for _ in range(num_blocks)]
+            for block in out:
+                block.ref_cnt = 1
+            return out
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out: list[KVBlock] = []
@@ -173,6 +179,17 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
+        if len(blocks) == 1:
+            # One block (a decode filled it): the path taken every block_size steps per sequence.
+            block = blocks[0]
+            block_hash = block_hashes[0]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+                if self.enable_kv_events:
+                    tokens = tuple(token_ids[:block_size])
+                    self._events.append(BlockStored((block_hash,), parent_hash, tokens, block_size))
+                return
         run: list[BlockHash] = []
         run_start = 0
         run_parent = parent_hash

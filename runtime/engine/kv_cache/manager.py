@@ -31,12 +31,13 @@ from collections.abc import Callable, Sequence
 from tokenfleet.runtime.config import CacheConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import (
     ExtraItem,
+    append_block_hashes,
     encode_extra,
-    hash_block_encoded,
     hash_extra,
     with_salt,
 )
 from tokenfleet.runtime.engine.kv_cache.block_pool import BlockPool, KVBlock
+from tokenfleet.runtime.engine.kv_cache.block_table import RequestBlocks
 from tokenfleet.runtime.engine.kv_cache.cache_metrics import KVCacheMetrics
 from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent
 from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier, KVTransfer
@@ -44,20 +45,6 @@ from tokenfleet.runtime.engine.kv_cache.pins import PinnedPrefixes
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.kv_cache.ttl import Clock
 from tokenfleet.runtime.engine.request import Request
-
-
-class _RequestBlocks:
-    """A request's block table. Mutable, private to the manager; one dict lookup per request per step."""
-
-    __slots__ = ("block_ids", "blocks", "num_cached")
-
-    def __init__(self, num_cached: int):
-        self.blocks: list[KVBlock] = []
-        # The same table as ids, as a tuple rebuilt only when it changes (every block_size tokens of a
-        # decode): the scheduler hands it to the runner for every request every step without copying.
-        self.block_ids: tuple[int, ...] = ()
-        self.num_cached = num_cached  # leading blocks already offered to the prefix cache
-
 
 # Distinct cache salts whose encoded hash extra is memoised; beyond this the memo starts over (salts are
 # client-chosen, so the memo must stay bounded).
@@ -87,7 +74,9 @@ class KVCacheManager:
         self.pins = PinnedPrefixes(self.pool, max_pinned_fraction)
         self.host: HostKVTier | None = None
         self._run_transfers: Callable[[list[KVTransfer]], None] | None = None
-        self._tables: dict[str, _RequestBlocks] = {}
+        # Request id -> its block table. Read-only outside the manager: the scheduler reads
+        # `fast_limit` and `block_ids` on its hot path instead of calling `allocate_slots` / `get_block_ids`.
+        self.tables: dict[str, RequestBlocks] = {}
         self._extra_bytes: dict[str | None, bytes] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -173,7 +162,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size) <= self.pool.num_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
-        table = self._tables.get(request_id)
+        table = self.tables.get(request_id)
         return () if table is None else table.block_ids
 
     def take_events(self) -> list[KVEvent]:
@@ -192,7 +181,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        assert request.request_id not in self._tables, "lookup for a request that holds blocks"
+        assert request.request_id not in self.tables, "lookup for a request that holds blocks"
         self.pool.evict_expired()
         self._update_hashes(request)
         hashes = request.block_hashes
@@ -258,24 +247,27 @@ class KVCacheManager:
         those out of the free pool, so they count against what is free.
         """
         rid = request.request_id
-        table = self._tables.get(rid)
+        table = self.tables.get(rid)
         bs = self.block_size
         if table is not None and not new_computed_blocks:
             # Hot path (a decode, or the next chunk of a prompt): often no new block is needed at all.
-            blocks = table.blocks
             num_computed = request.num_computed_tokens
+            if num_computed + num_new_tokens <= table.fast_limit:
+                return ()  # nothing to allocate or cache (and no garbage for the GC)
+            blocks = table.blocks
             num_required = -(-(num_computed + num_new_tokens) // bs) - len(blocks)
             if num_required > 0 and num_required > self.pool.num_free_blocks:
                 return None
             if num_computed // bs > table.num_cached and self.enable_caching:
                 self._cache_computed(request, table)
             if num_required <= 0:
-                return ()  # the common case: no allocation at all (and no garbage for the GC)
+                return ()
             new_blocks = tuple(self.pool.get_new_blocks(num_required))
             if self.host is not None:
                 self._flush_transfers()
             blocks.extend(new_blocks)
             table.block_ids += tuple(b.block_id for b in new_blocks)
+            table.settle(bs, self.enable_caching)
             return new_blocks
         num_held = 0 if table is None else len(table.blocks)
         num_hits = len(new_computed_blocks)
@@ -286,7 +278,7 @@ class KVCacheManager:
             if num_required + num_touched_free > self.pool.num_free_blocks:
                 return None
         if table is None:
-            table = self._tables[rid] = _RequestBlocks(num_cached=num_hits)  # hits are cached already
+            table = self.tables[rid] = RequestBlocks(num_cached=num_hits)  # hits are cached already
             if self.enable_caching:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_hits * bs
@@ -306,6 +298,7 @@ class KVCacheManager:
             self._flush_transfers()
         table.blocks.extend(new_blocks)
         table.block_ids = tuple(b.block_id for b in table.blocks)
+        table.settle(bs, self.enable_caching)
         return new_blocks
 
     # ---- release --------------------------------------------------------------------------------------------
@@ -315,7 +308,7 @@ class KVCacheManager:
 
         Freed in reverse order: the tail of a sequence is the least shareable part, so it is evicted first.
         """
-        table = self._tables.pop(request.request_id, None)
+        table = self.tables.pop(request.request_id, None)
         if table is None:
             return
         if self.enable_caching:
@@ -324,7 +317,7 @@ class KVCacheManager:
                 self._pin_prompt(request, table)
         self.pool.free_blocks(reversed(table.blocks))
 
-    def _pin_prompt(self, request: Request, table: _RequestBlocks) -> None:
+    def _pin_prompt(self, request: Request, table: RequestBlocks) -> None:
         """A pin's prefill is freed: pin the cached blocks of its prompt (full blocks only) once computed.
 
         Freed before its prompt was computed: preempted (it stays pending and comes back) or aborted.
@@ -347,7 +340,7 @@ class KVCacheManager:
 
         Used after speculative decoding rejects tokens: slots were allocated for all proposed tokens.
         """
-        table = self._tables.get(request.request_id)
+        table = self.tables.get(request.request_id)
         if table is None:
             return 0
         keep = -(-num_tokens // self.block_size)
@@ -357,6 +350,7 @@ class KVCacheManager:
         del table.blocks[keep:]
         table.block_ids = table.block_ids[:keep]
         table.num_cached = min(table.num_cached, keep)
+        table.settle(self.block_size, self.enable_caching)
         self.pool.free_blocks(reversed(tail))
         return len(tail)
 
@@ -375,27 +369,24 @@ class KVCacheManager:
         """Hash the request's full blocks not hashed yet (incremental: earlier hashes never change)."""
         bs = self.block_size
         hashes = request.block_hashes
-        num_full = request.num_tokens // bs
-        if len(hashes) >= num_full:
-            return
-        extra = self._extra_for(request)
+        num_full = (len(request.prompt_token_ids) + len(request.output_token_ids)) // bs
         start = len(hashes)
+        if start >= num_full:
+            return
         tokens = token_slice(request, start * bs, num_full * bs)
-        parent = hashes[-1] if hashes else None
-        for i in range(num_full - start):
-            parent = hash_block_encoded(parent, tokens[i * bs : (i + 1) * bs], extra)
-            hashes.append(parent)
+        append_block_hashes(hashes, hashes[-1] if hashes else None, tokens, bs, self._extra_for(request))
 
-    def _cache_computed(self, request: Request, table: _RequestBlocks) -> None:
+    def _cache_computed(self, request: Request, table: RequestBlocks) -> None:
         """Index the request's full blocks whose KV is written (covered by num_computed_tokens)."""
         start = table.num_cached
         blocks = table.blocks
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(blocks))
         if num_full <= start:
             return
-        self._update_hashes(request)
         hashes = request.block_hashes
-        bs = self.block_size
+        if len(hashes) < num_full:
+            self._update_hashes(request)
         self.pool.cache_blocks(
             blocks[start:num_full],
             hashes[start:num_full],
@@ -404,3 +395,4 @@ class KVCacheManager:
             bs,
         )
         table.num_cached = num_full
+        table.settle(bs, True)
