@@ -1,9 +1,12 @@
 """A disaggregated ModelDeployment on a real cluster: the operator runs a prefill and a decode Deployment,
 the router learns their roles from the two Services' EndpointSlices, and a completion through the router
-is computed on the prefill pod, moved to the decode pod by block hash, and equals a plain pod's answer."""
+is computed on the prefill pod, moved to the decode pod by block hash, and equals a plain pod's answer.
+Then the decode role is autoscaled on its own (its count, its status; prefill untouched), and the
+deployment is switched back to aggregated serving: the roles' Deployments, Services and ConfigMaps go."""
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 
@@ -82,3 +85,38 @@ def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, nam
 
     out = wait(routed, timeout=120, what="a completion through the prefill and decode pods")
     assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+
+    # Per-role autoscaling: the decode role only, held at 2 by its bounds (no load needed to decide).
+    decode_autoscaling = {"minReplicas": 2, "maxReplicas": 2, "targets": {"kvCacheUsage": 0.9}}
+    patch = {"spec": {"disaggregation": {"decode": {"autoscaling": decode_autoscaling}}}}
+    cluster.kubectl("patch", "-n", ns, "md", "chat", "--type=merge", "-p", json.dumps(patch))
+
+    def decode_scaled():
+        md = cluster.get("modeldeployments.serving.tokenfleet.dev", "chat", ns)
+        dep = cluster.get("deployments", "chat-decode", ns)
+        status = (((md or {}).get("status") or {}).get("roles") or {}).get("decode") or {}
+        scaled = md["spec"]["disaggregation"]["decode"]["replicas"] == 2 and dep["spec"]["replicas"] == 2
+        return scaled and (status.get("autoscaling") or {}).get("desiredReplicas") == 2 and md
+
+    md = wait(decode_scaled, timeout=60, what="the decode role scaled to its minReplicas 2")
+    assert md["spec"]["disaggregation"]["prefill"]["replicas"] == 1
+    assert cluster.get("deployments", "chat-prefill", ns)["spec"]["replicas"] == 1
+    assert "autoscaling" not in (md["status"].get("roles") or {}).get("prefill", {})
+    assert not md["status"].get("autoscaling")
+
+    # Back to aggregated serving: one Deployment `chat`; the roles' children are removed.
+    switch = {"spec": {"disaggregation": None}}
+    cluster.kubectl("patch", "-n", ns, "md", "chat", "--type=merge", "-p", json.dumps(switch))
+    role_children = [
+        (kind, f"chat-{role}{suffix}")
+        for role in ("prefill", "decode")
+        for kind, suffix in (("deployments", ""), ("services", ""), ("configmaps", "-runtime"))
+    ]
+
+    def switched():
+        gone = all(cluster.get(kind, name, ns) is None for kind, name in role_children)
+        return gone and cluster.get("deployments", "chat", ns) is not None
+
+    wait(switched, timeout=60, what="the prefill/decode children replaced by the aggregated ones")
+    assert cluster.get("services", "chat", ns) is not None
+    assert cluster.get("configmaps", "chat-runtime", ns) is not None

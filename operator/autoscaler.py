@@ -24,8 +24,8 @@ with an Event `ManualScaleOverridden` — the HPA's contract.
 
 A disaggregated ModelDeployment is sized role by role (`disaggregation.<role>.autoscaling`): the same
 policy, each role's own pods (its Deployment's selector), its own history in `status.roles.<role>.autoscaling`,
-and its count written to `spec.disaggregation.<role>.replicas` by a merge patch of that one field (a role has
-no scale subresource). The routers' held requests count as decode demand only (`scale_targets`).
+and its count written to `spec.disaggregation.<role>.replicas` by a conditional JSON patch of that one field
+(a role has no scale subresource). The routers' held requests count as decode demand only (`scale_targets`).
 
 Recent scrapes of each pod are kept in the object's kopf memo (rates and TTFT percentiles are differences
 over a window); after a restart the first decisions simply have no rate or TTFT figure yet.
@@ -373,10 +373,16 @@ async def _decide(
         patch = {"roles": {target.role: {"autoscaling": status}}}
         await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, patch)
         if target.replicas != decision.replicas:
-            # The role's count is a spec field with no scale subresource of its own: a merge patch of
-            # exactly that field (the reconcile then writes it to the role's Deployment).
-            replicas = {"spec": {"disaggregation": {target.role: {"replicas": decision.replicas}}}}
-            await asyncio.to_thread(kube.patch, "ModelDeployment", namespace, name, replicas)
+            # The role's count is a spec field with no scale subresource of its own: a JSON patch of exactly
+            # that field (the reconcile then writes it to the role's Deployment), on the condition that it
+            # still holds what was read — a spec switched to aggregated meanwhile must not get a
+            # `disaggregation` back from a late decision.
+            path = f"/spec/disaggregation/{target.role}/replicas"
+            ops = [
+                {"op": "test", "path": path, "value": target.replicas},
+                {"op": "replace", "path": path, "value": decision.replicas},
+            ]
+            await asyncio.to_thread(kube.patch, "ModelDeployment", namespace, name, ops)
     field = "replicas" if target.role is None else f"disaggregation.{target.role}.replicas"
     if target.replicas != current:
         ctx.event(

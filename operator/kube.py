@@ -160,14 +160,15 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        """A JSON merge patch of the object itself (the autoscaler sets a disaggregated role's replicas,
-        a spec field without a scale subresource of its own)."""
+    def patch(self, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """A JSON patch (RFC 6902) of the object itself: its `test` ops make it conditional, so a write
+        decided from an older view fails (422) rather than undo a change made since (the autoscaler sets a
+        disaggregated role's replicas, a spec field without a scale subresource of its own)."""
         self._call(
             "PATCH",
             KINDS[kind].path(namespace, name),
-            body=patch,
-            content_type="application/merge-patch+json",
+            body=ops,
+            content_type="application/json-patch+json",
         )
 
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:

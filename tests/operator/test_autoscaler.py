@@ -578,9 +578,20 @@ def test_a_removed_pod_stops_taking_requests_before_sigterm_and_drains():
 
 # ------------------------------------------------------------------------------------- disaggregated, per role
 def _patch(cluster: Cluster):
-    def patch(kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
-        obj = cluster.objects[(kind, name)]
-        cluster.objects[(kind, name)] = merge_patch(obj, body)
+    """JSON patch (test, replace) as the API server applies it: a failed test changes nothing (422)."""
+
+    def patch(kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        obj = copy.deepcopy(cluster.objects[(kind, name)])
+        for op in ops:
+            *parents, leaf = op["path"].strip("/").split("/")
+            node = obj
+            for key in parents:
+                node = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or (op["op"] == "test" and node.get(leaf) != op["value"]):
+                raise ValueError(f"JSON patch {op} does not apply")
+            if op["op"] == "replace":
+                node[leaf] = op["value"]
+        cluster.objects[(kind, name)] = obj
 
     return patch
 
@@ -693,6 +704,28 @@ async def test_router_demand_counts_for_decode_and_a_manual_role_scale_is_undone
     cluster.md("chat")["spec"]["disaggregation"]["prefill"]["replicas"] = 2
     decisions = await loop.tick(30.0)
     assert set(decisions) == {"decode"} and loop.role_replicas("prefill") == 2
+
+
+async def test_a_late_role_decision_does_not_bring_back_a_removed_disaggregation(servers, session):
+    cluster = Cluster()
+    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
+    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
+    cluster.create_md("chat", disaggregated(None, autoscaling(targets={"kvCacheUsage": 0.5}, scaleUp=now_up)))
+    d = await servers(FakePod())
+    cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    d.load(running=9, kv=0.95)
+    loop = RoleLoop(cluster, session)
+    read = cluster.get  # the autoscaler reads the spec, then the user switches to aggregated serving
+
+    def get_then_switch(kind: str, namespace: str, name: str):
+        body = read(kind, namespace, name)
+        cluster.md("chat")["spec"].pop("disaggregation")
+        return body
+
+    cluster.get = get_then_switch  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="does not apply"):
+        await loop.tick(0.0)
+    assert "disaggregation" not in cluster.md("chat")["spec"]
 
 
 def test_scale_targets_name_each_roles_pods():
