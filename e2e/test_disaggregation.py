@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 import yaml
+from tokenfleet.runtime.router.config import Discovery
 from workload import post_json
 
 MODEL_READY_S = 300  # two model loads on a busy 2-core machine + the probe periods
@@ -58,8 +59,37 @@ def _received_blocks(url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _roles_seen(cluster, ns: str, monkeypatch, wait) -> dict[str, str]:
+    """What the router's EndpointSlice watch (with its pod-label watch) reports for Service `chat-all`."""
+    import asyncio
+
+    from tokenfleet.runtime.router.config import Backend
+    from tokenfleet.runtime.router.endpoints import EndpointSet, EndpointSliceWatch
+
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig("admin")))
+    backend = Backend(name="chat-all", model="chat", url=f"http://chat-all.{ns}.svc:8000")
+
+    async def watch() -> dict[str, str]:
+        endpoints = EndpointSet(Discovery())
+        loop = asyncio.get_running_loop()
+        w = EndpointSliceWatch(backend, ns, lambda b, urls: endpoints.sync(b, urls), loop)
+        w.start()
+        try:
+            deadline = loop.time() + 60
+            while loop.time() < deadline:
+                roles = {e.url: e.role for e in endpoints.by_id.values()}
+                if len(roles) == 2 and "both" not in roles.values():
+                    return roles
+                await asyncio.sleep(0.5)
+            return roles
+        finally:
+            w.stop()
+
+    return asyncio.run(watch())
+
+
 @pytest.mark.slow
-def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, namespace, wait):
+def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, namespace, wait, monkeypatch):
     ns = namespace
     cluster.kubectl(
         "apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all([ROUTING_POLICY, MODEL_DEPLOYMENT])
@@ -85,6 +115,19 @@ def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, nam
 
     out = wait(routed, timeout=120, what="a completion through the prefill and decode pods")
     assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+
+    # One Service over both roles' pods: the router's discovery gives each endpoint its pod's role label.
+    both = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "chat-all"},
+        "spec": {
+            "selector": {"serving.tokenfleet.dev/model-deployment": "chat"},
+            "ports": [{"name": "http", "port": 8000, "targetPort": "http"}],
+        },
+    }
+    cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(both))
+    assert _roles_seen(cluster, ns, monkeypatch, wait) == {prefill_url: "prefill", decode_url: "decode"}
 
     # Per-role autoscaling: the decode role only, held at 2 by its bounds (no load needed to decide).
     decode_autoscaling = {"minReplicas": 2, "maxReplicas": 2, "targets": {"kvCacheUsage": 0.9}}
