@@ -164,7 +164,7 @@ def test_disaggregated_fleet_moves_kv_and_keeps_long_prefills_off_the_decodes():
 
     workload = {
         "rate": 12,
-        "duration_s": 12,
+        "duration_s": 6,
         "system_prompt_tokens": 1000,
         "long_doc_fraction": 0.5,
         "long_doc_tokens": 6000,
