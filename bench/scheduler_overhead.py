@@ -1,15 +1,19 @@
-"""Scheduler + KV cache manager overhead per step: 256 and 1,024 running sequences, a null model.
+"""Scheduler + KV cache manager overhead per step: 256, 1,024 and 4,096 running sequences, a null model.
 
 The model is replaced by random token ids, so the time measured is all bookkeeping the engine pays on
 top of the forward pass each step: scheduling, block allocation, prefix-cache hashing and caching of
-blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step.
+blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step at 1,024 sequences (a
+fleet simulator runs these same classes for every simulated step of every replica). CPU time is split
+into schedule() and update(); the garbage collector's share is shown apart, since its passes cover the
+whole heap of the process, not only what a step allocates.
 
-    python bench/scheduler_overhead.py [--seqs 256] [--steps 300] [--block-size 16]
+    python bench/scheduler_overhead.py [--seqs 256 1024 4096] [--steps 300] [--block-size 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 import timeit
@@ -26,23 +30,54 @@ TARGET_MS = 1.0
 
 def build(num_seqs: int, steps: int, block_size: int, rng: random.Random) -> Scheduler:
     max_prompt = 512
-    num_blocks = num_seqs * -(-(max_prompt + steps + 64) // block_size)
+    budget = 8192
+    # Outputs long enough that nobody finishes during the measured steps: the first admitted decode
+    # while the rest is still prefilling (at most num_seqs * max_prompt / budget steps).
+    max_tokens = steps + 64 + num_seqs * max_prompt // budget
+    num_blocks = num_seqs * -(-(max_prompt + max_tokens) // block_size)
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True, hash_extra=hash_extra("bench"))
-    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192)
+    config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=budget)
     scheduler = Scheduler(config, kv, max_model_len=4096)
     system_prompt = [rng.randrange(50_000) for _ in range(64)]  # a shared prefix, as in chat traffic
     for i in range(num_seqs):
         prompt = system_prompt + [rng.randrange(50_000) for _ in range(rng.randint(16, max_prompt - 64))]
-        params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         scheduler.add_request(Request(f"r{i}", prompt, params))
     return scheduler
 
 
-def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, float]:
-    """One step; (requests scheduled, wall s, CPU s) of schedule() + update() + draining KV events.
+class GCTimer:
+    """Wall time the cyclic garbage collector spends, by generation (gc.callbacks), while `active`.
 
-    The null model's token draws are not timed. CPU time is reported besides wall time because this
-    benchmark often shares its cores: CPU time excludes the time the process waits to be run.
+    A step's own work and the collector's passes over the whole heap are different costs: the second
+    depends on everything else the process holds (a simulator's other replicas, a server's objects).
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.active:
+            generation = info["generation"]
+            self.seconds[generation] += time.perf_counter() - self._start
+            self.counts[generation] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, float, float, float]:
+    """One step: (requests scheduled, wall s, CPU s, CPU s of schedule(), CPU s of update()).
+
+    Timed: schedule() + update() + draining the KV events. The null model's token draws are not timed.
+    CPU time is reported besides wall time because this benchmark often shares its cores: CPU time
+    excludes the time the process waits to be run.
     """
     w0, c0 = time.perf_counter(), time.process_time()
     out = scheduler.schedule()
@@ -52,57 +87,87 @@ def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, floa
     scheduler.update(out, sampled)
     scheduler.kv.take_events()  # the engine drains the KV events (for the router) every step
     w3, c3 = time.perf_counter(), time.process_time()
-    return len(out.scheduled), (w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2)
+    return len(out.scheduled), (w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2), c1 - c0, c3 - c2
 
 
 REFERENCE_CALIBRATION_US = 10.0  # sum(range(1000)) on an idle, current x86 server core (CPython 3.11)
 
 
-def calibration_us() -> float:
-    """CPU time of a fixed pure-Python workload (best of 5), to compare figures across machines."""
-    runs = timeit.repeat("sum(range(1000))", number=2000, repeat=5, timer=time.process_time)
-    return 1e6 * min(runs) / 2000
+def calibration_us(number: int = 2000) -> float:
+    """CPU time of a fixed pure-Python workload, per run of it (us), to compare figures across machines."""
+    return 1e6 * timeit.timeit("sum(range(1000))", number=number, timer=time.process_time) / number
 
 
-def run(num_seqs: int, steps: int, block_size: int) -> None:
+def run(num_seqs: int, steps: int, block_size: int, gc_freeze: bool = False) -> float:
+    """Measure one configuration, print it; the normalised CPU ms per step.
+
+    `gc_freeze`: move everything built so far (KV blocks, requests) out of the collector's reach, as a
+    long-running process does after start-up, so that only what the steps allocate is collected.
+    """
     rng = random.Random(0)
     scheduler = build(num_seqs, steps, block_size, rng)
     while any(r.num_output_tokens == 0 for r in scheduler.running) or scheduler.num_waiting:
         one_step(scheduler, rng)  # prefill everything: the measured steps are all decodes
     assert scheduler.num_running == num_seqs
-    walls, cpus = [], []
-    for _ in range(steps):
-        n, wall, cpu = one_step(scheduler, rng)
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
+    walls, cpus, sched_cpus, update_cpus = [], [], [], []
+    gc_timer = GCTimer()
+    gc_timer.active = True
+    calibs = []
+    for step in range(steps):
+        if step % 10 == 0:
+            # Interleaved with the steps, so that both see the same contention on a shared machine.
+            calibs.append(calibration_us(200))
+        n, wall, cpu, sched_cpu, update_cpu = one_step(scheduler, rng)
         assert n == num_seqs
         walls.append(wall)
         cpus.append(cpu)
+        sched_cpus.append(sched_cpu)
+        update_cpus.append(update_cpu)
+    gc_timer.active = False
+    gc_timer.close()
+    if gc_freeze:
+        gc.unfreeze()
     walls.sort()
     cpus.sort()
-    wall_ms = 1e3 * sum(walls) / len(walls)
-    cpu_ms = 1e3 * sum(cpus) / len(cpus)
-    cpu_p50_ms = 1e3 * cpus[len(cpus) // 2]
-    p50_ms, p99_ms = 1e3 * walls[len(walls) // 2], 1e3 * walls[int(len(walls) * 0.99)]
-    calib = calibration_us()
+    wall_ms = 1e3 * sum(walls) / steps
+    cpu_ms = 1e3 * sum(cpus) / steps
+    cpu_p50_ms = 1e3 * cpus[steps // 2]
+    sched_ms, update_ms = 1e3 * sum(sched_cpus) / steps, 1e3 * sum(update_cpus) / steps
+    p50_ms, p99_ms = 1e3 * walls[steps // 2], 1e3 * walls[int(steps * 0.99)]
+    gc_ms = 1e3 * sum(gc_timer.seconds) / steps
+    calib = sum(calibs) / len(calibs)
     normalised_ms = cpu_ms * REFERENCE_CALIBRATION_US / calib
     verdict = "OK" if normalised_ms <= TARGET_MS else "ABOVE TARGET"
     print(
         f"scheduler+kv overhead, {num_seqs} running seqs, block {block_size}, {steps} steps:\n"
-        f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)\n"
+        f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)"
+        f"  = schedule {sched_ms:.3f} + update {update_ms:.3f}\n"
         f"  wall mean {wall_ms:.3f} ms/step  p50 {p50_ms:.3f}  p99 {p99_ms:.3f}\n"
-        f"  calibration: sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
+        f"  of which garbage collection {gc_ms:.3f} ms/step (wall; heap frozen after setup: {gc_freeze}; "
+        f"collections gen0/1/2: "
+        f"{'/'.join(str(c) for c in gc_timer.counts)})\n"
+        f"  calibration (interleaved): sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
         f"a reference core -> {normalised_ms:.3f} ms/step normalised; target <= {TARGET_MS:.1f} ms: {verdict}\n"
-        f"  preemptions {scheduler.num_preemptions_total}, kv usage {scheduler.kv.usage:.0%}"
+        f"  preemptions {scheduler.num_preemptions_total}, kv usage {scheduler.kv.usage:.0%}",
+        flush=True,
     )
+    return normalised_ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() after setup (what a long-running process does)"
+    )
     args = parser.parse_args()
     for num_seqs in args.seqs:
-        run(num_seqs, args.steps, args.block_size)
+        run(num_seqs, args.steps, args.block_size, args.gc_freeze)
 
 
 if __name__ == "__main__":

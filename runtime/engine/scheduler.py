@@ -34,6 +34,7 @@ from tokenfleet.runtime.engine.waiting_queue import WaitingQueue
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
+_MAX_SINGLE_TOKENS = 1 << 18  # bounds the shared one-token tuples (a vocabulary rarely exceeds this)
 _new_tuple = tuple.__new__
 
 
@@ -65,12 +66,16 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
-        # (length limit, EOS + stop token ids, min_tokens).
-        self._stop_info: dict[str, tuple[int, frozenset[int], int]] = {}
+        # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit).
+        self._stop_info: dict[str, tuple[int, frozenset[int], int, int]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        # token id -> (token id,): a decode's one-token `token_ids`, shared rather than built per request
+        # per step. Fewer allocations per step means fewer garbage collections: the collector's passes
+        # over the engine's heap (every KV block is an object) otherwise cost more than the tuples.
+        self._single_tokens: dict[int, tuple[int]] = {}
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -114,7 +119,7 @@ class Scheduler:
         self._requests[rid] = request
         eos = frozenset() if params.ignore_eos else request.eos_token_ids
         stop_ids = eos | frozenset(params.stop_token_ids)
-        self._stop_info[rid] = (limit, stop_ids, params.min_tokens)
+        self._stop_info[rid] = (limit, stop_ids, params.min_tokens, limit - request.num_prompt_tokens)
         order = self._order[rid] = next(self._counter)
         self.waiting.push(request, order)
 
@@ -147,41 +152,16 @@ class Scheduler:
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self.running
-        tables = self.kv.tables
-        allocate = self.kv.allocate_slots
-        # Without look-ahead slots a plain decode needs exactly one slot: the fast path below applies.
         plain = not self.num_lookahead_tokens
-
         i = 0
-        num_running = len(running)
-        while i < num_running and budget > 0:
-            request = running[i]
-            output_ids = request.output_token_ids
-            start = request.num_computed_tokens
-            if (
-                plain
-                and start + 1 == len(request.prompt_token_ids) + len(output_ids)
-                and not request.spec_token_ids
-            ):
-                # A decode: one token, no proposals. When its blocks already hold the slot and no block
-                # fills (to be cached), `allocate_slots` would do nothing: skip the call. This is the
-                # path nearly every running request takes nearly every step; the others (a block to
-                # take or cache) call it here, and only an allocation that fails takes the general
-                # path (which preempts; a failed allocation changes nothing, so it may be retried).
-                rid = request.request_id
-                table = tables[rid]
-                if start < table.fast_limit or allocate(request, 1) is not None:
-                    token_id = output_ids[-1] if output_ids else request.prompt_token_ids[-1]
-                    # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper). Same
-                    # fields, same order as ScheduledRequest.
-                    entries.append(
-                        _new_tuple(ScheduledRequest, (rid, (token_id,), start, table.block_ids, True, ()))
-                    )
-                    budget -= 1
-                    i += 1
-                    continue
+        while i < len(running) and budget > 0:
+            if plain:
+                n = self._schedule_decodes(i, budget, entries)
+                i += n
+                budget -= n
+                if i == len(running) or budget == 0:
+                    break
             budget, i = self._schedule_running(i, budget, entries, preempted)
-            num_running = len(running)
 
         if not preempted:
             budget = self._admit_waiting(budget, entries)
@@ -196,6 +176,41 @@ class Scheduler:
         self._aborted_ids.clear()
         self._finished_ids.clear()
         return output
+
+    def _schedule_decodes(self, i: int, budget: int, entries: list[ScheduledRequest]) -> int:
+        """Schedule `running[i:]` while they are plain decodes whose slot is free to take; how many.
+
+        A plain decode is one token, no proposals, no look-ahead slots (the caller checks those are off).
+        When its blocks already hold the slot and no block fills (to be cached), `allocate_slots` would
+        do nothing: the call is skipped. Nearly every running request takes this path nearly every
+        step, so it is kept to the bare minimum. It stops at the first request that is not such a
+        decode, or whose allocation fails (a failed allocation changes nothing: the general path retries
+        it and preempts); the budget is the caller's, one token per entry.
+        """
+        tables = self.kv.tables
+        allocate = self.kv.allocate_slots
+        append = entries.append
+        single = self._single_tokens
+        num_before = len(entries)
+        for request in itertools.islice(self.running, i, i + budget):
+            output_ids = request.output_token_ids
+            start = request.num_computed_tokens
+            if start + 1 != len(request.prompt_token_ids) + len(output_ids) or request.spec_token_ids:
+                break
+            rid = request.request_id
+            table = tables[rid]
+            if start >= table.fast_limit and allocate(request, 1) is None:
+                break
+            token_id = output_ids[-1] if output_ids else request.prompt_token_ids[-1]
+            token_ids = single.get(token_id)
+            if token_ids is None:
+                if len(single) >= _MAX_SINGLE_TOKENS:
+                    single.clear()
+                token_ids = single[token_id] = (token_id,)
+            # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper). Same fields, same
+            # order as ScheduledRequest.
+            append(_new_tuple(ScheduledRequest, (rid, token_ids, start, table.block_ids, True, ())))
+        return len(entries) - num_before
 
     def _schedule_running(
         self, i: int, budget: int, entries: list[ScheduledRequest], preempted: list[str]
@@ -310,59 +325,76 @@ class Scheduler:
             if not sample:
                 request.num_computed_tokens += len(token_ids)
                 continue
-            new_token_ids = sampled.get(rid)
-            output_ids = request.output_token_ids
-            if not spec_token_ids and new_token_ids is not None and len(new_token_ids) == 1:
+            if not spec_token_ids:
                 # A plain sample (no proposals to verify), the common case: one token, no rollback.
-                token_id = new_token_ids[0]
-                output_ids.append(token_id)
-                request.num_computed_tokens += len(token_ids)
-                if request.spec_token_ids:
-                    request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
-                limit, stop_ids, min_tokens = stop_info[rid]
-                if token_id in stop_ids and len(output_ids) >= min_tokens:
-                    request.status = self._stop_token_status(request, token_id)
-                elif len(request.prompt_token_ids) + len(output_ids) >= limit:
-                    request.status = RequestStatus.FINISHED_LENGTH
+                try:
+                    (token_id,) = sampled[rid]
+                except (KeyError, ValueError):
+                    pass  # missing or not one token: the general path below says what is wrong
                 else:
+                    output_ids = request.output_token_ids
+                    output_ids.append(token_id)
+                    request.num_computed_tokens += len(token_ids)
+                    if request.spec_token_ids:
+                        request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
+                    _, stop_ids, min_tokens, max_output = stop_info[rid]
+                    if token_id in stop_ids and len(output_ids) >= min_tokens:
+                        request.status = self._stop_token_status(request, token_id)
+                    elif len(output_ids) >= max_output:
+                        request.status = RequestStatus.FINISHED_LENGTH
+                    else:
+                        continue
+                    finished.append(request)
                     continue
-                finished.append(request)
-                continue
-            num_spec = len(spec_token_ids)
-            if not new_token_ids or len(new_token_ids) > num_spec + 1:
-                raise ValueError(
-                    f"request {rid!r}: expected 1..{num_spec + 1} sampled tokens, got {new_token_ids!r}"
-                )
-            # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
-            request.num_computed_tokens += len(token_ids) + len(new_token_ids) - 1
-            limit, stop_ids, min_tokens = stop_info[rid]
-            num_prompt = len(request.prompt_token_ids)
-            status = None
-            for token_id in new_token_ids:
-                output_ids.append(token_id)
-                if token_id in stop_ids and len(output_ids) >= min_tokens:
-                    status = self._stop_token_status(request, token_id)
-                    break
-                if num_prompt + len(output_ids) >= limit:
-                    status = RequestStatus.FINISHED_LENGTH
-                    break
-            num_tokens = num_prompt + len(output_ids)
-            if request.num_computed_tokens >= num_tokens:  # tokens dropped after a stop
-                request.num_computed_tokens = num_tokens - 1
-            if request.spec_token_ids:
-                request.spec_token_ids = []  # consumed; the proposer sets fresh ones for the next step
+            status = self._apply_sampled(request, token_ids, spec_token_ids, sampled.get(rid))
             if status is not None:
                 request.status = status
                 finished.append(request)
-            elif len(new_token_ids) <= num_spec:
-                # Rejected proposals: give back the slots past what the next step (and its draft) uses.
-                keep = min(num_tokens + self.num_lookahead_tokens, limit - 1)
-                self.kv.free_blocks_beyond(request, max(keep, num_tokens))
         if finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
             for request in finished:
                 self._release(request)
         return finished
+
+    def _apply_sampled(
+        self,
+        request: Request,
+        token_ids: tuple[int, ...],
+        spec_token_ids: tuple[int, ...],
+        new_token_ids: list[int] | None,
+    ) -> RequestStatus | None:
+        """Append a sampling entry's tokens (accepted proposals + 1), roll back rejected proposals' slots;
+        the finished status reached, if any."""
+        rid = request.request_id
+        num_spec = len(spec_token_ids)
+        if not new_token_ids or len(new_token_ids) > num_spec + 1:
+            raise ValueError(
+                f"request {rid!r}: expected 1..{num_spec + 1} sampled tokens, got {new_token_ids!r}"
+            )
+        # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
+        request.num_computed_tokens += len(token_ids) + len(new_token_ids) - 1
+        limit, stop_ids, min_tokens, _ = self._stop_info[rid]
+        output_ids = request.output_token_ids
+        num_prompt = len(request.prompt_token_ids)
+        status = None
+        for token_id in new_token_ids:
+            output_ids.append(token_id)
+            if token_id in stop_ids and len(output_ids) >= min_tokens:
+                status = self._stop_token_status(request, token_id)
+                break
+            if num_prompt + len(output_ids) >= limit:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        num_tokens = num_prompt + len(output_ids)
+        if request.num_computed_tokens >= num_tokens:  # tokens dropped after a stop
+            request.num_computed_tokens = num_tokens - 1
+        if request.spec_token_ids:
+            request.spec_token_ids = []  # consumed; the proposer sets fresh ones for the next step
+        if status is None and len(new_token_ids) <= num_spec:
+            # Rejected proposals: give back the slots past what the next step (and its draft) uses.
+            keep = min(num_tokens + self.num_lookahead_tokens, limit - 1)
+            self.kv.free_blocks_beyond(request, max(keep, num_tokens))
+        return status
 
     # ---- helpers -----------------------------------------------------------------------------------------
 

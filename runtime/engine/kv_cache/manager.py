@@ -385,14 +385,15 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = request.block_hashes
+        tokens = token_slice(request, start * bs, num_full * bs)
         if len(hashes) < num_full:
-            self._update_hashes(request)
+            if len(hashes) == start:  # the usual case (a decode filled a block): hash these tokens
+                append_block_hashes(
+                    hashes, hashes[-1] if hashes else None, tokens, bs, self._extra_for(request)
+                )
+            self._update_hashes(request)  # the rest of the full blocks, if any
         self.pool.cache_blocks(
-            blocks[start:num_full],
-            hashes[start:num_full],
-            hashes[start - 1] if start else None,
-            token_slice(request, start * bs, num_full * bs),
-            bs,
+            blocks[start:num_full], hashes[start:num_full], hashes[start - 1] if start else None, tokens, bs
         )
         table.num_cached = num_full
         table.settle(bs, True)
