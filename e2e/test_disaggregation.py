@@ -145,6 +145,7 @@ def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, nam
     assert md["spec"]["disaggregation"]["prefill"]["replicas"] == 1
     assert cluster.get("deployments", "chat-prefill", ns)["spec"]["replicas"] == 1
     assert "autoscaling" not in (md["status"].get("roles") or {}).get("prefill", {})
+    assert md["status"]["roles"]["prefill"] == {"replicas": 1, "readyReplicas": 1}  # each role's pods
     assert not md["status"].get("autoscaling")
 
     # Back to aggregated serving: one Deployment `chat`; the roles' children are removed.

@@ -342,6 +342,8 @@ class AutoscalingStatus(_Spec):
 class RoleStatus(_Spec):
     """One role of a disaggregated deployment."""
 
+    replicas: int | None = Field(None, description="Pods its Deployment has.")
+    ready_replicas: int | None = None
     autoscaling: AutoscalingStatus | None = Field(
         None, description="The autoscaler's latest decision for this role (its own pods' signals)."
     )

@@ -200,6 +200,14 @@ def _reconcile_model_deployment(
         ctx.kube.patch_status("ModelDeployment", namespace, name, status)
         _announce(ctx, body, previous, status)
         logger.info("status: %s (%s ready)", status["phase"], status.get("readyReplicas"))
+    if spec is not None and spec.disaggregation is not None and deployment is not None:
+        counts = {
+            "decode": deployment,
+            "prefill": ctx.kube.get("Deployment", namespace, role_name(name, "prefill")),
+        }
+        patch = role_counts_patch(previous.get("roles"), counts)
+        if patch:
+            ctx.kube.patch_status("ModelDeployment", namespace, name, {"roles": patch})
     if outcome.config_error is not None:
         # No retry: only a spec change can fix it (and that triggers a reconcile).
         raise kopf.PermanentError(outcome.config_error)
@@ -208,6 +216,26 @@ def _reconcile_model_deployment(
         raise kopf.TemporaryError(
             f"waiting for {', '.join(outcome.missing_policies)}", delay=ctx.resync_seconds
         )
+
+
+def role_counts_patch(
+    previous: Mapping[str, Any] | None, deployments: Mapping[str, Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """`status.roles.<role>.{replicas, readyReplicas}` from each role's Deployment, as a merge patch (empty:
+    nothing changed). Every role's counts go together, so the roles always describe one moment; their
+    `autoscaling` is the autoscaler's and a merge patch leaves it alone."""
+    patch: dict[str, Any] = {}
+    for role, deployment in deployments.items():
+        st = (deployment or {}).get("status") or {}
+        patch[role] = {
+            "replicas": int(st.get("replicas") or 0),
+            "readyReplicas": int(st.get("readyReplicas") or 0),
+        }
+    stored = previous or {}
+    changed = any(
+        ((stored.get(role) or {}).get(k) != v) for role, counts in patch.items() for k, v in counts.items()
+    )
+    return patch if changed else {}
 
 
 # The kinds of a ModelDeployment's runtime children: those of its other serving mode (aggregated, or a

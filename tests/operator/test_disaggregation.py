@@ -169,6 +169,23 @@ def test_reconcile_creates_both_roles_reports_on_decode_and_the_router_gets_both
     assert kube.names("Service") == ["chat-decode", "chat-prefill"]
     status = kube.obj("ModelDeployment", "chat")["status"]
     assert status["phase"] == "Progressing"
+    # Each role's pods are counted in status.roles (the phase follows the decode role).
+    assert status["roles"] == {
+        "prefill": {"replicas": 0, "readyReplicas": 0},
+        "decode": {"replicas": 0, "readyReplicas": 0},
+    }
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)  # settles the first status
+    kube.objects[("Deployment", NS, "chat-prefill")]["status"] = {"replicas": 2, "readyReplicas": 1}
+    calls = len(kube.calls)
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert kube.obj("ModelDeployment", "chat")["status"]["roles"]["prefill"] == {
+        "replicas": 2,
+        "readyReplicas": 1,
+    }
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)  # nothing changed: nothing written
+    assert [c for c in kube.calls[calls:] if c[0] == "patch_status"] == [
+        ("patch_status", "ModelDeployment", "chat")
+    ]
     reconcile_routers(ctx, kube.watched(), NS, LOG)
     config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
     assert sorted((b["name"], b["role"]) for b in config["backends"]) == [
