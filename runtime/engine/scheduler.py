@@ -66,8 +66,9 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
-        # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit).
-        self._stop_info: dict[str, tuple[int, frozenset[int], int, int]] = {}
+        # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit, the
+        # request itself: `update` finds everything it needs with one lookup per request).
+        self._stop_info: dict[str, tuple[int, frozenset[int], int, int, Request]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
         self._finished_ids: list[str] = []
@@ -119,7 +120,13 @@ class Scheduler:
         self._requests[rid] = request
         eos = frozenset() if params.ignore_eos else request.eos_token_ids
         stop_ids = eos | frozenset(params.stop_token_ids)
-        self._stop_info[rid] = (limit, stop_ids, params.min_tokens, limit - request.num_prompt_tokens)
+        self._stop_info[rid] = (
+            limit,
+            stop_ids,
+            params.min_tokens,
+            limit - request.num_prompt_tokens,
+            request,
+        )
         order = self._order[rid] = next(self._counter)
         self.waiting.push(request, order)
 
@@ -316,12 +323,14 @@ class Scheduler:
         rolled back. Tokens after a stop condition are dropped.
         """
         finished: list[Request] = []
-        requests = self._requests
         stop_info = self._stop_info
         for rid, token_ids, _, _, sample, spec_token_ids in output.scheduled:
-            request = requests.get(rid)
-            if request is None or request.status is not _RUNNING:
+            info = stop_info.get(rid)
+            if info is None:
                 continue  # aborted or finished since the step was scheduled
+            request = info[4]
+            if request.status is not _RUNNING:
+                continue  # preempted since, or a new request under the same id
             if not sample:
                 request.num_computed_tokens += len(token_ids)
                 continue
@@ -337,7 +346,7 @@ class Scheduler:
                     request.num_computed_tokens += len(token_ids)
                     if request.spec_token_ids:
                         request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
-                    _, stop_ids, min_tokens, max_output = stop_info[rid]
+                    _, stop_ids, min_tokens, max_output, _ = info
                     if token_id in stop_ids and len(output_ids) >= min_tokens:
                         request.status = self._stop_token_status(request, token_id)
                     elif len(output_ids) >= max_output:
@@ -373,7 +382,7 @@ class Scheduler:
             )
         # Fed: token_ids + proposals; valid KV: token_ids + the accepted proposals.
         request.num_computed_tokens += len(token_ids) + len(new_token_ids) - 1
-        limit, stop_ids, min_tokens, _ = self._stop_info[rid]
+        limit, stop_ids, min_tokens, _, _ = self._stop_info[rid]
         output_ids = request.output_token_ids
         num_prompt = len(request.prompt_token_ids)
         status = None

@@ -1,0 +1,105 @@
+"""The decode path of the scheduler: a running decode that needs no new block and fills none is
+scheduled without asking the KV cache manager; these tests pin down that what the runner and the router
+see is exactly what allocating every step would give (block tables, KV events, order, preemption)."""
+
+from __future__ import annotations
+
+from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
+from tokenfleet.runtime.engine.kv_cache.kv_events import BlockStored
+from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
+from tokenfleet.runtime.engine.request import Request
+from tokenfleet.runtime.engine.sampling_params import SamplingParams
+from tokenfleet.runtime.engine.scheduler import Scheduler
+
+BS = 4
+
+
+def make(num_blocks: int = 32, budget: int = 64) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, enable_caching=True, hash_extra=hash_extra("m"))
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), kv, 256)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 20, priority: int = 0, arrival: float = 0.0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, prompt, params, priority=priority, arrival_time=arrival)
+
+
+def test_decode_gets_a_block_exactly_when_it_needs_one_and_caches_each_block_once_computed():
+    s = make()
+    r = req("a", [10, 11, 12, 13, 14, 15])  # 1.5 blocks
+    s.add_request(r)
+    out = s.schedule()
+    assert out.scheduled[0].block_ids == (0, 1)
+    s.update(out, {"a": [100]})
+    assert [e for e in s.kv.take_events() if isinstance(e, BlockStored)] == []  # nothing computed yet
+    tables, stored = [], []
+    for t in range(101, 111):
+        out = s.schedule()
+        (entry,) = out.scheduled
+        assert entry.token_ids == (r.all_token_ids[entry.start_pos],) and entry.sample
+        tables.append((entry.start_pos, entry.block_ids))
+        s.update(out, {"a": [t]})
+        stored += [e for e in s.kv.take_events() if isinstance(e, BlockStored)]
+    # Position 8 is the first slot of block 2, 12 of block 3: taken in the step that writes there.
+    assert tables == [
+        (6, (0, 1)),
+        (7, (0, 1)),
+        (8, (0, 1, 2)),
+        (9, (0, 1, 2)),
+        (10, (0, 1, 2)),
+        (11, (0, 1, 2)),
+        (12, (0, 1, 2, 3)),
+        (13, (0, 1, 2, 3)),
+        (14, (0, 1, 2, 3)),
+        (15, (0, 1, 2, 3)),
+    ]
+    # A block is stored once its KV is written (the step after it filled), never before, and only once.
+    tokens = r.all_token_ids
+    hashes = block_hashes_for(tokens, BS, hash_extra("m"))
+    expected = [
+        BlockStored((hashes[0],), None, tuple(tokens[0:4]), BS),
+        BlockStored((hashes[1],), hashes[0], tuple(tokens[4:8]), BS),
+        BlockStored((hashes[2],), hashes[1], tuple(tokens[8:12]), BS),
+    ]
+    assert stored == expected
+    assert s.kv.tables["a"].num_cached == 3
+
+
+def test_decodes_around_a_chunked_prefill_keep_running_order():
+    s = make(budget=12)
+    s.add_request(req("a", [1, 2, 3]))
+    s.add_request(req("b", [4, 5]))
+    s.update(s.schedule(), {"a": [9], "b": [9]})  # both decoding now
+    s.add_request(req("c", list(range(20, 40))))  # 20 tokens: chunked
+    out = s.schedule()
+    assert [(e.request_id, len(e.token_ids), e.sample) for e in out.scheduled] == [
+        ("a", 1, True),
+        ("b", 1, True),
+        ("c", 10, False),
+    ]
+    s.update(out, {"a": [9], "b": [9]})
+    s.add_request(req("d", [50, 51]))
+    out = s.schedule()
+    # c's second chunk sits between decodes in running order; d is admitted after.
+    assert [(e.request_id, len(e.token_ids)) for e in out.scheduled] == [("a", 1), ("b", 1), ("c", 10)]
+    s.update(out, {"a": [9], "b": [9], "c": [9]})
+    s.schedule()  # d admitted now
+    assert [r.request_id for r in s.running] == ["a", "b", "c", "d"]
+
+
+def test_a_decode_whose_next_block_is_not_free_preempts_the_newest():
+    s = make(num_blocks=4)
+    s.add_request(req("old", [1, 2, 3, 4, 5, 6, 7], max_tokens=8, arrival=0.0))  # 2 blocks
+    s.add_request(req("new", [8, 9, 10, 11, 12, 13, 14], max_tokens=8, arrival=1.0))  # 2 more: pool full
+    out = s.schedule()
+    assert {e.request_id: e.block_ids for e in out.scheduled} == {"old": (0, 1), "new": (2, 3)}
+    s.update(out, {"old": [70], "new": [80]})
+    out = s.schedule()  # both decode position 7: the last slot of their second block, no allocation
+    assert [e.start_pos for e in out.scheduled] == [7, 7] and not out.preempted_ids
+    s.update(out, {"old": [71], "new": [81]})
+    out = s.schedule()  # position 8 needs a third block each: the newest gives its blocks back
+    assert out.preempted_ids == ("new",)
+    assert [(e.request_id, e.start_pos) for e in out.scheduled] == [("old", 8)]
+    assert out.scheduled[0].block_ids[:2] == (0, 1) and len(out.scheduled[0].block_ids) == 3
+    assert [r.request_id for r in s.running] == ["old"] and s.num_waiting == 1
