@@ -83,6 +83,10 @@ class BlockPool:
         """Blocks an allocation may take: empty ones plus cached ones nobody references."""
         return len(self._empty) + len(self._evictable)
 
+    def has_free(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks can be taken now (`num_free_blocks >= num_blocks`, cheaper)."""
+        return num_blocks <= len(self._empty) or num_blocks <= len(self._empty) + len(self._evictable)
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref count > 0); free cached blocks count as free."""
@@ -98,6 +102,10 @@ class BlockPool:
         """Take `num_blocks` free blocks (ref count 1 each); evicts cached ones only when no empty is left."""
         empty = self._empty
         if num_blocks <= len(empty):  # nothing to evict: the common case while the cache has room
+            if num_blocks == 1:  # a decode entering a new block
+                block = empty.popleft()
+                block.ref_cnt = 1
+                return [block]
             out = [empty.popleft() for _ in range(num_blocks)]
             for block in out:
                 block.ref_cnt = 1

@@ -252,23 +252,28 @@ class KVCacheManager:
         if table is not None and not new_computed_blocks:
             # Hot path (a decode, or the next chunk of a prompt): often no new block is needed at all.
             num_computed = request.num_computed_tokens
-            if num_computed + num_new_tokens <= table.fast_limit:
+            end = num_computed + num_new_tokens
+            if end <= table.fast_limit:
                 return ()  # nothing to allocate or cache (and no garbage for the GC)
             blocks = table.blocks
-            num_required = -(-(num_computed + num_new_tokens) // bs) - len(blocks)
-            if num_required > 0 and num_required > self.pool.num_free_blocks:
+            pool = self.pool
+            num_required = -(-end // bs) - len(blocks)
+            if num_required > 0 and not pool.has_free(num_required):
                 return None
             if num_computed // bs > table.num_cached and self.enable_caching:
                 self._cache_computed(request, table)
             if num_required <= 0:
                 return ()
-            new_blocks = tuple(self.pool.get_new_blocks(num_required))
+            new_blocks = pool.get_new_blocks(num_required)
             if self.host is not None:
                 self._flush_transfers()
-            blocks.extend(new_blocks)
-            table.block_ids += tuple(b.block_id for b in new_blocks)
+            blocks += new_blocks
+            if num_required == 1:
+                table.block_ids += (new_blocks[0].block_id,)
+            else:
+                table.block_ids += tuple(b.block_id for b in new_blocks)
             table.settle(bs, self.enable_caching)
-            return new_blocks
+            return tuple(new_blocks)
         num_held = 0 if table is None else len(table.blocks)
         num_hits = len(new_computed_blocks)
         total = request.num_computed_tokens + num_hits * bs + num_new_tokens
@@ -385,13 +390,15 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = request.block_hashes
-        tokens = token_slice(request, start * bs, num_full * bs)
-        if len(hashes) < num_full:
-            if len(hashes) == start:  # the usual case (a decode filled a block): hash these tokens
-                append_block_hashes(
-                    hashes, hashes[-1] if hashes else None, tokens, bs, self._extra_for(request)
-                )
-            self._update_hashes(request)  # the rest of the full blocks, if any
+        num_prompt = len(request.prompt_token_ids)
+        if start * bs >= num_prompt:  # generated tokens only (a decode filled a block): one slice
+            tokens = request.output_token_ids[start * bs - num_prompt : num_full * bs - num_prompt]
+        else:
+            tokens = token_slice(request, start * bs, num_full * bs)
+        if len(hashes) == start:  # the usual case: these blocks are the next ones to hash
+            append_block_hashes(hashes, hashes[-1] if hashes else None, tokens, bs, self._extra_for(request))
+        if len(hashes) < (num_prompt + len(request.output_token_ids)) // bs:
+            self._update_hashes(request)  # every full block is hashed, as a lookup would
         self.pool.cache_blocks(
             blocks[start:num_full], hashes[start:num_full], hashes[start - 1] if start else None, tokens, bs
         )
