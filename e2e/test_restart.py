@@ -155,7 +155,11 @@ def test_operator_identity_is_least_privilege(cluster):
     assert can("patch", "deployments", "-n", "anywhere")
     assert can("patch", "modeldeployments.serving.tokenfleet.dev", "--subresource=status", "-n", "anywhere")
     assert not can("get", "secrets", "-n", "anywhere")
-    assert not can("delete", "deployments", "-n", "anywhere")
+    # It deletes only its own runtime children after a switch between aggregated and disaggregated serving.
+    assert can("delete", "deployments", "-n", "anywhere")
+    assert not can("delete", "pods", "-n", "anywhere")
+    assert not can("delete", "secrets", "-n", "anywhere")
+    assert not can("delete", "rolebindings", "-n", "anywhere")
     assert not can("create", "pods", "-n", "anywhere")
     assert not can("create", "clusterrolebindings")
     assert not can("bind", "clusterroles/cluster-admin")
