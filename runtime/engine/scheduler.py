@@ -15,6 +15,13 @@ self-speculation) needs slots for the positions it will propose after the step: 
 gets `num_lookahead_tokens` slots past its last token (vLLM's look-ahead slots), capped by the request's
 length limit, so the draft can run between steps without allocating anything itself.
 
+Cost per step: a fleet simulator runs this class for every simulated step of every replica, and a
+server runs it between forward passes, so the common case is kept cheap. A running decode (one token, no
+proposals, no look-ahead) whose block table already holds its slot and fills no block is scheduled with
+two integer compares against its table's `fast_limit` (block_table.py), without a call into the KV cache
+manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` finds a request and
+its stop figures with one lookup and handles a single sampled token without the speculative path.
+
 A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
 rule covers resumption. Synchronous, deterministic, no torch, no clock: one engine thread owns all of this
 state, and a simulator can drive it on virtual time.

@@ -20,7 +20,9 @@ def make(num_blocks: int = 32, budget: int = 64) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget), kv, 256)
 
 
-def req(rid: str, prompt: list[int], max_tokens: int = 20, priority: int = 0, arrival: float = 0.0) -> Request:
+def req(
+    rid: str, prompt: list[int], max_tokens: int = 20, priority: int = 0, arrival: float = 0.0
+) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(rid, prompt, params, priority=priority, arrival_time=arrival)
 
