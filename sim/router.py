@@ -106,26 +106,32 @@ class SimRouter:
             ep.kv_usage = kv_usage
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
+        """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
+        call: the index is a set per endpoint, so only the order between a stored run and a removed run
+        matters, and each `removed` call makes the index tell both recent-route memories to forget the
+        endpoint (a step under eviction pressure emits many)."""
         if name not in self.endpoints:
             return
-        # Consecutive removals are applied as one: each `removed` call makes the index tell both recent-route
-        # memories to forget the endpoint, and a step under eviction pressure emits many.
-        removed: list[bytes] = []
+        run: list[bytes] = []
+        run_type: type | None = None
+        exact = self.exact
         for ev in events:
-            if isinstance(ev, BlockRemoved):
-                removed.extend(ev.block_hashes)
+            t = type(ev)
+            if t is run_type:
+                run.extend(ev.block_hashes)
                 continue
-            if removed:
-                self.exact.removed(name, removed)
-                removed = []
-            if isinstance(ev, BlockStored):
-                self.exact.stored(name, ev.block_hashes)
-            elif isinstance(ev, PrefillScheduled):
+            if run:
+                (exact.stored if run_type is BlockStored else exact.removed)(name, run)
+            if t is BlockStored or t is BlockRemoved:
+                run, run_type = list(ev.block_hashes), t
+                continue
+            run, run_type = [], None
+            if t is PrefillScheduled:
                 self.announced(name, ev)
-            elif isinstance(ev, AllBlocksCleared):
-                self.exact.clear(name)
-        if removed:
-            self.exact.removed(name, removed)
+            elif t is AllBlocksCleared:
+                exact.clear(name)
+        if run:
+            (exact.stored if run_type is BlockStored else exact.removed)(name, run)
 
     def announced(self, name: str, ev: PrefillScheduled) -> None:
         """A pod started a request: its prefix is being computed there, and it counts as work there."""

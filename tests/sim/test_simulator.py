@@ -260,3 +260,21 @@ def test_a_hold_that_expires_while_decode_pods_are_full_falls_back_to_recompute(
     assert 0 < dis["fallbacks_to_recompute"] < dis["transfers"]
     for pod in sim.pods.values():
         assert pod.replica.kv.usage == 0.0  # expired holds were released, fetched ones freed
+
+
+def test_router_index_follows_the_pods_cache_through_evictions():
+    from tokenfleet.sim.api import build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    model = model_profile("8b")
+    cost = LinearCost(
+        0.01, 1e-5, 1e-4, 0.0, 0.0, kv_cache_bytes=400 * 16 * model.kv_bytes_per_token, model=model
+    )
+    config = parse_config(small(fleet={"replicas": 2}, workload={"rate": 6, "output_tokens": 100}))
+    sim = Simulation(config, build_workload(config), cost, model.name, 4096)
+    r = sim.run()
+    computed = r["cache"]["prompt_tokens"] - r["cache"]["cached_tokens"] + r["requests"]["finished"] * 100
+    assert computed > 2 * 2 * 400 * 16  # the pods computed far more KV than their caches hold: evictions
+    for name, pod in sim.pods.items():
+        cached = {b.block_hash for b in pod.replica.kv.pool.blocks if b.block_hash is not None}
+        assert sim.router.exact._blocks.get(name, set()) == cached
