@@ -112,6 +112,7 @@ class SimReplica:
         self._prev_sampled: set[str] = set()  # ids that got a token at the end of the previous step ...
         self._prev_end = 0.0  # ... which ended then
         self._left_at: dict[str, float] = {}  # ids that got no token in the last step: when they last did
+        self._all_sample = False  # every request of the step in flight samples
         self.announced: list[PrefillScheduled] = []  # requests started since the router last looked
         self.busy = False
         self.num_steps = 0
@@ -200,7 +201,9 @@ class SimReplica:
                     self.announced.append(PrefillScheduled(tuple(request.block_hashes)))
         self._pending = output
         self.busy = True
-        duration = self.cost.step_seconds(batch_shape(output))
+        shape = batch_shape(output)
+        self._all_sample = shape.num_samples == shape.num_seqs
+        duration = self.cost.step_seconds(shape)
         self.busy_seconds += duration
         self.num_steps += 1
         return duration
@@ -210,21 +213,31 @@ class SimReplica:
         output = self._pending
         self._pending = None
         scheduled = output.scheduled
-        sampled = set(compress(map(_rid, scheduled), map(_sample, scheduled)))
+        if self._all_sample:  # most steps: every request gets a token
+            sampled = set(map(_rid, scheduled))
+        else:
+            sampled = set(compress(map(_rid, scheduled), map(_sample, scheduled)))
         finished = self.scheduler.update(output, self._tokens)
         self.generation_tokens_total += len(sampled)
         records = self.records
         itl_bins = self.itl_bins
         prev = self._prev_sampled
-        # Gaps of requests that also got a token at the previous step's end: all the same, one bin.
-        num_cont = len(sampled) - len(sampled - prev) if prev else 0
-        if num_cont:
-            key = itl_bin(now - self._prev_end)
-            itl_bins[key] = itl_bins.get(key, 0) + num_cont
         left_at = self._left_at
-        for rid in prev - sampled:  # got no token this step (preempted, or out of budget)
-            left_at[rid] = self._prev_end
-        fresh = sampled - prev
+        if prev:
+            # Only the few ids that joined or left since the previous step are looked at one by one.
+            fresh = []
+            for rid in sampled ^ prev:
+                if rid in sampled:
+                    fresh.append(rid)
+                else:  # got no token this step (preempted, or out of budget)
+                    left_at[rid] = self._prev_end
+            # Gaps of requests that also got a token at the previous step's end: all the same, one bin.
+            num_cont = len(sampled) - len(fresh)
+            if num_cont:
+                key = itl_bin(now - self._prev_end)
+                itl_bins[key] = itl_bins.get(key, 0) + num_cont
+        else:
+            fresh = sampled
         if fresh:
             no_token_yet = self._no_token_yet
             for rid in fresh:
