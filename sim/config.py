@@ -62,7 +62,7 @@ class Disaggregation(_Model):
 
     prefill_replicas: int = Field(ge=1, description="How many of fleet.replicas are prefill pods.")
     link_gb_per_s: float = Field(
-        50.0, gt=0, description="KV transfer bandwidth per GPU, GB/s (50: a 400 Gb/s RDMA NIC per GPU)."
+        50.0, gt=0, description="KV transfer bandwidth per pod, GB/s (50: a 400 Gb/s RDMA NIC)."
     )
     transfer_latency_s: float = Field(
         0.002, ge=0, description="Fixed cost of one transfer (the fetch round trip, its setup)."

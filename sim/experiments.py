@@ -13,7 +13,7 @@ session affinity (30% of arrivals open sessions in every run so the rows stay co
 `disaggregation`: the disaggregation benchmark's question at GPU scale — the same H100 fleet of an 8B model,
 aggregated vs split into prefill and decode pods (several splits), one seeded workload of chat turns
 (tenants' 1,000-token system prompts, ~150-token questions, ~200-token answers) mixed with long-document
-requests (6,000 fresh tokens); KV moves over a 50 GB/s-per-GPU link.
+requests (6,000 fresh tokens); KV moves over a 50 GB/s link per pod.
 
 `speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
 one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate).

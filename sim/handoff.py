@@ -5,8 +5,9 @@ finishes (`KVHolds.hold`, in the same step, so every block is still cached), the
 it already holds (`cached_prefix_len`) and inserts the rest as free prefix-cache blocks
 (`insert_prefix_blocks`), then runs the request as an ordinary one continuing the first token (as the
 decode pod continues the prefill pod's stream) — its prefix lookup hits the inserted blocks. What is modelled
-is only the wire: a transfer of the missing blocks takes `transfer_latency_s + bytes / (link x TP)` (each GPU
-of a tensor-parallel pod moves its own shard of every block over its own link).
+is only the wire: a transfer of the missing blocks takes `transfer_latency_s + bytes / link`. Tensor-parallel
+pods neither hold nor fetch KV, as the engine does today (a pod's process holds only rank 0's shard of each
+block): their decode pods compute the prompt themselves (counted as fallbacks).
 
 The client sees the first token when the prefill pod produces it (the router streams it at once), then the
 decode pod's tokens; the gap between the two (transfer + the decode pod's first step) is an inter-token gap.
@@ -50,7 +51,8 @@ class KVHandoffs:
         self.clock = clock
         self.block_bytes = kv_bytes_per_token * block_size
         self.block_size = block_size
-        self.bytes_per_s = spec.link_gb_per_s * 1e9 * tp
+        self.bytes_per_s = spec.link_gb_per_s * 1e9
+        self.tp = tp
         self._holds: dict[str, KVHolds] = {}
         self._ids = itertools.count()
         self.num_transfers = 0
@@ -69,6 +71,8 @@ class KVHandoffs:
         """The prefill finished on `replica` (this very step): hold its prompt's full blocks."""
         sreq = record.request
         hold_id = f"h{next(self._ids)}"
+        if self.tp > 1:  # no hold: the decode pod computes the prompt (see the module docstring)
+            return Handoff(record, replica.name, hold_id, 0)
         hold = self.holds_of(replica).hold(
             hold_id, sreq.block_hashes, sreq.prompt, None, now + self.spec.hold_seconds
         )
@@ -78,7 +82,9 @@ class KVHandoffs:
         """The decode pod fetches what it lacks; the transfer's duration. A hold that expired while the
         request waited for a decode pod is gone (the prefill pod sweeps its holds): the decode pod then
         computes the prompt itself, as after any failed transfer."""
-        if prefill is not None:
+        if self.tp > 1:
+            self.num_fallbacks += 1
+        elif prefill is not None:
             holds = self.holds_of(prefill)
             holds.expire(now)
             if holds.num_blocks(handoff.hold_id) is None:

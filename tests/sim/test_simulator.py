@@ -278,3 +278,15 @@ def test_router_index_follows_the_pods_cache_through_evictions():
     for name, pod in sim.pods.items():
         cached = {b.block_hash for b in pod.replica.kv.pool.blocks if b.block_hash is not None}
         assert sim.router.exact._blocks.get(name, set()) == cached
+
+
+def test_tensor_parallel_decode_pods_compute_the_prompt_themselves():
+    r = run(
+        model="8b",
+        fleet={"gpu": "h100", "replicas": 2, "tp": 2},
+        disaggregation={"prefill_replicas": 1},
+        workload={"rate": 4, "duration_s": 4},
+    )
+    dis = r["disaggregation"]
+    assert r["requests"]["finished"] == r["requests"]["arrived"]
+    assert dis["blocks_sent"] == 0 and dis["fallbacks_to_recompute"] == dis["transfers"] > 0
