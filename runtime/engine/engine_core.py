@@ -82,7 +82,16 @@ class EngineCore:
         # A draft that writes KV proposes into look-ahead slots the scheduler allocates with each step.
         lookahead = config.speculative.num_speculative_tokens if proposer and proposer.writes_kv else 0
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, lookahead)
-        self.runner = ModelRunner(self.loaded, config.cache, self.device, num_blocks, proposer, self.workers)
+        self.runner = ModelRunner(
+            self.loaded,
+            config.cache,
+            self.device,
+            num_blocks,
+            proposer,
+            self.workers,
+            compile=config.model.compile,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
         self.spec_decoder = (
             SpecDecoder(config.speculative, self.runner, self.scheduler) if proposer is not None else None
         )

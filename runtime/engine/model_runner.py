@@ -24,6 +24,12 @@ from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.config import CacheConfig, ModelConfig
+from tokenfleet.runtime.engine.compiled_decode import (
+    COMPILE_CACHE_DIR,
+    CompiledDecode,
+    default_buckets,
+    should_compile,
+)
 from tokenfleet.runtime.engine.logprobs import compute_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
@@ -117,6 +123,8 @@ class ModelRunner:
         num_blocks: int,
         proposer: Proposer | None = None,
         workers: TPWorkers | None = None,
+        compile: str = "off",
+        max_num_seqs: int = 64,
     ):
         self.loaded = loaded
         self.workers = workers  # tensor parallel (rank 0): each step goes to the other ranks first
@@ -126,7 +134,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         arch = loaded.model.arch  # the shard's: its KV heads only under tensor parallelism
         dtype = kv_cache_dtype(cache_config, loaded)
-        shape = (num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        compiled = should_compile(compile, device, loaded.model)
+        # A compiled decode step pads its batch; padding rows write their K/V into one spare block past the
+        # scheduler's blocks.
+        shape = (num_blocks + int(compiled), self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(arch.num_layers)
@@ -137,6 +148,23 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self.kv_caches, num_blocks, self.block_size)
         self._generators: dict[str, torch.Generator] = {}
+        self.compiled: CompiledDecode | None = None
+        if compiled:
+            self.compiled = CompiledDecode(
+                loaded.model,
+                self.kv_caches,
+                device,
+                buckets=default_buckets(max_num_seqs),
+                max_blocks_per_seq=-(-loaded.max_model_len // self.block_size),
+                scratch_slot=num_blocks * self.block_size,
+            )
+            seconds = self.compiled.warm_up()
+            logger.info(
+                "decode steps compiled for batch sizes %s in %.1f s (cache: %s)",
+                list(self.compiled.buckets),
+                seconds,
+                COMPILE_CACHE_DIR,
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens of %s (%.0f MiB), attention backend %s on %s",
             num_blocks,
@@ -229,6 +257,12 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's tokens (writing their KV); logits [rows, V] of the rows to sample from:
         first one row per plain sample, then k + 1 rows per request with k proposals."""
+        if self.compiled is not None and self.compiled.supports(inputs.attn_meta):
+            # One row per sequence, so every row's logits come out; keep the ones asked for, in their order.
+            logits = self.compiled.logits(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            if self.proposer is not None:
+                self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            return logits.index_select(0, inputs.logit_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
         if self.proposer is not None:
             self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)

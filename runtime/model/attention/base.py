@@ -45,10 +45,27 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeMetadata:
+    """A decode-only step (one new token per sequence) with static shapes: tensors only, no host lists.
+
+    What a compiled or graph-captured decode step passes to attention: every figure a launch needs is on the
+    device, so nothing in the captured region reads host values that change from step to step. Rows past
+    the real batch are padding: their slot is a scratch slot outside every real block and their seq_len 1.
+    `block_tables` is as wide as the longest context the engine allows.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [B]
+
+
 class AttentionBackend(abc.ABC):
     """Writes the step's new K/V into the paged cache, then attends over each sequence's whole context."""
 
     name: str
+    # Whether `forward` with DecodeMetadata is one traceable op (a compiled decode step can call it).
+    traceable_decode: bool = False
 
     @abc.abstractmethod
     def forward(
@@ -58,10 +75,10 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, Hkv, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D], dtype of q
-        ...
+        """`DecodeMetadata` (a compiled decode step) must go through one traceable custom op."""
 
 
 # name -> "module:Class". Import paths rather than classes: a backend's module (Triton) may only import on

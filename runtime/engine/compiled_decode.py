@@ -1,0 +1,210 @@
+"""Compiled decode steps: the model forward of a decode-only step under torch.compile, per padded batch bucket.
+
+A decode step (every scheduled sequence brings one new token) is where serving spends its time, and with
+small batches it is launch- and interpreter-bound: ~30 layers x a dozen small ops, each a Python call and a
+kernel launch. Compiling the step removes the interpreter and fuses the elementwise work (norms, RoPE,
+SiLU x up, residuals); on CUDA, `mode="reduce-overhead"` also captures it as a CUDA graph so one replay
+launches the whole step.
+
+Static shapes make that possible: a step of n sequences runs in the smallest bucket >= n, its inputs copied
+into the bucket's own buffers and the rows past n padded (token 0 at position 0, a scratch KV slot outside
+every real block, a context of one token). Attention goes through one traceable custom op per backend
+(DecodeMetadata carries only device tensors), so nothing in the compiled region depends on host values
+that change between steps. Prefill, mixed and speculative-verification steps stay eager: their shapes vary
+with every step and their cost is dominated by large matmuls that compiling does not speed up.
+
+Greedy output is token-identical to eager (tests/runtime/test_compiled_decode.py): the same matmuls, in
+the same order, on the same rows (padding rows never mix with real ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model.attention.base import AttentionMetadata, DecodeMetadata
+from tokenfleet.runtime.model.llama import KVCache, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Compiled artefacts (inductor's C++/Triton code, FX graph cache) live here, never in the checkout: a
+# restart with the same model and buckets loads them instead of compiling again.
+COMPILE_CACHE_DIR = Path.home() / ".cache" / "tokenfleet" / "inductor"
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes compiled ahead: powers of two up to `max_num_seqs` (which is always one).
+
+    Each bucket is a compile of the whole model at start-up, so few of them: a step pads to at most 2x its
+    batch, which costs little because decode matmuls are bound by reading the weights, not by their rows.
+    """
+    sizes = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def unsupported_reason(model: LlamaForCausalLM) -> str | None:
+    """Why this model's decode step cannot be compiled, or None when it can."""
+    arch = model.arch
+    if arch.tp_size > 1:
+        return "tensor parallelism (collectives are not captured)"
+    if any(arch.is_moe_layer(i) for i in range(arch.num_layers)):
+        return "MoE layers (routing sizes are data-dependent)"
+    if any(type(m).__name__ == "Fp8Linear" for m in model.modules()):
+        return "fp8 weights (the fp8 GEMM is not a registered op)"
+    backend = model.model.layers[0].self_attn.backend
+    if not getattr(backend, "traceable_decode", False):
+        return f"the {backend.name} attention backend has no traceable decode op"
+    return None
+
+
+def should_compile(setting: str, device: torch.device, model: LlamaForCausalLM) -> bool:
+    """`model.compile`: off; auto = on CUDA when supported; on = wherever supported, else a ConfigError."""
+    if setting == "off":
+        return False
+    reason = unsupported_reason(model)
+    if setting == "on" and reason is not None:
+        raise ConfigError(f"model.compile is 'on' but this model cannot be compiled: {reason}")
+    if setting == "auto" and (device.type != "cuda" or reason is not None):
+        if device.type == "cuda":
+            logger.info("decode steps run eagerly: %s", reason)
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """One batch size's static inputs: a step copies its rows in and pads the rest."""
+
+    size: int
+    input_ids: torch.Tensor  # int64 [size]
+    positions: torch.Tensor  # int64 [size]
+    meta: DecodeMetadata
+
+
+def _decode_logits(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[KVCache],
+    meta: DecodeMetadata,
+) -> torch.Tensor:
+    """The compiled region: the whole model and the LM head over every row of the bucket."""
+    return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+
+class CompiledDecode:
+    """Runs decode-only steps of up to `max(buckets)` sequences through the compiled model.
+
+    `scratch_slot`: a flat KV slot no request owns (the runner allocates one spare block for it); padding
+    rows write their K/V there.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        device: torch.device,
+        *,
+        buckets: Sequence[int],
+        max_blocks_per_seq: int,
+        scratch_slot: int,
+    ):
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"decode buckets must be positive batch sizes, got {buckets}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.scratch_slot = scratch_slot
+        self._buckets = {size: self._make_bucket(size, max_blocks_per_seq) for size in sorted(set(buckets))}
+        self.max_batch = max(self._buckets)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_steps = 0  # decode steps served compiled (for stats and tests)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR))
+        # One graph per bucket: dynamo would otherwise stop recompiling after its default limit (8).
+        limit = max(8, 2 * len(self._buckets))
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        # CUDA graphs on CUDA (one replay per step); inductor's fused C++ kernels on CPU.
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        # Static shapes: one graph per bucket. (A symbolic batch size would need one compile only, but
+        # inductor failed on it for this model in torch 2.13: an AssertionError in its sympy handling.)
+        self._compiled = torch.compile(_decode_logits, mode=mode, dynamic=False, fullgraph=True)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(self._buckets)
+
+    def _make_bucket(self, size: int, max_blocks: int) -> _Bucket:
+        dev = self.device
+        return _Bucket(
+            size=size,
+            input_ids=torch.zeros(size, dtype=torch.int64, device=dev),
+            positions=torch.zeros(size, dtype=torch.int64, device=dev),
+            meta=DecodeMetadata(
+                slot_mapping=torch.full((size,), self.scratch_slot, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros((size, max_blocks), dtype=torch.int32, device=dev),
+                seq_lens=torch.ones(size, dtype=torch.int32, device=dev),
+            ),
+        )
+
+    def supports(self, meta: AttentionMetadata) -> bool:
+        """A step it can run: one new token per sequence, at most the largest bucket, tables that fit."""
+        return (
+            meta.is_all_decode
+            and 0 < meta.num_seqs <= self.max_batch
+            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(size for size in self._buckets if size >= num_seqs)
+
+    def logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """fp32 logits [n, V] of a decode step of n sequences (row i: sequence i's token)."""
+        n = meta.num_seqs
+        bucket = self._buckets[self.bucket_for(n)]
+        self._fill(bucket, input_ids, positions, meta)
+        self.num_steps += 1
+        out = self._compiled(self.model, bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+        # Cut the padding off: a copy, since a CUDA-graph replay owns (and will overwrite) its output.
+        return out[:n].clone()
+
+    def _fill(
+        self, bucket: _Bucket, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        n, width = meta.num_seqs, meta.block_tables.shape[1]
+        static = bucket.meta
+        bucket.input_ids[:n].copy_(input_ids)
+        bucket.positions[:n].copy_(positions)
+        static.slot_mapping[:n].copy_(meta.slot_mapping)
+        static.block_tables[:n, :width].copy_(meta.block_tables)
+        static.seq_lens[:n].copy_(meta.seq_lens)
+        if n < bucket.size:  # rows a previous, larger step left: back to padding
+            bucket.input_ids[n:].zero_()
+            bucket.positions[n:].zero_()
+            static.slot_mapping[n:].fill_(self.scratch_slot)
+            static.seq_lens[n:].fill_(1)
+        # Columns past this step's table are never read: attention stops at each row's seq_len.
+
+    def warm_up(self) -> float:
+        """Compile (or load from the cache) every bucket by running it on padding rows; returns seconds."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for size, bucket in self._buckets.items():
+                t = time.perf_counter()
+                # CUDA-graph trees run a new graph once eagerly, then record it: three calls leave it replaying.
+                for _ in range(3 if self.device.type == "cuda" else 1):
+                    self._compiled(
+                        self.model, bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta
+                    )
+                logger.debug("decode bucket %d compiled in %.1f s", size, time.perf_counter() - t)
+        return time.perf_counter() - start
