@@ -212,7 +212,10 @@ class Scheduler:
             if start + 1 != len(request.prompt_token_ids) + len(output_ids) or request.spec_token_ids:
                 break
             rid = request.request_id
-            table = tables[rid]
+            try:
+                table = tables[rid]
+            except KeyError:  # holds no blocks (never expected while running): the general path copes
+                break
             if start >= table.fast_limit and allocate(request, 1) is None:
                 break
             token_id = output_ids[-1] if output_ids else request.prompt_token_ids[-1]
