@@ -73,6 +73,12 @@ def plan(
     progress: Progress | None = None,
 ) -> tuple[list[Candidate], list[Candidate], list[str]]:
     """(feasible fleets cheapest first, closest infeasible ones best goodput first, skipped candidates)."""
+    if config.disaggregation is not None:
+        raise SimInputError(
+            "disaggregation",
+            "plan searches aggregated fleets; compare prefill:decode splits with `simulate run` "
+            "(or `python -m tokenfleet.sim.experiments disaggregation --splits ...`)",
+        )
     build_workload(config)  # a bad trace fails before any search
     combos = []
     impossible = []

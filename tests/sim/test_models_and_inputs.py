@@ -138,6 +138,14 @@ def test_bad_config_names_the_field(data, field, accepted):
         assert accepted in str(e.value)
 
 
+def test_plan_refuses_a_disaggregated_config():
+    from tokenfleet.sim.plan import plan
+
+    config = parse_config({"fleet": {"replicas": 2}, "disaggregation": {"prefill_replicas": 1}})
+    with pytest.raises(SimInputError, match=r"^disaggregation: plan searches aggregated fleets"):
+        plan(config, ["h100"], [1], ["round-robin"], 4)
+
+
 def test_unknown_model_and_unfitting_fleet():
     with pytest.raises(SimInputError, match=r"^model: unknown model 'gpt-9'.*accepted: .*llama-3-8b"):
         simulate(parse_config({"model": "gpt-9"}))
