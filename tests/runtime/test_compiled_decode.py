@@ -104,7 +104,7 @@ def test_compiled_engine_matches_eager_and_hf(default_model, hf_oracle):
     # prompt of the second batch hits the prefix cache; ngram speculation mixes verify steps (eager) with
     # plain decode steps (compiled).
     options = {"num_blocks": 9, "block_size": 16}
-    eager, ids, expected = _run(default_model, PROMPTS, compile="off", **options)
+    _eager, ids, expected = _run(default_model, PROMPTS, compile="off", **options)
     compiled, _, got = _run(default_model, PROMPTS, compile="on", **options)
     assert got == expected
     assert compiled.engine.runner.compiled.num_steps > 0
