@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tokenfleet.kernels import custom_ops  # noqa: F401 (registers tokenfleet::triton_paged_decode)
 from tokenfleet.kernels.cache_ops import write_kv_cache
 from tokenfleet.kernels.paged_attention import MAX_DECODE_ROWS, paged_decode_attention
 from tokenfleet.kernels.prefill_attention import prefill_attention
-from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
+from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata, DecodeMetadata
 
 # 1 (decode) + up to 7 speculative tokens; longer chunks are prompt work and go to the prefill kernel.
 DECODE_MAX_QUERY_LEN = 8
@@ -60,6 +61,7 @@ def plan_launches(meta: AttentionMetadata, queries_per_kv: int, device: torch.de
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    traceable_decode = True  # DecodeMetadata steps go through tokenfleet::triton_paged_decode
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0):
         if not (k_scale > 0 and v_scale > 0):
@@ -92,12 +94,26 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
         k_scale = v_scale = None
         if k_cache.dtype == torch.float8_e4m3fn:
             k_scale, v_scale = self._fp8_scales(q.device)
+        if isinstance(meta, DecodeMetadata):
+            return torch.ops.tokenfleet.triton_paged_decode(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                k_scale,
+                v_scale,
+            )
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self._plan_for(meta, q.shape[1] // k.shape[1], q.device)
         out = torch.empty_like(q)
