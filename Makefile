@@ -12,7 +12,7 @@ PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: venv install envtest serve test test-fast e2e bench lint crds clean-venv
+.PHONY: venv install envtest serve test test-fast e2e bench bench-peers lint crds clean-venv
 
 # No file prerequisites: the pins are in the path (PINS_HASH), and a fresh clone's newer mtimes must not
 # rebuild an environment that already matches them.
@@ -54,6 +54,11 @@ e2e: install envtest
 bench: install
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/scheduler_overhead.py
+
+# Peers for bench/decode.py (llama.cpp on the same GGUF); pinned in bench/peers.txt, outside requirements/
+# so the venv's key (a hash of requirements/*.txt) does not change.
+bench-peers: install
+	$(BIN)/pip install --quiet -r bench/peers.txt
 
 lint: install
 	$(BIN)/ruff check .

@@ -6,8 +6,11 @@
 #   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
 #   kernels_bench.json/.csv the same rows, machine-readable
 #   tensor_parallel.txt     bench/tensor_parallel.py: TP=1 vs TP=2 tok/s (TP=2 skipped with one GPU)
-#   summary.txt             exit codes of the three stages
-# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S limits)
+#   decode.txt              bench/decode.py: decode tok/s and ITL at batch 1/8/64, eager vs CUDA graphs
+#                           (model.compile on), against the bandwidth roofline measured in the same run
+#   summary.txt             exit codes of the four stages
+# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S /
+#                                       DECODE_S limits)
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
@@ -19,6 +22,7 @@ PY=${PYTHON:-python3}
 TESTS_S=${TESTS_S:-210}
 BENCH_S=${BENCH_S:-270}
 TP_S=${TP_S:-150}
+DECODE_S=${DECODE_S:-240}
 
 # Native kernels: the interpreter must be off (tests/conftest.py only turns it on without a GPU).
 unset TRITON_INTERPRET
@@ -62,6 +66,12 @@ timeout "$TP_S" "$PY" bench/tensor_parallel.py --tp 1 2 >"$OUT/tensor_parallel.t
 TP_RC=$?
 cat "$OUT/tensor_parallel.txt"
 
-printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\ntensor_parallel_rc=%s\n' "$TESTS_RC" "$BENCH_RC" "$TP_RC" |
-    tee "$OUT/summary.txt"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TP_RC" -eq 0 ]
+echo "== decode: eager vs CUDA graphs (limit ${DECODE_S}s)"
+# Compiles and captures one graph per bucket (1, 2, 4, 8, 16, 32, 64) at start-up; the time is printed.
+timeout "$DECODE_S" "$PY" bench/decode.py --device cuda --batches 1 8 64 --tokens 128 >"$OUT/decode.txt" 2>&1
+DECODE_RC=$?
+cat "$OUT/decode.txt"
+
+printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\ntensor_parallel_rc=%s\ndecode_rc=%s\n' \
+    "$TESTS_RC" "$BENCH_RC" "$TP_RC" "$DECODE_RC" | tee "$OUT/summary.txt"
+[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TP_RC" -eq 0 ] && [ "$DECODE_RC" -eq 0 ]
