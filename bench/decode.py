@@ -112,6 +112,7 @@ def main() -> None:
     )
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repetitions per batch (best kept)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
 
@@ -138,12 +139,13 @@ def main() -> None:
         f"fp32 {fp32_roof:.1f} tok/s, bf16 {bf16_roof:.1f} tok/s (single stream)"
     )
 
-    rows: list[tuple[str, int, float, float]] = []
-    modes = [
+    # Both engines first, then each batch size measured alternately (eager, compiled, eager, ...) and the
+    # best repetition kept: on a shared machine load comes and goes, and alternating spreads it evenly.
+    engines: dict[str, tuple[LLM, list[int]]] = {}
+    for name, setting, batches in (
         ("eager", "off", args.batches),
         ("compiled", "on", [b for b in args.batches if b in compiled_batches]),
-    ]
-    for name, setting, batches in modes:
+    ):
         if not batches:
             continue
         start = time.perf_counter()
@@ -158,9 +160,28 @@ def main() -> None:
         if setting == "on":
             print(f"# compiled buckets {list(llm.engine.runner.compiled.buckets)} in {setup:.1f} s")
         measure(llm, 1, 8)  # warm-up
-        for b in batches:
-            rows.append((name, b, *measure(llm, b, args.tokens)))
+        engines[name] = (llm, batches)
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for b in args.batches:
+        for _ in range(args.repeats):
+            for name, (llm, batches) in engines.items():
+                if b in batches:
+                    tps, itl = measure(llm, b, args.tokens)
+                    if (name, b) not in best or tps > best[name, b][0]:
+                        best[name, b] = (tps, itl)
+    rows = [(name, b, *best[name, b]) for name in engines for b in args.batches if (name, b) in best]
+    for llm, _ in engines.values():
         llm.shutdown()
+    bw_after = stream_bandwidth(device)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if bw_after > bw:  # the roofline from the better of the two measurements: never flattering
+        bw = bw_after
+        fp32_roof = bw * 1e9 / weight_bytes(loaded.model, 4)
+        bf16_roof = bw * 1e9 / weight_bytes(loaded.model, 2)
+    print(
+        f"# after: read bandwidth {bw_after:.1f} GB/s, load average {load_after:.2f}; roofline used: fp32 "
+        f"{fp32_roof:.1f} tok/s, bf16 {bf16_roof:.1f} tok/s ({bw:.1f} GB/s)"
+    )
 
     cpp = (
         None
