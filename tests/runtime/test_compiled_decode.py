@@ -16,7 +16,7 @@ from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.model.attention.base import DecodeMetadata
 from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
 
-MAX_NEW = 10
+MAX_NEW = 24
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -81,7 +81,8 @@ def _run(loaded, prompts, config=None, **options):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ids = [llm.tokenizer.encode(p) for p in prompts]
     outs = [o.token_ids for o in llm.generate(ids, params)]
-    outs += [o.token_ids for o in llm.generate([llm.tokenizer.encode(p) for p in SHARED], params)]
+    for prompt in SHARED:  # one after the other: the second finds the first's system prompt cached
+        outs += [o.token_ids for o in llm.generate([llm.tokenizer.encode(prompt)], params)]
     km = llm.engine.kv_manager
     assert km.num_free_blocks == km.num_blocks, "KV blocks leaked"
     return llm, ids, outs
@@ -100,10 +101,10 @@ def _hf_greedy(hf_oracle, ids: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_compiled_engine_matches_eager_and_hf(default_model, hf_oracle):
-    # 9 blocks of 16 tokens for up to 4 running sequences: the scheduler must preempt; the shared system
-    # prompt of the second batch hits the prefix cache; ngram speculation mixes verify steps (eager) with
-    # plain decode steps (compiled).
-    options = {"num_blocks": 9, "block_size": 16}
+    # 6 blocks of 16 tokens for up to 4 running sequences that each grow past 2 blocks: the scheduler must
+    # preempt; the second shared-prefix prompt hits the first one's cached system prompt; ngram speculation
+    # mixes verify steps (eager) with plain decode steps (compiled).
+    options = {"num_blocks": 6, "block_size": 16}
     _eager, ids, expected = _run(default_model, PROMPTS, compile="off", **options)
     compiled, _, got = _run(default_model, PROMPTS, compile="on", **options)
     assert got == expected
