@@ -88,6 +88,10 @@ class _Bucket:
     meta: DecodeMetadata
 
 
+def _meta_tensors(meta: DecodeMetadata) -> tuple[torch.Tensor, ...]:
+    return (meta.slot_mapping, meta.block_tables, meta.seq_lens)
+
+
 def _decode_logits(
     model: LlamaForCausalLM,
     input_ids: torch.Tensor,
@@ -123,6 +127,14 @@ class CompiledDecode:
         self.device = device
         self.scratch_slot = scratch_slot
         self._buckets = {size: self._make_bucket(size, max_blocks_per_seq) for size in sorted(set(buckets))}
+        # Tensors that keep their address for the engine's life: a CUDA graph reads and writes them in place
+        # (without this, inductor refuses to capture a graph that mutates an input: the KV caches).
+        for k_cache, v_cache in kv_caches:
+            torch._dynamo.mark_static_address(k_cache)
+            torch._dynamo.mark_static_address(v_cache)
+        for bucket in self._buckets.values():
+            for t in (bucket.input_ids, bucket.positions, *_meta_tensors(bucket.meta)):
+                torch._dynamo.mark_static_address(t)
         self.max_batch = max(self._buckets)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_steps = 0  # decode steps served compiled (for stats and tests)
