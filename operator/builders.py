@@ -152,6 +152,7 @@ OPERATOR_SET_FIELDS = frozenset(
 POD_DEFAULT_FIELDS = frozenset(
     {
         "model.attention_backend",  # follows the device
+        "model.compile",  # auto: compiled decode (CUDA graphs) on GPU pods, eager on CPU pods
         "cache.num_blocks",  # pods size the cache from their memory budget
         "scheduler.enable_chunked_prefill",
         "speculative.draft_layers",
