@@ -11,8 +11,8 @@ A kopf timer per such ModelDeployment runs one decision every interval:
    demand that brings a model back from zero (requests they hold because no endpoint can take them);
 4. call the one policy, `autoscaling_policy.decide`, with the history kept in `status.autoscaling`
    (level-based: a restarted operator continues the same windows and cooldowns);
-5. write `status.autoscaling`, then `spec.replicas` through the ModelDeployment's scale subresource, and an
-   Event with the reason whenever the count changes.
+5. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
+   Event with the reason whenever the count changes: the status records only a count that was written.
 
 Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
 from `spec.replicas` (server-side apply), and each field has one writer. The autoscaler stands exactly where
@@ -25,7 +25,11 @@ with an Event `ManualScaleOverridden` — the HPA's contract.
 A disaggregated ModelDeployment is sized role by role (`disaggregation.<role>.autoscaling`): the same
 policy, each role's own pods (its Deployment's selector), its own history in `status.roles.<role>.autoscaling`,
 and its count written to `spec.disaggregation.<role>.replicas` by a conditional JSON patch of that one field
-(a role has no scale subresource). The routers' held requests count as decode demand only (`scale_targets`).
+(a role has no scale subresource). That patch goes first, even when the count stays, and the role's status
+only after it applied: a spec changed since it was read (switched to aggregated, a role count edited)
+refuses it (422) and the decision is dropped, so no status records a decision that was never applied. Each
+part is decided on its own: one role's failure leaves the other's decision standing. The routers' held
+requests count as decode demand only (`scale_targets`).
 
 Recent scrapes of each pod are kept in the object's kopf memo (rates and TTFT percentiles are differences
 over a window); after a restart the first decisions simply have no rate or TTFT figure yet.
@@ -42,6 +46,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from tokenfleet.operator.api import GROUP, VERSION, ModelDeploymentSpec, parse_model_deployment
 from tokenfleet.operator.autoscaling_policy import (
@@ -270,7 +275,7 @@ async def autoscale(
     logger: logging.Logger,
 ) -> Decision | None:
     """One decision for an aggregated ModelDeployment; None when it has no (valid) autoscaling spec, is
-    disaggregated (`autoscale_roles`) or is going away."""
+    disaggregated (`autoscale_roles`), is going away, or the decision could not be written."""
     decisions = await autoscale_all(ctx, namespace, name, book, session, now, logger)
     return decisions.get(None)
 
@@ -298,7 +303,9 @@ async def autoscale_all(
     now: float,
     logger: logging.Logger,
 ) -> dict[str | None, Decision]:
-    """What the timer runs each period: a decision for every autoscaled part (key None: the whole fleet)."""
+    """What the timer runs each period: the decision of every autoscaled part (key None: the whole fleet)
+    that was written; a part whose API calls failed (logged) or whose spec changed since it was read has
+    none this period."""
     kube = ctx.kube
     body = await asyncio.to_thread(kube.get, "ModelDeployment", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -318,9 +325,16 @@ async def autoscale_all(
     out: dict[str | None, Decision] = {}
     for target in targets:
         scoped = book if target.role is None else book.scoped(target.role)
-        out[target.role] = await _decide(
-            ctx, body, target, routers if target.routers else [], model, scoped, session, now, logger
-        )
+        try:
+            decision = await _decide(
+                ctx, body, target, routers if target.routers else [], model, scoped, session, now, logger
+            )
+        except Exception as e:  # an API hiccup on one role must not cost the other role its decision
+            what = "" if target.role is None else f"{target.role}: "
+            logger.warning("autoscaler: %sno decision this period: %s", what, e)
+            continue
+        if decision is not None:
+            out[target.role] = decision
     return out
 
 
@@ -334,7 +348,8 @@ async def _decide(
     session: aiohttp.ClientSession,
     now: float,
     logger: logging.Logger,
-) -> Decision:
+) -> Decision | None:
+    """One part's decision, written; None when the spec changed since it was read (nothing written)."""
     kube = ctx.kube
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     pods = await asyncio.to_thread(kube.list, "Pod", namespace, target.selector)
@@ -363,26 +378,15 @@ async def _decide(
     if routers:
         observed["router_scrape_failures"] = seen.router_failures
     status = autoscaling_status(decision, target.previous, scaled, now, observed)
-    if target.role is None:
-        await asyncio.to_thread(
-            kube.patch_status, "ModelDeployment", namespace, name, {"autoscaling": status}
+    if not await _write_count(ctx, namespace, name, target, decision.replicas):
+        logger.info(
+            "autoscaler: %sdecision dropped, the spec changed since it was read (%s)", what, decision.reason
         )
-        if target.replicas != decision.replicas:
-            await asyncio.to_thread(kube.scale, "ModelDeployment", namespace, name, decision.replicas)
-    else:
-        patch = {"roles": {target.role: {"autoscaling": status}}}
-        await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, patch)
-        if target.replicas != decision.replicas:
-            # The role's count is a spec field with no scale subresource of its own: a JSON patch of exactly
-            # that field (the reconcile then writes it to the role's Deployment), on the condition that it
-            # still holds what was read — a spec switched to aggregated meanwhile must not get a
-            # `disaggregation` back from a late decision.
-            path = f"/spec/disaggregation/{target.role}/replicas"
-            ops = [
-                {"op": "test", "path": path, "value": target.replicas},
-                {"op": "replace", "path": path, "value": decision.replicas},
-            ]
-            await asyncio.to_thread(kube.patch, "ModelDeployment", namespace, name, ops)
+        return None
+    patch: dict[str, Any] = {"autoscaling": status}
+    if target.role is not None:
+        patch = {"roles": {target.role: patch}}
+    await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, patch)
     field = "replicas" if target.role is None else f"disaggregation.{target.role}.replicas"
     if target.replicas != current:
         ctx.event(
@@ -399,6 +403,34 @@ async def _decide(
     if scaled or target.replicas != decision.replicas:
         logger.info("autoscaler: %s%s", what, decision.reason)
     return decision
+
+
+async def _write_count(
+    ctx: OperatorContext, namespace: str, name: str, target: ScaleTarget, replicas: int
+) -> bool:
+    """Write the decided count before anything records it; False when the spec no longer holds what the
+    decision was made from (the write was refused and nothing changed)."""
+    kube = ctx.kube
+    if target.role is None:
+        if target.replicas != replicas:
+            await asyncio.to_thread(kube.scale, "ModelDeployment", namespace, name, replicas)
+        return True
+    # The role's count is a spec field with no scale subresource of its own: a JSON patch of exactly that
+    # field (the reconcile then writes it to the role's Deployment), on the condition that it still holds
+    # what was read — a spec switched to aggregated meanwhile must not get a `disaggregation` back from a
+    # late decision. The condition goes even when the count stays (a patch that changes nothing writes
+    # nothing): the role's status written next must not land on a spec that has moved on either.
+    path = f"/spec/disaggregation/{target.role}/replicas"
+    ops = [{"op": "test", "path": path, "value": target.replicas}]
+    if target.replicas != replicas:
+        ops.append({"op": "replace", "path": path, "value": replicas})
+    try:
+        await asyncio.to_thread(kube.patch, "ModelDeployment", namespace, name, ops)
+    except ApiException as e:
+        if e.status != 422:  # 422: a `test` failed (the value changed, or the path is gone)
+            raise
+        return False
+    return True
 
 
 def autoscaling_changed(

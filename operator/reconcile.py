@@ -166,6 +166,8 @@ def _reconcile_model_deployment(
         return
     generation = int(body["metadata"].get("generation") or 0)
     outcome, spec, cache = _resolve(watched, namespace, name, body)
+    # Once children are applied: the new mode's Deployments that removing the old mode's children waits for.
+    switching: list[str] | None = None
     if spec is not None and not outcome.missing_policies and outcome.config_error is None:
         try:
             config = build_runtime_config(spec, cache)
@@ -180,8 +182,8 @@ def _reconcile_model_deployment(
             served = name  # the Deployment the status reports on
             if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
                 children, served = build_disaggregated_children(name, spec, cache), role_name(name, "decode")
-            _adopt_and_apply(ctx, body, children)
-            prune_children(ctx, body, children, logger)
+            applied = _adopt_and_apply(ctx, body, children)
+            switching = finish_mode_switch(ctx, body, spec, children, applied, logger)
             sync_inference_pool(ctx, body, spec, logger)
             outcome = ReconcileOutcome(
                 desired_replicas=spec.replicas if served == name else spec.disaggregation.decode.replicas,
@@ -208,6 +210,10 @@ def _reconcile_model_deployment(
         patch = role_counts_patch(previous.get("roles"), counts)
         if patch:
             ctx.kube.patch_status("ModelDeployment", namespace, name, {"roles": patch})
+    elif spec is not None and spec.disaggregation is None and switching == [] and previous.get("roles"):
+        # Aggregated again and the roles' children are gone: their counts (and any late autoscaler
+        # decision for a role) describe nothing any more.
+        ctx.kube.patch_status("ModelDeployment", namespace, name, {"roles": None})
     if outcome.config_error is not None:
         # No retry: only a spec change can fix it (and that triggers a reconcile).
         raise kopf.PermanentError(outcome.config_error)
@@ -215,6 +221,14 @@ def _reconcile_model_deployment(
         # Creating the policy triggers a reconcile too; the retry covers a missed event.
         raise kopf.TemporaryError(
             f"waiting for {', '.join(outcome.missing_policies)}", delay=ctx.resync_seconds
+        )
+    if switching:
+        # The other mode's pods keep serving until these can; their Deployments' status events (and the
+        # resync) reconcile again, and the retry covers a missed one.
+        raise kopf.TemporaryError(
+            f"waiting for Deployment {', '.join(switching)} to have an available replica before removing "
+            "the children of the previous serving mode",
+            delay=ctx.resync_seconds,
         )
 
 
@@ -239,7 +253,7 @@ def role_counts_patch(
 
 
 # The kinds of a ModelDeployment's runtime children: those of its other serving mode (aggregated, or a
-# disaggregated role) go when the spec switches between them.
+# disaggregated role) go after the spec switches between them, once the new mode's pods serve.
 PRUNED_KINDS = ("Deployment", "Service", "ConfigMap")
 
 
@@ -252,15 +266,57 @@ def stale_children(
     same name and labels made by someone else.
     """
     keep = {(c["kind"], c["metadata"]["name"]) for c in wanted}
-    uid = owner["metadata"].get("uid")
     out = []
     for obj in existing:
         key = (obj.get("kind"), obj["metadata"]["name"])
-        refs = obj["metadata"].get("ownerReferences") or []
-        controlled = any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
-        if uid and controlled and key not in keep:
+        if _controlled_by(owner, obj) and key not in keep:
             out.append(key)
     return sorted(out)
+
+
+def _controlled_by(owner: Mapping[str, Any], obj: Mapping[str, Any]) -> bool:
+    uid = owner["metadata"].get("uid")
+    refs = obj["metadata"].get("ownerReferences") or []
+    return bool(uid) and any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+
+
+def other_mode_may_remain(ctx: OperatorContext, owner: Mapping[str, Any], spec: ModelDeploymentSpec) -> bool:
+    """Whether children of the serving mode the spec no longer runs may still exist, known without listing
+    (a reconcile runs on every resync and every Deployment event). Aggregated: `status.roles` is written
+    only while disaggregated and removed once the roles' children are gone. Disaggregated: the aggregated
+    Deployment, named after the ModelDeployment, still exists under its control (one GET; the prune
+    deletes Deployments last, so any aggregated child left means that one is too)."""
+    meta = owner["metadata"]
+    if spec.disaggregation is None:
+        return bool((owner.get("status") or {}).get("roles"))
+    deployment = ctx.kube.get("Deployment", meta["namespace"], meta["name"])
+    return deployment is not None and _controlled_by(owner, deployment)
+
+
+def serving(deployment: Mapping[str, Any]) -> bool:
+    """Whether a Deployment as stored can take traffic: an available replica, or none wanted (pure)."""
+    wanted = (deployment.get("spec") or {}).get("replicas")
+    available = int((deployment.get("status") or {}).get("availableReplicas") or 0)
+    return available >= min(1, 1 if wanted is None else int(wanted))
+
+
+def finish_mode_switch(
+    ctx: OperatorContext,
+    owner: dict[str, Any],
+    spec: ModelDeploymentSpec,
+    wanted: list[dict[str, Any]],
+    applied: list[dict[str, Any]],
+    logger: logging.Logger,
+) -> list[str]:
+    """After a switch between aggregated and disaggregated serving, remove the old mode's children once
+    the new mode's Deployments (`applied`, as stored) serve; before that the old pods are the only ones
+    that can answer. Returns the names of the new Deployments still awaited (empty: nothing left to do)."""
+    if not other_mode_may_remain(ctx, owner, spec):
+        return []
+    waiting = [d["metadata"]["name"] for d in applied if d["kind"] == "Deployment" and not serving(d)]
+    if not waiting:
+        prune_children(ctx, owner, wanted, logger)
+    return sorted(waiting)
 
 
 def prune_children(
@@ -275,7 +331,8 @@ def prune_children(
     for kind in PRUNED_KINDS:
         existing += [{**o, "kind": kind} for o in ctx.kube.list(kind, meta["namespace"], selector)]
     removed = stale_children(owner, wanted, existing)
-    for kind, name in removed:
+    # Deployments last: a Deployment left over is what says the prune is unfinished (other_mode_may_remain).
+    for kind, name in sorted(removed, key=lambda key: key[0] == "Deployment"):
         ctx.kube.delete(kind, meta["namespace"], name)
         logger.info("removed %s %s (no longer part of the spec)", kind, name)
     return removed

@@ -2,9 +2,10 @@
 127.0.0.1 rendering its /metrics with the runtime's own `ServerMetrics` (engine figures set by the test), the
 router pod renders the router's own `RouterMetrics`, and the autoscaler scrapes and parses them for real.
 
-The cluster is a dict behind the five `Kube` calls the autoscaler makes (get, list, patch_status, scale; a
-JSON merge patch as the API server applies it); the test plays the ReplicaSet controller and the kubelet by
-adding and removing pods. Time is passed in, so windows and cooldowns are exact.
+The cluster is a dict behind the five `Kube` calls the autoscaler makes (get, list, patch_status and scale
+as JSON merge patches, patch as a JSON patch, each as the API server applies it); the test plays the
+ReplicaSet controller and the kubelet by adding and removing pods, and can make the API server fail a call.
+Time is passed in, so windows and cooldowns are exact.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import parse_model_deployment
 from tokenfleet.operator.autoscaler import (
     SCRAPE_TIMEOUT_SECONDS,
@@ -43,6 +45,7 @@ from tokenfleet.operator.builders import (
     build_deployment,
     build_runtime_config,
     common_labels,
+    selector_string,
 )
 from tokenfleet.operator.crdgen import build_crd
 from tokenfleet.operator.reconcile import OperatorContext
@@ -76,11 +79,18 @@ class Cluster:
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.failing: set[str] = set()  # calls the API server answers with a 500: "scale", a pod selector
+        self.writes: list[str] = []  # the write calls that applied, in order
+
+    def _maybe_fail(self, call: str) -> None:
+        if call in self.failing:
+            raise ApiException(status=500, reason="Internal Server Error")
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((kind, name)))
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        self._maybe_fail(label_selector)
         wanted = dict(term.split("=", 1) for term in label_selector.split(","))
         return [
             copy.deepcopy(obj)
@@ -91,9 +101,27 @@ class Cluster:
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         obj = self.objects[(kind, name)]
         obj["status"] = merge_patch(obj.get("status") or {}, status)
+        self.writes.append("patch_status")
 
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
+        self._maybe_fail("scale")
         self.objects[(kind, name)]["spec"]["replicas"] = replicas
+        self.writes.append("scale")
+
+    def patch(self, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """JSON patch (test, replace) as the API server applies it: a failed test changes nothing (422)."""
+        obj = copy.deepcopy(self.objects[(kind, name)])
+        for op in ops:
+            *parents, leaf = op["path"].strip("/").split("/")
+            node = obj
+            for key in parents:
+                node = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or (op["op"] == "test" and node.get(leaf) != op["value"]):
+                raise ApiException(status=422, reason=f"JSON patch {op} does not apply")
+            if op["op"] == "replace":
+                node[leaf] = op["value"]
+        self.objects[(kind, name)] = obj
+        self.writes.append("patch")
 
     # ---- what users, controllers and kubelets do
     def create_md(self, name: str, spec: dict[str, Any]) -> None:
@@ -577,25 +605,6 @@ def test_a_removed_pod_stops_taking_requests_before_sigterm_and_drains():
 
 
 # ------------------------------------------------------------------------------------- disaggregated, per role
-def _patch(cluster: Cluster):
-    """JSON patch (test, replace) as the API server applies it: a failed test changes nothing (422)."""
-
-    def patch(kind: str, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
-        obj = copy.deepcopy(cluster.objects[(kind, name)])
-        for op in ops:
-            *parents, leaf = op["path"].strip("/").split("/")
-            node = obj
-            for key in parents:
-                node = node.get(key) if isinstance(node, dict) else None
-            if not isinstance(node, dict) or (op["op"] == "test" and node.get(leaf) != op["value"]):
-                raise ValueError(f"JSON patch {op} does not apply")
-            if op["op"] == "replace":
-                node[leaf] = op["value"]
-        cluster.objects[(kind, name)] = obj
-
-    return patch
-
-
 def role_labels(role: str) -> dict[str, str]:
     return common_labels(f"chat-{role}") | {"serving.tokenfleet.dev/role": role}
 
@@ -622,7 +631,6 @@ class RoleLoop(Loop):
 
 async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
     cluster = Cluster()
-    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
     now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
     cluster.create_md(
         "chat",
@@ -664,7 +672,6 @@ async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
 
 async def test_router_demand_counts_for_decode_and_a_manual_role_scale_is_undone(servers, session):
     cluster = Cluster()
-    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
     now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
     cluster.create_md(
         "chat",
@@ -706,14 +713,27 @@ async def test_router_demand_counts_for_decode_and_a_manual_role_scale_is_undone
     assert set(decisions) == {"decode"} and loop.role_replicas("prefill") == 2
 
 
-async def test_a_late_role_decision_does_not_bring_back_a_removed_disaggregation(servers, session):
+@pytest.mark.parametrize(
+    ("decode_autoscaling", "load"),
+    [
+        (
+            autoscaling(
+                targets={"kvCacheUsage": 0.5}, scaleUp={"stabilizationWindowSeconds": 0, "maxStep": 4}
+            ),
+            0.95,
+        ),
+        (autoscaling(minReplicas=1, maxReplicas=1, targets={"kvCacheUsage": 0.5}), 0.1),
+    ],
+    ids=["a-new-count", "the-same-count"],
+)
+async def test_a_late_role_decision_writes_nothing_on_a_spec_switched_to_aggregated(
+    servers, session, decode_autoscaling, load
+):
     cluster = Cluster()
-    cluster.patch = _patch(cluster)  # type: ignore[attr-defined]
-    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
-    cluster.create_md("chat", disaggregated(None, autoscaling(targets={"kvCacheUsage": 0.5}, scaleUp=now_up)))
+    cluster.create_md("chat", disaggregated(None, decode_autoscaling))
     d = await servers(FakePod())
     cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
-    d.load(running=9, kv=0.95)
+    d.load(running=9, kv=load)
     loop = RoleLoop(cluster, session)
     read = cluster.get  # the autoscaler reads the spec, then the user switches to aggregated serving
 
@@ -723,9 +743,65 @@ async def test_a_late_role_decision_does_not_bring_back_a_removed_disaggregation
         return body
 
     cluster.get = get_then_switch  # type: ignore[method-assign]
-    with pytest.raises(ValueError, match="does not apply"):
-        await loop.tick(0.0)
-    assert "disaggregation" not in cluster.md("chat")["spec"]
+    # The conditional patch is refused: no `disaggregation` comes back, and no status records a decision
+    # that was never applied (the switch's handlers have cleared the roles' status by now).
+    assert await loop.tick(0.0) == {}
+    md = cluster.md("chat")
+    assert "disaggregation" not in md["spec"]
+    assert "roles" not in (md.get("status") or {}) and cluster.writes == []
+    assert loop.events == []
+
+
+async def test_one_roles_failure_leaves_the_other_roles_decision_standing(servers, session, caplog):
+    cluster = Cluster()
+    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
+    cluster.create_md(
+        "chat",
+        disaggregated(
+            autoscaling(targets={"waitingRequestsPerReplica": 2}, scaleUp=now_up, maxReplicas=4),
+            autoscaling(targets={"kvCacheUsage": 0.5}, scaleUp=now_up, maxReplicas=4),
+        ),
+    )
+    p, d = await servers(FakePod()), await servers(FakePod())
+    cluster.add_pod("chat-prefill-a", role_labels("prefill"), p.port)
+    cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    p.load(waiting=6, running=1)
+    d.load(running=20, kv=0.9)
+    loop = RoleLoop(cluster, session)
+
+    # Listing the prefill pods fails: prefill gets no decision this period; decode still scales, its count
+    # written before the status that records it.
+    cluster.failing.add(selector_string("chat-prefill"))
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        decisions = await loop.tick(0.0)
+    assert set(decisions) == {"decode"} and loop.role_replicas("decode") == 2
+    assert loop.role_replicas("prefill") == 1 and "prefill" not in cluster.md("chat")["status"]["roles"]
+    assert cluster.writes == ["patch", "patch_status"]
+    assert any("prefill: no decision this period" in r.getMessage() for r in caplog.records)
+
+    cluster.failing.clear()
+    decisions = await loop.tick(10.0)
+    assert decisions["prefill"].replicas == 3 and loop.role_replicas("prefill") == 3
+
+
+async def test_the_count_is_written_before_the_status_that_records_it(servers, session):
+    cluster = Cluster()
+    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
+    cluster.create_md("chat", {"replicas": 1, "autoscaling": autoscaling(scaleUp=now_up)})
+    a = await servers(FakePod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    a.load(waiting=6, running=1)
+    loop = Loop(cluster, session)
+
+    cluster.failing.add("scale")  # the API server fails the write of the new count
+    assert await loop.tick(0.0) is None
+    assert loop.replicas == 1 and "status" not in cluster.md("chat") and loop.events == []
+
+    cluster.failing.clear()
+    d = await loop.tick(15.0)
+    assert loop.replicas == 3 and loop.status["desiredReplicas"] == 3 == d.replicas
+    assert cluster.writes == ["scale", "patch_status"]
+    assert loop.reasons() == ["ScaledUp"]
 
 
 def test_scale_targets_name_each_roles_pods():

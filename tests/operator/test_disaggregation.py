@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kopf
 import pytest
 import yaml
 from tokenfleet.operator.api import GROUP, parse_model_deployment
@@ -211,13 +212,14 @@ def _children(kube) -> list[tuple[str, str]]:
     return sorted((k, n) for k in kinds for n in kube.names(k) if not n.startswith("front-"))
 
 
-def test_switching_modes_removes_the_other_modes_children_and_leaves_others_alone():
+def test_switching_modes_removes_the_other_modes_children_once_the_new_ones_serve():
     cluster = _reconcile_cluster()
     LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
     from tokenfleet.operator.reconcile import reconcile_model_deployment, reconcile_routers
 
     kube, events = FakeKube(), []
     ctx = _ctx(kube, events, Clock())
+    notes = ("ConfigMap", "chat-notes")
     kube.create("RoutingPolicy", "front", {})
     kube.create("ModelDeployment", "chat", {"routingPolicyRef": "front"})
     # A ConfigMap someone else made with our label (not owned by the ModelDeployment): never touched.
@@ -226,24 +228,50 @@ def test_switching_modes_removes_the_other_modes_children_and_leaves_others_alon
         "metadata": {"name": "chat-notes", "namespace": NS, "labels": {f"{GROUP}/model-deployment": "chat"}},
     }
     reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
-    assert _children(kube) == sorted([*AGGREGATED, ("ConfigMap", "chat-notes")])
+    assert _children(kube) == sorted([*AGGREGATED, notes])
+    cluster._ready(kube, "chat", 1)
 
-    # aggregated -> disaggregated: the single Deployment, its Service and ConfigMap go.
+    # aggregated -> disaggregated: the roles' children come, and the single Deployment keeps serving until
+    # both roles' Deployments have an available replica; one role is not enough.
     kube.edit("ModelDeployment", "chat", {**SPEC, "routingPolicyRef": "front"})
-    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
-    assert _children(kube) == sorted([*DISAGGREGATED, ("ConfigMap", "chat-notes")])
+    with pytest.raises(kopf.TemporaryError, match="chat-decode, chat-prefill"):
+        reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*AGGREGATED, *DISAGGREGATED, notes])
     assert kube.obj("ModelDeployment", "chat")["status"]["endpoint"].startswith("http://chat-decode.")
+    cluster._ready(kube, "chat-decode", 3)
+    with pytest.raises(kopf.TemporaryError, match="Deployment chat-prefill to have an available replica"):
+        reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*AGGREGATED, *DISAGGREGATED, notes])
+    cluster._ready(kube, "chat-prefill", 2)
+    calls = len(kube.calls)
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*DISAGGREGATED, notes])
+    # The Deployment goes last: while one is left, the next reconcile knows there is more to remove.
+    assert [c for c in kube.calls[calls:] if c[0] == "delete"] == [
+        ("delete", "ConfigMap", "chat-runtime"),
+        ("delete", "Service", "chat"),
+        ("delete", "Deployment", "chat"),
+    ]
     reconcile_routers(ctx, kube.watched(), NS, LOG)
     config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
     assert sorted(b["name"] for b in config["backends"]) == ["chat-decode", "chat-prefill"]
+    assert set(kube.obj("ModelDeployment", "chat")["status"]["roles"]) == {"prefill", "decode"}
 
-    # disaggregated -> aggregated, and again: level-based, a second reconcile changes nothing.
+    # disaggregated -> aggregated: the roles keep serving (and counting in status.roles) until `chat` can.
     kube.edit("ModelDeployment", "chat", {"routingPolicyRef": "front"})
+    with pytest.raises(kopf.TemporaryError, match="Deployment chat to have an available replica"):
+        reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == sorted([*AGGREGATED, *DISAGGREGATED, notes])
+    assert kube.obj("ModelDeployment", "chat")["status"]["roles"]["decode"]["readyReplicas"] == 3
+    cluster._ready(kube, "chat", 1)
     reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
-    assert _children(kube) == sorted([*AGGREGATED, ("ConfigMap", "chat-notes")])
-    before = len([c for c in kube.calls if c[0] == "delete"])
+    assert _children(kube) == sorted([*AGGREGATED, notes])
+    assert "roles" not in kube.obj("ModelDeployment", "chat")["status"]
+
+    # Level-based and cheap: done, a reconcile removes nothing and lists none of the children.
+    calls = len(kube.calls)
     reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
-    assert len([c for c in kube.calls if c[0] == "delete"]) == before
+    assert [c for c in kube.calls[calls:] if c[0] in ("delete", "list") and c[1] != "Pod"] == []
     reconcile_routers(ctx, kube.watched(), NS, LOG)
     config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
     assert [b["name"] for b in config["backends"]] == ["chat"]
@@ -258,10 +286,61 @@ def test_a_switch_made_while_the_operator_was_down_is_cleaned_up_by_the_next_one
     kube.create("ModelDeployment", "chat", SPEC)
     reconcile_model_deployment(_ctx(kube, [], Clock()), kube.watched(), NS, "chat", LOG)
     assert _children(kube) == DISAGGREGATED
-    # The spec changes while no operator runs; a new operator (new context, nothing remembered) starts.
+    # The spec changes while no operator runs; a new operator (new context, nothing remembered) starts,
+    # and another one after it once the new Deployment serves: what is stored is all either needs.
     kube.edit("ModelDeployment", "chat", {})
+    with pytest.raises(kopf.TemporaryError):
+        reconcile_model_deployment(_ctx(kube, [], Clock()), kube.watched(), NS, "chat", LOG)
+    cluster._ready(kube, "chat", 1)
     reconcile_model_deployment(_ctx(kube, [], Clock()), kube.watched(), NS, "chat", LOG)
     assert _children(kube) == AGGREGATED
+
+
+def test_back_to_aggregated_the_roles_status_goes_with_the_roles():
+    cluster = _reconcile_cluster()
+    LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
+    from tokenfleet.operator.reconcile import reconcile_model_deployment
+
+    kube = FakeKube()
+    ctx = _ctx(kube, [], Clock())
+    kube.create("ModelDeployment", "chat", SPEC)
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    kube.patch_status("ModelDeployment", NS, "chat", {"roles": {"decode": {"autoscaling": {"reason": "x"}}}})
+    assert set(kube.obj("ModelDeployment", "chat")["status"]["roles"]) == {"prefill", "decode"}
+    # Scaled to zero, the aggregated Deployment has nothing to wait for: the roles go at once, and so do
+    # their counts and decisions, which would otherwise describe pods that are gone.
+    kube.edit("ModelDeployment", "chat", {"replicas": 0})
+    reconcile_model_deployment(ctx, kube.watched(), NS, "chat", LOG)
+    assert _children(kube) == AGGREGATED
+    assert "roles" not in kube.obj("ModelDeployment", "chat")["status"]
+
+
+def test_a_reconcile_without_a_switch_lists_no_children():
+    cluster = _reconcile_cluster()
+    LOG, NS, Clock, FakeKube, _ctx = cluster.LOG, cluster.NS, cluster.Clock, cluster.FakeKube, cluster._ctx
+    from tokenfleet.operator.reconcile import reconcile_model_deployment
+
+    kube = FakeKube()
+    ctx = _ctx(kube, [], Clock())
+    kube.create("ModelDeployment", "plain", {"replicas": 1})
+    kube.create("ModelDeployment", "split", SPEC)
+    # A Deployment named like the disaggregated one but not its own (someone else's): not a leftover.
+    kube.objects[("Deployment", NS, "split")] = {"kind": "Deployment", "metadata": {"name": "split"}}
+    for _ in range(3):
+        for name in ("plain", "split"):
+            reconcile_model_deployment(ctx, kube.watched(), NS, name, LOG)
+    assert [c for c in kube.calls if c[0] in ("list", "delete") and c[1] != "Pod"] == []
+    assert "split" in kube.names("Deployment")
+
+
+def test_a_deployment_serves_with_an_available_replica_or_when_none_is_wanted():
+    from tokenfleet.operator.reconcile import serving
+
+    def dep(wanted, available):
+        return {"spec": {"replicas": wanted}, "status": {"availableReplicas": available}}
+
+    assert serving(dep(3, 1)) and serving(dep(0, 0)) and serving({"spec": {"replicas": 0}})
+    assert not serving(dep(2, 0)) and not serving({"spec": {}}) and not serving({"spec": {"replicas": 1}})
 
 
 def test_only_controlled_children_are_stale():

@@ -30,6 +30,19 @@ API = "serving.tokenfleet.dev/v1alpha1"
 LOG = logging.getLogger("test-reconcile")
 
 
+def merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies `application/merge-patch+json` (null removes a key)."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_patch(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 class FakeKube:
     """The `Kube` interface over a dict; server-side apply keeps what others wrote (status, uid)."""
 
@@ -84,7 +97,8 @@ class FakeKube:
 
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.calls.append(("patch_status", kind, name))
-        self.objects[self._key(kind, namespace, name)].setdefault("status", {}).update(copy.deepcopy(status))
+        obj = self.objects[self._key(kind, namespace, name)]
+        obj["status"] = merge_patch(obj.get("status") or {}, status)
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         self.calls.append(("delete", kind, name))
@@ -174,6 +188,7 @@ def _ready(kube: FakeKube, name: str, replicas: int) -> None:
         "replicas": replicas,
         "updatedReplicas": replicas,
         "readyReplicas": replicas,
+        "availableReplicas": replicas,
     }
 
 
