@@ -219,13 +219,9 @@ async def _prefill(
         held = pending.held
         if held is None:  # finished some other way than through an engine step (never expected): hold now
             deadline = time.monotonic() + params.hold_seconds
-
-            def hold(core):
-                holds = kvs.holds_of(core)
-                holds.cancel(hold_id)
-                return holds.hold(hold_id, pending.block_hashes, token_ids, salt, deadline)
-
-            held = await engine.call(hold)
+            # Unless a release came first (a streamed prefill's hold id is out before it finishes): then
+            # there is no hold and `held` stays None.
+            held = await engine.call(lambda core: kvs.holds_of(core).hold_pending(pending, deadline))
     finally:
         kvs.pending.pop(hold_id).set()
         if not keep:  # refused, failed or the client left: nothing will fetch it
@@ -233,6 +229,8 @@ async def _prefill(
                 await asyncio.shield(engine.call(lambda core: kvs.holds_of(core).cancel(hold_id)))
     if not isinstance(resp, web.Response) or resp.body is None:
         return resp  # a stream: the header named the hold
+    if held is None:
+        return resp  # released before it was taken: the answer names no hold (the decode pod computes)
     done = wire.PrefillDone(
         remote_url=f"{request.scheme}://{request.host}",
         hold_id=hold_id,
@@ -328,7 +326,10 @@ async def release_endpoint(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
     hold_id = request.match_info["hold_id"]
-    released = await state.require_engine().call(lambda core: kvs.holds_of(core).release(hold_id))
+    # `cancel`, not `release`: a streamed prefill names its hold before the request finishes, so the hold may
+    # still be only announced. Cancelled, it is never taken; released only once taken, it would be taken at
+    # the finish after this answered 404 and stay pinned for its whole ttl.
+    released = await state.require_engine().call(lambda core: kvs.holds_of(core).cancel(hold_id))
     if not released:
         raise HttpError(
             ApiError(404, f"no KV hold {hold_id!r} (unknown, fetched or expired)", code="not_found")

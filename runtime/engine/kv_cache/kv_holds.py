@@ -8,6 +8,9 @@ other requests' allocations could evict the tail of the prompt first. `hold` ref
 blocks are cached now (a prompt without a pending hold, or a fallback). The hold ends exactly once: `take`
 (a fetch: the caller copies the KV, then calls `free`), `release`/`cancel`, or `expire` past its deadline —
 the pod sweeps holds on a timer, so an abandoned transfer frees its blocks after its ttl and nothing leaks.
+`cancel` also ends a hold that is still only announced (the id went out in a stream header, and the decode
+side gave it up before the prefill finished): it is then never taken, neither at the finish nor by
+`hold_pending`, so its blocks are not pinned for a ttl nobody will fetch in.
 A taken hold is the fetch's alone: a concurrent release or expiry cannot free blocks still being copied.
 Engine thread only, except `PendingHold.held`, which the event loop reads once the request's answer is
 complete (the engine set it before delivering that answer).
@@ -48,6 +51,9 @@ class PendingHold:
     cache_salt: str | None
     ttl: float
     held: Hold | None = None
+    # Set by `cancel` before the hold was taken: it never will be. Kept on the announcement itself, which
+    # only its request's handler still references, so remembering it costs nothing once that is done.
+    cancelled: bool = False
 
 
 class _Finished(Protocol):
@@ -145,16 +151,35 @@ class KVHolds:
             )
 
     def cancel(self, hold_id: str) -> bool:
-        """Drop an announced hold, or release it if it was taken (its request failed or went away)."""
-        for key, waiting in list(self._pending.items()):
-            kept = [p for p in waiting if p.hold_id != hold_id]
-            if len(kept) != len(waiting):
-                if kept:
-                    self._pending[key] = kept
-                else:
-                    del self._pending[key]
-                return True
+        """Drop an announced hold so that it is never taken, or release it if it was taken (its request
+        failed or went away, or the decode side gave it up). False when it is neither (unknown, fetched,
+        expired or already cancelled)."""
+        pending = self._unannounce(hold_id)
+        if pending is not None:
+            pending.cancelled = True
+            return True
         return self.release(hold_id)
+
+    def hold_pending(self, pending: PendingHold, deadline: float) -> Hold | None:
+        """Take an announced hold now, for a request that finished without the finish listener taking it
+        (the pod's fallback); the hold it already has when it was taken, None when it was cancelled."""
+        if pending.held is not None or pending.cancelled:
+            return pending.held
+        self._unannounce(pending.hold_id)
+        pending.held = self.hold(
+            pending.hold_id, pending.block_hashes, pending.token_ids, pending.cache_salt, deadline
+        )
+        return pending.held
+
+    def _unannounce(self, hold_id: str) -> PendingHold | None:
+        for key, waiting in self._pending.items():
+            for i, p in enumerate(waiting):
+                if p.hold_id == hold_id:
+                    del waiting[i]
+                    if not waiting:
+                        del self._pending[key]
+                    return p
+        return None
 
     @property
     def num_pending(self) -> int:
