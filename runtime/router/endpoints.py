@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -185,7 +186,8 @@ class EndpointSliceWatch:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            # KUBECONFIG as it is now: the kubernetes package reads its default path once, at import.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         return client
 
     def _run(self) -> None:
@@ -271,6 +273,10 @@ class EndpointSliceWatch:
                 self._stop.wait(2.0)
 
     def _publish(self) -> None:
+        # Scheduled under the lock: the two watch threads then queue their snapshots in the order they took
+        # them, and the loop runs callbacks in the order they were queued, so the newest snapshot is always
+        # applied last. Queued after the lock, an older snapshot could land behind a newer one and leave
+        # endpoints or roles stale until the next event. Queueing does not wait on the loop.
         with self._lock:
             urls = ready_endpoints(self._slices.values(), self._port, self._scheme, self._pod_roles)
-        self._loop.call_soon_threadsafe(self._on_change, self.backend, urls)
+            self._loop.call_soon_threadsafe(self._on_change, self.backend, urls)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tokenfleet.runtime.router.config import ROLE_LABEL, Backend, Discovery
-from tokenfleet.runtime.router.endpoints import EndpointSet, ready_endpoints, ready_urls, role_ref
+from tokenfleet.runtime.router.endpoints import (
+    EndpointSet,
+    EndpointSliceWatch,
+    ready_endpoints,
+    ready_urls,
+    role_ref,
+)
 
 
 def slice_(endpoints, ports=({"name": "http", "port": 8000},)):
@@ -96,3 +104,52 @@ def test_endpoint_roles_follow_labels_only_in_a_backend_of_both_roles():
 def test_a_backend_name_cannot_hold_the_role_separator():
     with pytest.raises(ValueError, match="cannot contain"):
         Backend(name="a#b", model="m", url="http://a:8000")
+
+
+class _Loop:
+    """Records what the watch threads queue, in queue order (the order the event loop would run it)."""
+
+    def __init__(self, on_first=None):
+        self.queued: list[tuple[bool, dict]] = []
+        self._on_first = on_first
+        self.watch: EndpointSliceWatch | None = None
+
+    def call_soon_threadsafe(self, callback, backend, urls):
+        first, self._on_first = self._on_first, None
+        if first is not None:
+            first()  # the publishing thread is held up here, between its snapshot and its place in the queue
+        self.queued.append((self.watch._lock.locked(), urls))
+
+
+def test_the_last_snapshot_queued_by_the_two_watch_threads_is_the_newest():
+    """The slice watch snapshots a pod as unlabelled; before its snapshot is queued, the pod watch learns the
+    pod's role and publishes. The loop must apply the labelled snapshot last, not the older one."""
+    backend = Backend(name="chat", model="m", url="http://chat.ns.svc:8000")
+    other_done = threading.Event()
+
+    def pod_watch_publishes():
+        def run():
+            with watch._lock:
+                watch._pod_roles["chat-d-1"] = "decode"
+            watch._publish()
+            other_done.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        threads.append(thread)
+        # Gives the other thread every chance to queue first; it cannot while this one queues under the lock.
+        other_done.wait(0.3)
+
+    threads: list[threading.Thread] = []
+    loop = _Loop(on_first=pod_watch_publishes)
+    watch = EndpointSliceWatch(backend, None, lambda b, urls: None, loop)
+    loop.watch = watch
+    watch._slices = {"s": slice_([_pod("10.0.0.2", "chat-d-1")])}
+    watch._publish()
+    for thread in threads:
+        thread.join(5)
+    assert [urls for _, urls in loop.queued] == [
+        {"http://10.0.0.2:8000": None},
+        {"http://10.0.0.2:8000": "decode"},
+    ]
+    assert all(locked for locked, _ in loop.queued)  # each was queued while its snapshot was current
