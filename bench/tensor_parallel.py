@@ -60,8 +60,13 @@ def random_llama(directory: str) -> str:
 
 def run(model: str, tp: int, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
     """(start-up seconds, output tokens per second) at tensor-parallel size `tp`."""
+    # Eager at every size: tensor-parallel decode is never compiled, so TP=1 compiled (auto on CUDA) would
+    # compare CUDA graphs with eager collectives, and its start-up compile would not fit a short GPU check.
     config = RuntimeConfig.model_validate(
-        {"model": {"model": model, "dtype": "float32"}, "parallel": {"tensor_parallel_size": tp}}
+        {
+            "model": {"model": model, "dtype": "float32", "compile": "off"},
+            "parallel": {"tensor_parallel_size": tp},
+        }
     )
     start = time.perf_counter()
     llm = LLM(config=config)

@@ -153,6 +153,7 @@ POD_DEFAULT_FIELDS = frozenset(
     {
         "model.attention_backend",  # follows the device
         "model.compile",  # auto: compiled decode (CUDA graphs) on GPU pods, eager on CPU pods
+        "model.compile_batch_sizes",  # the powers of two up to the engine's max_num_seqs
         "cache.num_blocks",  # pods size the cache from their memory budget
         "scheduler.enable_chunked_prefill",
         "speculative.draft_layers",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from tokenfleet.runtime.config_file import load_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -41,8 +41,16 @@ class ModelConfig(_Strict):
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Decode steps through torch.compile (CUDA graphs on CUDA, inductor C++ on CPU), one graph "
-        "per padded batch size, compiled at start-up. auto = on CUDA only (on CPU it saved under 10% per "
-        "token for minutes of start-up); on = wherever the model supports it (dense, no tensor parallelism).",
+        "per padded batch size, compiled at start-up. auto = on CUDA when the model supports it (otherwise "
+        "eager, the reason logged); eager on CPU, where a compiled step measured no faster than eager and "
+        "costs minutes of start-up. on = wherever the model supports it, a ConfigError at start-up where it "
+        "does not (tensor parallelism, MoE layers, fp8 weights, attention_backend torch on CUDA).",
+    )
+    compile_batch_sizes: list[PositiveInt] | None = Field(
+        None,
+        description="Batch sizes compiled ahead when decode is compiled (each is a whole-model compile, and "
+        "on CUDA a graph capture, at start-up). Default: the powers of two up to scheduler.max_num_seqs, "
+        "and max_num_seqs itself. A decode step pads to the next compiled size; a larger one runs eagerly.",
     )
     context_overflow: Literal["reject", "truncate"] = Field(
         "reject",

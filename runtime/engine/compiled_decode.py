@@ -19,9 +19,12 @@ the same order, on the same rows (padding rows never mix with real ones).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
+import types
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +52,26 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def unsupported_reason(model: LlamaForCausalLM) -> str | None:
-    """Why this model's decode step cannot be compiled, or None when it can."""
+def decode_buckets(max_num_seqs: int, sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """`model.compile_batch_sizes` up to `max_num_seqs` (larger steps never happen), or the default buckets.
+
+    For a deployment (or a benchmark) that knows its batch sizes: every bucket is a whole-model compile at
+    start-up, and one that no step uses is wasted minutes.
+    """
+    if sizes is None:
+        return default_buckets(max_num_seqs)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"decode buckets must be positive batch sizes, got {list(sizes)}")
+    fitting = sorted({s for s in sizes if s <= max_num_seqs})
+    if not fitting:
+        raise ConfigError(
+            f"model.compile_batch_sizes {sorted(set(sizes))}: none is <= scheduler.max_num_seqs={max_num_seqs}"
+        )
+    return tuple(fitting)
+
+
+def unsupported_reason(model: LlamaForCausalLM, device: torch.device) -> str | None:
+    """Why this model's decode step cannot be compiled on `device`, or None when it can."""
     arch = model.arch
     if arch.tp_size > 1:
         return "tensor parallelism (collectives are not captured)"
@@ -61,6 +82,12 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     backend = model.model.layers[0].self_attn.backend
     if not getattr(backend, "traceable_decode", False):
         return f"the {backend.name} attention backend has no traceable decode op"
+    if device.type == "cuda" and getattr(backend, "decode_reads_host", False):
+        # The op reads a figure back to the host every step; a CUDA-graph capture fails on that sync.
+        return (
+            f"model.attention_backend {backend.name!r} reads a host value in its decode op, which a CUDA "
+            "graph cannot capture (use attention_backend 'triton' on CUDA)"
+        )
     return None
 
 
@@ -68,7 +95,7 @@ def should_compile(setting: str, device: torch.device, model: LlamaForCausalLM) 
     """`model.compile`: off; auto = on CUDA when supported; on = wherever supported, else a ConfigError."""
     if setting == "off":
         return False
-    reason = unsupported_reason(model)
+    reason = unsupported_reason(model, device)
     if setting == "on" and reason is not None:
         raise ConfigError(f"model.compile is 'on' but this model cannot be compiled: {reason}")
     if setting == "auto" and (device.type != "cuda" or reason is not None):
@@ -103,11 +130,42 @@ def _decode_logits(
     return model.compute_logits(model(input_ids, positions, kv_caches, meta))
 
 
+def _own_copy(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a code object of its own.
+
+    Dynamo keeps compiled graphs on the code object of the function it compiles. Compiling one shared
+    function would pile every engine's graphs in the process into one cache, checked against one recompile
+    limit (a third engine with other KV-cache shapes would soon hit it: an error with fullgraph=True), and
+    nothing would ever drop the graphs of an engine that is gone. A copy per instance gives each engine
+    its own cache, sized to its buckets, that goes away with it.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+
+
+def _recompile_limit(limit: int) -> dict[str, int]:
+    """torch.compile's per-call `recompile_limit` where torch has it (2.13); older releases (the GPU
+    machines run 2.11) only have dynamo's process-wide limit, which is per code object too, so raising it
+    to this instance's need is equivalent."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": limit}
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+    return {}
+
+
+def _drop_graphs(code: types.CodeType) -> None:
+    # The code object may outlive the instance (dynamo's log of guard failures refers to it); the
+    # compiled graphs stored on it must not.
+    torch._C._dynamo.eval_frame.reset_code(code)
+
+
 class CompiledDecode:
     """Runs decode-only steps of up to `max(buckets)` sequences through the compiled model.
 
     `scratch_slot`: a flat KV slot no request owns (the runner allocates one spare block for it); padding
-    rows write their K/V there.
+    rows write their K/V there. `backend`: torch.compile's backend (tests pass a cheap one, e.g. "eager").
+    Its compiled graphs are its own and are dropped by `close()` or when it is garbage-collected.
     """
 
     def __init__(
@@ -119,6 +177,7 @@ class CompiledDecode:
         buckets: Sequence[int],
         max_blocks_per_seq: int,
         scratch_slot: int,
+        backend: str = "inductor",
     ):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"decode buckets must be positive batch sizes, got {buckets}")
@@ -139,20 +198,32 @@ class CompiledDecode:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.num_steps = 0  # decode steps served compiled (for stats and tests)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE_DIR))
-        # One graph per bucket: dynamo would otherwise stop recompiling after its default limit (8).
-        limit = max(8, 2 * len(self._buckets))
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         # CUDA graphs on CUDA (one replay per step); inductor's fused C++ kernels on CPU.
-        mode = "reduce-overhead" if device.type == "cuda" else None
+        mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+        step = _own_copy(_decode_logits)
         # Static shapes: one graph per bucket. (A symbolic batch size would need one compile only, but
         # inductor failed on it for this model in torch 2.13: an AssertionError in its sympy handling.)
-        self._compiled = torch.compile(_decode_logits, mode=mode, dynamic=False, fullgraph=True)
+        # The limit counts this instance's graphs only (its own code object): one per bucket, and room for
+        # as many unforeseen recompiles again before fullgraph=True makes the next one an error.
+        limit = 2 * len(self._buckets)
+        self._compiled = torch.compile(
+            step, backend=backend, mode=mode, dynamic=False, fullgraph=True, **_recompile_limit(limit)
+        )
+        self._code = step.__code__
+        self._release = weakref.finalize(self, _drop_graphs, step.__code__)
 
     @property
     def buckets(self) -> tuple[int, ...]:
         return tuple(self._buckets)
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs dynamo holds for this instance: one per bucket once warmed up, none after `close()`."""
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self._code))
+
+    def close(self) -> None:
+        """Drop the compiled graphs now rather than at garbage collection (a later step would compile anew)."""
+        self._release()
 
     def _make_bucket(self, size: int, max_blocks: int) -> _Bucket:
         dev = self.device

@@ -91,6 +91,7 @@ class EngineCore:
             self.workers,
             compile=config.model.compile,
             max_num_seqs=config.scheduler.max_num_seqs,
+            compile_batch_sizes=config.model.compile_batch_sizes,
         )
         self.spec_decoder = (
             SpecDecoder(config.speculative, self.runner, self.scheduler) if proposer is not None else None
@@ -121,9 +122,12 @@ class EngineCore:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and drop the compiled decode graphs (idempotent). The
+        engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.stop()
+        if self.runner.compiled is not None:
+            self.runner.compiled.close()
 
     def prefill_pins(self) -> None:
         """Compute the pinned prefixes now (start-up, before any client request): the first requests then

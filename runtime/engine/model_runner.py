@@ -27,7 +27,7 @@ from tokenfleet.runtime.config import CacheConfig, ModelConfig
 from tokenfleet.runtime.engine.compiled_decode import (
     COMPILE_CACHE_DIR,
     CompiledDecode,
-    default_buckets,
+    decode_buckets,
     should_compile,
 )
 from tokenfleet.runtime.engine.logprobs import compute_logprobs
@@ -125,6 +125,7 @@ class ModelRunner:
         workers: TPWorkers | None = None,
         compile: str = "off",
         max_num_seqs: int = 64,
+        compile_batch_sizes: Sequence[int] | None = None,
     ):
         self.loaded = loaded
         self.workers = workers  # tensor parallel (rank 0): each step goes to the other ranks first
@@ -154,7 +155,7 @@ class ModelRunner:
                 loaded.model,
                 self.kv_caches,
                 device,
-                buckets=default_buckets(max_num_seqs),
+                buckets=decode_buckets(max_num_seqs, compile_batch_sizes),
                 max_blocks_per_seq=-(-loaded.max_model_len // self.block_size),
                 scratch_slot=num_blocks * self.block_size,
             )

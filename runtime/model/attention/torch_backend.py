@@ -128,6 +128,8 @@ def torch_paged_decode(
     """Cache write + decode attention of a static-shape decode step, as one op the compiler does not trace
     into: its one data-dependent figure (the longest context, which bounds the gather) is read inside."""
     write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    # A host read: free on CPU, a device sync on CUDA, where it rules out CUDA-graph capture
+    # (TorchAttentionBackend.decode_reads_host).
     max_seq_len = int(seq_lens.max())
     out = decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, (k_scale, v_scale)
@@ -145,6 +147,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     traceable_decode = True  # DecodeMetadata steps go through tokenfleet::torch_paged_decode
+    # ... which reads the longest context back to the host each step: on CUDA a sync that a CUDA graph
+    # cannot capture, so compiled decode (CUDA graphs there) refuses this backend on CUDA.
+    decode_reads_host = True
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0):
         if not (k_scale > 0 and v_scale > 0):
