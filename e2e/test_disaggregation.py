@@ -2,7 +2,8 @@
 the router learns their roles from the two Services' EndpointSlices, and a completion through the router
 is computed on the prefill pod, moved to the decode pod by block hash, and equals a plain pod's answer.
 Then the decode role is autoscaled on its own (its count, its status; prefill untouched), and the
-deployment is switched back to aggregated serving: the roles' Deployments, Services and ConfigMaps go."""
+deployment is switched back to aggregated serving: the roles keep serving until the aggregated pod can, then
+their Deployments, Services and ConfigMaps go, and their counts in the status with them."""
 
 from __future__ import annotations
 
@@ -141,14 +142,16 @@ def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, nam
         scaled = md["spec"]["disaggregation"]["decode"]["replicas"] == 2 and dep["spec"]["replicas"] == 2
         return scaled and (status.get("autoscaling") or {}).get("desiredReplicas") == 2 and md
 
-    md = wait(decode_scaled, timeout=60, what="the decode role scaled to its minReplicas 2")
+    # A 15 s autoscaler tick, the patch and a reconcile, while the second decode pod loads its model.
+    md = wait(decode_scaled, timeout=120, what="the decode role scaled to its minReplicas 2")
     assert md["spec"]["disaggregation"]["prefill"]["replicas"] == 1
     assert cluster.get("deployments", "chat-prefill", ns)["spec"]["replicas"] == 1
     assert "autoscaling" not in (md["status"].get("roles") or {}).get("prefill", {})
     assert md["status"]["roles"]["prefill"] == {"replicas": 1, "readyReplicas": 1}  # each role's pods
     assert not md["status"].get("autoscaling")
 
-    # Back to aggregated serving: one Deployment `chat`; the roles' children are removed.
+    # Back to aggregated serving: one Deployment `chat`. The roles' pods keep serving until it has an
+    # available pod (a model load); then the roles' children are removed, and status.roles with them.
     switch = {"spec": {"disaggregation": None}}
     cluster.kubectl("patch", "-n", ns, "md", "chat", "--type=merge", "-p", json.dumps(switch))
     role_children = [
@@ -157,10 +160,20 @@ def test_a_disaggregated_model_deployment_serves_through_the_router(cluster, nam
         for kind, suffix in (("deployments", ""), ("services", ""), ("configmaps", "-runtime"))
     ]
 
+    def available(deployment: dict | None) -> int:
+        return int(((deployment or {}).get("status") or {}).get("availableReplicas") or 0)
+
+    wait(lambda: cluster.get("deployments", "chat", ns), timeout=60, what="the aggregated Deployment")
+    # In this order: a decode Deployment already gone means `chat` had an available pod before.
+    decode_left = cluster.get("deployments", "chat-decode", ns)
+    assert decode_left is not None or available(cluster.get("deployments", "chat", ns)) >= 1
+
     def switched():
         gone = all(cluster.get(kind, name, ns) is None for kind, name in role_children)
-        return gone and cluster.get("deployments", "chat", ns) is not None
+        md = cluster.get("modeldeployments.serving.tokenfleet.dev", "chat", ns)
+        return gone and not ((md or {}).get("status") or {}).get("roles")
 
-    wait(switched, timeout=60, what="the prefill/decode children replaced by the aggregated ones")
+    wait(switched, timeout=MODEL_READY_S, what="the prefill/decode children replaced by the aggregated ones")
+    assert available(cluster.get("deployments", "chat", ns)) >= 1
     assert cluster.get("services", "chat", ns) is not None
     assert cluster.get("configmaps", "chat-runtime", ns) is not None

@@ -198,7 +198,8 @@ class Simulation:
         self.handoffs.finish(handoff, prefill.replica if prefill else None, decode.replica)
         first = handoff.prefill
         record = decode.replica.add(first.request, self.now, resumed_at=first.first_token)
-        self._phases[first.request.request_id] = first
+        if record.rejected is None:  # a rejected request never finishes, so nothing would pop it
+            self._phases[first.request.request_id] = first
         self._admitted(record, decode)
 
     def _start_step(self, pod: _Pod) -> None:

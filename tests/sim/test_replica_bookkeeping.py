@@ -59,7 +59,8 @@ def test_step_figures_equal_a_per_token_client_under_chunking_and_preemption():
             sreq.arrival = now[0]
             replica.add(sreq, now[0])
         duration = replica.start_step(now[0])
-        if duration is None:
+        step += 1
+        if duration is None:  # idle between arrivals: the next iteration admits one
             continue
         output = replica._pending
         assert _reference_shape(output.scheduled) == tuple(
@@ -83,7 +84,6 @@ def test_step_figures_equal_a_per_token_client_under_chunking_and_preemption():
             token_times[rid] += [now[0]] * (n_after - n)
         for rec in done:
             finished[rec.request.request_id] = rec
-        step += 1
     assert replica.scheduler.num_preemptions_total > 0
     assert len(finished) == len(requests)
     expected_bins: dict[int, int] = {}
