@@ -141,7 +141,7 @@ def test_unknown_fetched_and_expired_holds_are_404_and_release_their_blocks(pods
     asyncio.run(run())
 
 
-NUM_DISCONNECTS = 16
+NUM_DISCONNECTS = 100  # half of them cut during the prefill, half during the decode
 
 
 def test_client_disconnects_in_either_phase_leave_no_used_kv_blocks(pods):
