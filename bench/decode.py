@@ -23,6 +23,8 @@ import importlib.util
 import itertools
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -85,13 +87,46 @@ def measure(llm: LLM, batch: int, tokens: int) -> tuple[float, float]:
     return batch * len(gaps) / (times[-1] - times[0]), statistics.median(gaps) * 1e3
 
 
-def llama_cpp_decode(gguf: str, threads: int, tokens: int) -> float | None:
-    """llama.cpp's single-stream decode tok/s on the same file, or None when llama_cpp is not installed."""
+def llama_cpp_decode(gguf: str, threads: int, tokens: int) -> float | str | None:
+    """llama.cpp's single-stream decode tok/s on the same file; None when llama_cpp is not installed, a
+    short reason when it failed. It runs in a child process: a crash in the peer's native code (as its AMX
+    path below did here) must not cost the table of everything measured before it."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    from llama_cpp import Llama
+    cmd = [
+        sys.executable,
+        __file__,
+        "--peer-llama-cpp",
+        gguf,
+        "--threads",
+        str(threads),
+        "--tokens",
+        str(tokens),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return f"failed (exit status {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    return float(proc.stdout.strip().splitlines()[-1])
 
-    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=1024, verbose=False, seed=0)
+
+def _peer_llama_cpp(gguf: str, threads: int, tokens: int) -> float:
+    """The child's side of `llama_cpp_decode`: its decode rate is the difference of two greedy completions
+    of different lengths (prefill cancels out), the better of two tries."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as bindings  # what `Llama` calls for its defaults
+
+    # llama-cpp-python 0.3.36 crashes (SIGSEGV in ggml_backend_amx_mul_mat) on CPUs with AMX when it repacks
+    # the Q4_1 weights into its AMX buffer type ("extra" buffer types); its AVX-512 kernels work. The
+    # high-level `Llama` takes no such option, so its default model parameters are amended instead.
+    default_params = bindings.llama_model_default_params
+
+    def model_params():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = model_params
+    llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_ctx=1024, verbose=False, seed=0)
     llm(PROMPT, max_tokens=8, temperature=0.0)  # warm-up
     rates = []
     for _ in range(2):
@@ -115,7 +150,12 @@ def main() -> None:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repetitions per batch (best kept)")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--peer-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer_llama_cpp:
+        print(_peer_llama_cpp(args.peer_llama_cpp, args.threads, args.tokens))
+        return
 
     device = torch.device(
         "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -200,7 +240,9 @@ def main() -> None:
             f"{'tokenfleet ' + name:<14}{b:>6}{tps:>10.1f}{itl:>9.1f}{per_stream / fp32_roof:>13.2f}"
             f"{tps / eager[b]:>9.2f}"
         )
-    if cpp is not None:
+    if isinstance(cpp, str):
+        print(f"# llama.cpp: {cpp}")
+    elif cpp is not None:
         # Single stream: its x eager needs the eager batch-1 row, which --batches may leave out.
         vs_eager = f"{cpp / eager[1]:>9.2f}" if 1 in eager else f"{'-':>9}"
         print(f"{'llama.cpp':<14}{1:>6}{cpp:>10.1f}{1e3 / cpp:>9.1f}{cpp / fp32_roof:>13.2f}{vs_eager}")
