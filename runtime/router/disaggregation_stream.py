@@ -7,7 +7,9 @@ client now holds. Its events go to the client as they come, except that a `lengt
 own `max_tokens: 1`) is cleared and its `[DONE]` held back. The decode pod then gets the client's request as
 a continuation of that stream plus `kv_transfer_params` naming the prefill pod's hold (from the
 `x-tokenfleet-kv-hold` header); it fetches the KV, and its events (the rest, the final usage, `[DONE]`) go
-to the client unchanged. A prefill that ends the completion by itself (a stop after one token, or a client
+to the client with their annotations stripped. A decode pod that breaks mid-stream is resumed on another
+decode pod like any stream (runtime/router/resume.py): a continuation of everything the client holds,
+without KV (that pod computes what its own cache lacks). A prefill that ends the completion by itself (a stop after one token, or a client
 `max_tokens` of 1) is passed through whole. When the prefill stream cannot be continued exactly (e.g.
 `n` > 1) nothing is sent and the caller uses the unstreamed flow.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +36,8 @@ from tokenfleet.runtime.openai.resume import (
 from tokenfleet.runtime.router.config import Retries
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
-from tokenfleet.runtime.router.proxy import Outcome, Outgoing, _count_sse_tokens, _response_headers, sse_error
+from tokenfleet.runtime.router.proxy import Outcome, Outgoing, Retry, _response_headers, sse_error
+from tokenfleet.runtime.router.resume import Sink, Splice, annotated_headers, follow
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ async def stream(
         num_delivered_chars=chars,
     )
     params = wire.DecodeParams(remote_url=ep.url, hold_id=hold_id, block_hashes=[]) if hold_id else None
-    return await _decode(client, fleet, out, decode_targets, continuation, params, retries, len(tokens))
+    return await _decode(client, fleet, out, decode_targets, start, continuation, params, retries)
 
 
 async def _decode(
@@ -154,14 +158,20 @@ async def _decode(
     fleet: Fleet,
     out: Outgoing,
     targets: tuple[RouteTarget, ...],
+    start: StreamStart,
     continuation: Continuation,
     params: wire.DecodeParams | None,
     retries: Retries,
-    num_tokens: int,
 ) -> tuple[web.StreamResponse, Outcome]:
+    """Continue the stream on a decode pod, and on another decode pod (a continuation that computes what
+    it lacks) if that one breaks: the client holds the prefill pod's token, so a broken decode stream is
+    resumed like any other (resume.follow), never retried from the start."""
     tried: set[str] = set()
     timeout = aiohttp.ClientTimeout(total=None, connect=retries.connect_timeout_seconds, sock_read=None)
     nobody = PromptKey(None, "", None)  # decode pods by load and KV usage: the KV comes with the request
+    decode_out = replace(out, targets=targets, prompt=nobody, session_key=None)
+    splice = Splice(start=start, output_token_ids=list(continuation.output_token_ids), sent_any=True)
+    splice.num_chars = continuation.num_delivered_chars
     for _ in range(retries.max_attempts):
         pick = fleet.pick(targets, nobody, None, frozenset(tried))
         if pick is None:
@@ -178,37 +188,42 @@ async def _decode(
             body[wire.FIELD] = params.model_dump()
         fleet.acquire(ep)
         try:
-            upstream = await asyncio.wait_for(
-                fleet.session.post(ep.url + out.path, json=body, headers=out.headers, timeout=timeout),
-                retries.first_byte_timeout_seconds,
-            )
+            try:
+                upstream = await asyncio.wait_for(
+                    fleet.session.post(
+                        ep.url + out.path, json=body, headers=annotated_headers(out), timeout=timeout
+                    ),
+                    retries.first_byte_timeout_seconds,
+                )
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                log.warning("decode endpoint %s unreachable: %s", ep.url, type(e).__name__)
+                fleet.report(ep, False)
+                continue
             async with upstream:
                 if upstream.status != 200:
                     if upstream.status >= 500:
                         fleet.report(ep, False)
                     continue
-                ended = False
-                while True:
-                    chunk = await asyncio.wait_for(upstream.content.readany(), retries.idle_timeout_seconds)
-                    if not chunk:
-                        break
-                    num_tokens += _count_sse_tokens(chunk)
-                    ended = ended or _DONE in chunk
-                    await client.resp.write(chunk)
-            fleet.report(ep, True)
-            if not ended:
-                return await _end(
-                    client, sse_error("the decode endpoint closed the stream early"), 502, ep.id
+                fleet.record_route(pick)
+                sink = Sink(client.request, {})
+                sink.resp = client.resp  # prepared by the prefill stage: the same response goes on
+                outcome = Outcome(200, 0, ep.id)
+                ended = await follow(
+                    client.request, fleet, decode_out, pick, upstream, sink, splice, outcome, retries
                 )
-            return await _end(client, None, 200, ep.id, num_tokens)
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            fleet.report(ep, False)
-            msg = f"the decode endpoint failed mid-stream ({type(e).__name__})"
-            return await _end(client, sse_error(msg), 502, ep.id, num_tokens)
         finally:
             fleet.release(ep)
+        assert not isinstance(ended, Retry)  # the client already holds bytes (splice.sent_any)
+        if ended is not None and ended.client_gone:
+            return client.resp, outcome
+        tail, status = (sse_error(ended.message), 502) if ended is not None else (None, 200)
+        return await _end(client, tail, status, outcome.endpoint, outcome.completion_tokens)
     return await _end(
-        client, sse_error("no decode endpoint could continue the stream"), 502, None, num_tokens
+        client,
+        sse_error("no decode endpoint could continue the stream"),
+        502,
+        None,
+        len(splice.output_token_ids),
     )
 
 

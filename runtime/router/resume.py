@@ -106,6 +106,14 @@ class Break:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Unfinished:
+    """How a followed stream ended short of its `[DONE]`: the client left, or why it could not go on."""
+
+    client_gone: bool
+    message: str = ""
+
+
 class Sink:
     """Where relayed events go: the client's response (prepared on the first event)."""
 
@@ -217,14 +225,50 @@ async def stream(
     )
     splice = Splice()
     outcome = Outcome(200, 0, pick.endpoint.id)
+    ended = await follow(request, fleet, out, pick, upstream, sink, splice, outcome, retries)
+    if isinstance(ended, Retry):
+        return ended
+    if ended is not None and ended.client_gone:  # leaving closes the upstream request: aborted on the pod
+        return getattr(sink, "resp", None) or web.Response(status=499), outcome
+    failure = ended.message if ended is not None else None
+    if isinstance(sink, Assembler):
+        if failure is not None or not sink.complete:
+            message = failure or "the serving endpoint reported an error"
+            body = sink.error or error_body(message, "upstream_error", "upstream_failed")
+            outcome.status = 502
+            return web.json_response(body, status=502), outcome
+        kept = {k: v for k, v in headers.items() if k.lower() not in _STREAM_HEADERS}
+        return web.Response(body=sink.body(), headers=kept, content_type="application/json"), outcome
+    await sink.close(sse_error(failure) if failure is not None else None)
+    assert sink.resp is not None
+    return sink.resp, outcome
+
+
+async def follow(
+    request: web.Request,
+    fleet: Fleet,
+    out: Outgoing,
+    pick: Pick,
+    upstream: aiohttp.ClientResponse,
+    sink,
+    splice: Splice,
+    outcome: Outcome,
+    retries: Retries,
+) -> Unfinished | Retry | None:
+    """Relay `upstream` into `sink` and, each time the stream breaks, continue it on another of
+    `out.targets` from what `splice` says the client holds. `splice` may start with what an earlier stage
+    already delivered (the prefill pod's token of a disaggregated stream). Returns None at `[DONE]`, a
+    `Retry` when nothing reached the client, else how it ended short (the client left, or why it could not
+    be continued: the caller sends the error event). `outcome` gets the serving endpoint and the completion
+    tokens."""
     tried = {pick.endpoint.id}
     brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds)
     _judge(fleet, pick, brk)
     failure: str | None = None
     while brk is not None:
-        if brk.reason == "client_gone":  # leaving closes the upstream request, which aborts it on the pod
+        if brk.reason == "client_gone":
             outcome.completion_tokens = splice.num_tokens()
-            return getattr(sink, "resp", None) or web.Response(status=499), outcome
+            return Unfinished(client_gone=True)
         if not splice.sent_any:  # nothing reached the client: an ordinary retry from the start
             body = error_body(brk.detail, "upstream_error", "upstream_failed")
             return Retry(502, json.dumps(body).encode(), "broken")
@@ -252,19 +296,10 @@ async def stream(
             fleet.metrics.resume_recomputed_tokens.inc(max(splice.resume_base - splice.cached_on_resume, 0))
             splice.cached_on_resume = None
     outcome.completion_tokens = splice.num_tokens() if splice.start else splice.num_events
-    if failure is not None:
-        fleet.metrics.stream_errors.inc()
-    if isinstance(sink, Assembler):
-        if failure is not None or not sink.complete:
-            message = failure or "the serving endpoint reported an error"
-            body = sink.error or error_body(message, "upstream_error", "upstream_failed")
-            outcome.status = 502
-            return web.json_response(body, status=502), outcome
-        kept = {k: v for k, v in headers.items() if k.lower() not in _STREAM_HEADERS}
-        return web.Response(body=sink.body(), headers=kept, content_type="application/json"), outcome
-    await sink.close(sse_error(failure) if failure is not None else None)
-    assert sink.resp is not None
-    return sink.resp, outcome
+    if failure is None:
+        return None
+    fleet.metrics.stream_errors.inc()
+    return Unfinished(client_gone=False, message=failure)
 
 
 def _sid(splice: Splice) -> str:
