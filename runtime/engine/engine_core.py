@@ -126,8 +126,9 @@ class EngineCore:
         engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.stop()
-        if self.runner.compiled is not None:
-            self.runner.compiled.close()
+        runner = getattr(self, "runner", None)  # absent when construction failed before it was built
+        if runner is not None and runner.compiled is not None:
+            runner.compiled.close()
 
     def prefill_pins(self) -> None:
         """Compute the pinned prefixes now (start-up, before any client request): the first requests then
