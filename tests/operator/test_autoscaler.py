@@ -629,7 +629,9 @@ class RoleLoop(Loop):
         return self.cluster.md(self.name)["status"]["roles"][role]["autoscaling"]
 
 
-async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
+async def _two_role_deployment(servers) -> tuple[Cluster, FakePod, FakePod]:
+    """MD `chat`, disaggregated: prefill sized by its queue, decode by KV usage, both free to scale up at
+    once (1..4); one pod per role. Returns the cluster and the prefill and decode pods."""
     cluster = Cluster()
     now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
     cluster.create_md(
@@ -642,6 +644,11 @@ async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
     p, d = await servers(FakePod()), await servers(FakePod())
     cluster.add_pod("chat-prefill-a", role_labels("prefill"), p.port)
     cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    return cluster, p, d
+
+
+async def test_each_role_is_sized_from_its_own_pods_only(servers, session):
+    cluster, p, d = await _two_role_deployment(servers)
     loop = RoleLoop(cluster, session)
 
     # A long-prompt burst queues on the prefill pod; the decode pod's KV is light: only prefill grows.
@@ -753,18 +760,7 @@ async def test_a_late_role_decision_writes_nothing_on_a_spec_switched_to_aggrega
 
 
 async def test_one_roles_failure_leaves_the_other_roles_decision_standing(servers, session, caplog):
-    cluster = Cluster()
-    now_up = {"stabilizationWindowSeconds": 0, "maxStep": 4, "cooldownSeconds": 0}
-    cluster.create_md(
-        "chat",
-        disaggregated(
-            autoscaling(targets={"waitingRequestsPerReplica": 2}, scaleUp=now_up, maxReplicas=4),
-            autoscaling(targets={"kvCacheUsage": 0.5}, scaleUp=now_up, maxReplicas=4),
-        ),
-    )
-    p, d = await servers(FakePod()), await servers(FakePod())
-    cluster.add_pod("chat-prefill-a", role_labels("prefill"), p.port)
-    cluster.add_pod("chat-decode-a", role_labels("decode"), d.port)
+    cluster, p, d = await _two_role_deployment(servers)
     p.load(waiting=6, running=1)
     d.load(running=20, kv=0.9)
     loop = RoleLoop(cluster, session)
