@@ -9,8 +9,8 @@ a continuation of that stream plus `kv_transfer_params` naming the prefill pod's
 `x-tokenfleet-kv-hold` header); it fetches the KV, and its events (the rest, the final usage, `[DONE]`) go
 to the client with their annotations stripped. A decode pod that breaks mid-stream is resumed on another
 decode pod like any stream (runtime/router/resume.py): a continuation of everything the client holds,
-without KV (that pod computes what its own cache lacks). A prefill that ends the completion by itself (a stop after one token, or a client
-`max_tokens` of 1) is passed through whole. When the prefill stream cannot be continued exactly (e.g.
+without KV (that pod computes what its own cache lacks). A prefill that ends the completion by itself (a
+stop after one token, or a client `max_tokens` of 1) is passed through whole. When the prefill stream cannot be continued exactly (e.g.
 `n` > 1) nothing is sent and the caller uses the unstreamed flow.
 """
 
