@@ -90,3 +90,26 @@ def test_an_eviction_reported_by_a_pod_ends_its_recent_routes():
     assert recent.match([b"r0"], ["pod-a"]) == {"pod-a": 1}  # a store says nothing about other prefixes
     exact.removed("pod-a", [b"e0"])
     assert recent.match([b"r0"], ["pod-a", "pod-b"]) == {"pod-a": 0, "pod-b": 1}
+
+
+def test_match_counts_each_endpoints_leading_run_over_random_holdings():
+    """Against the definition: endpoint e's count is the longest i such that it holds H[0..i-1]."""
+    import random
+
+    rng = random.Random(7)
+    hashes = block_hashes_for(list(range(16 * 12)), 16, EXTRA)
+    endpoints = [f"e{i}" for i in range(6)]
+    for _ in range(200):
+        idx = ExactPrefixIndex()
+        held = {e: {h for h in hashes if rng.random() < 0.85} for e in endpoints}
+        for e, blocks in held.items():
+            idx.stored(e, blocks)
+        expected = {}
+        for e in endpoints:
+            n = 0
+            while n < len(hashes) and hashes[n] in held[e]:
+                n += 1
+            expected[e] = n
+        asked = rng.sample(endpoints, rng.randint(1, len(endpoints)))
+        assert idx.match(hashes, asked) == {e: expected[e] for e in asked}
+        assert idx.match([], asked) == dict.fromkeys(asked, 0)
