@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -86,11 +87,16 @@ async def serve(
     announce: Callable[[str], None] = print,
     started: Callable[[str, web.Application], None] | None = None,
     config_path: str | None = None,
+    freeze_heap: bool = False,
 ) -> int:
     """Run until `stop` is set (SIGTERM/SIGINT set it too); returns the exit status.
 
     `started(url, app)` is called once the engine serves (in-process tests use it to find the port).
     With `config_path`, the file is watched and its live fields applied without a restart.
+    `freeze_heap` (the process serves nothing else): once the engine is loaded, everything built so far
+    — the model, every KV block object — is moved out of the cyclic garbage collector's reach. Otherwise
+    each full collection walks all of it, a pause of the engine thread that lands in some step's
+    inter-token latency; what requests allocate later is collected as usual.
     """
     if engine_factory is None:
         from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
@@ -134,6 +140,9 @@ async def serve(
             state.load_error = f"{type(e).__name__}: {e}"
             logger.exception("model failed to load")
             return 1
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()
         state.engine = engine
         state.kv_events = KVEventPump(engine)
         await state.kv_events.start()
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     try:
-        return uvloop.run(serve(config, announce=say, config_path=args.config))
+        return uvloop.run(serve(config, announce=say, config_path=args.config, freeze_heap=True))
     except ConfigError as e:
         print(f"tokenfleet serve: {e}", file=sys.stderr)
         return 2
