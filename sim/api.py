@@ -8,6 +8,7 @@ results = simulate(parse_config({"model": "8b", "fleet": {"gpu": "h100", "replic
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from tokenfleet.sim.config import SimConfig
@@ -38,15 +39,7 @@ def build_cost(config: SimConfig, model: ModelProfile) -> CostModel:
                 "fleet.cpu_profile", f"{path} does not exist: run `tokenfleet simulate calibrate` first"
             )
         base = LinearCost.load(Path(path), model)
-        return LinearCost(
-            base.base_s,
-            base.per_token_s,
-            base.per_seq_s,
-            base.per_sample_s,
-            base.per_attn_s,
-            fleet.cpu_kv_cache_gib * 2**30,
-            model,
-        )
+        return dataclasses.replace(base, kv_cache_bytes=fleet.cpu_kv_cache_gib * 2**30)
     return RooflineCost(gpu_profile(fleet.gpu, "fleet.gpu"), model, fleet.tp)
 
 

@@ -152,7 +152,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from tokenfleet.sim.api import DEFAULT_CPU_PROFILE
     from tokenfleet.sim.calibrate import calibrate
 
-    calibrate(args.out or DEFAULT_CPU_PROFILE, args.decode_steps)
+    calibrate(args.out or DEFAULT_CPU_PROFILE, args.decode_steps, args.via)
     return 0
 
 
@@ -184,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="time the real engine here and fit the cpu profile")
     cal.add_argument("--out", type=Path)
     cal.add_argument("--decode-steps", type=int, default=6)
+    cal.add_argument(
+        "--via",
+        choices=["server", "engine"],
+        default="server",
+        help="time steps through a real served pod (what clients see) or the bare engine in this process",
+    )
     args = parser.parse_args(argv)
     try:
         return {"run": _run, "plan": _plan, "calibrate": _calibrate}[args.command](args)

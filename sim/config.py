@@ -43,6 +43,12 @@ class FleetSpec(_Model):
     kv_cache: Literal["bfloat16", "fp8"] = "bfloat16"
     cpu_profile: Path | None = Field(None, description="`cpu`: the file `simulate calibrate` wrote.")
     cpu_kv_cache_gib: float = Field(1.0, gt=0, description="`cpu`: KV cache budget per replica.")
+    cpu_shared_host: bool = Field(
+        False,
+        description="`cpu`: every replica runs on this one machine (as pods of a single-node test do). "
+        "The profile times one engine alone, which takes all the cores: n engines computing at once "
+        "share them, so a step that starts while n - 1 others run lasts n times as long.",
+    )
     price_per_gpu_hour: float | None = Field(None, ge=0, description="USD; default: the GPU's table price.")
 
     @model_validator(mode="after")
@@ -53,6 +59,10 @@ class FleetSpec(_Model):
                 raise SimInputError("fleet.tp", f"{gpu.name} allows tp <= {gpu.max_tp}, got {self.tp}")
         elif self.tp != 1:
             raise SimInputError("fleet.tp", "the cpu profile has no tensor parallelism", "1")
+        if self.cpu_shared_host and self.gpu != "cpu":
+            raise SimInputError(
+                "fleet.cpu_shared_host", "only the cpu profile runs on a shared host", "false"
+            )
         return self
 
 

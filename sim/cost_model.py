@@ -66,6 +66,10 @@ def batch_shape(output) -> BatchShape:
 
 class CostModel(Protocol):
     name: str
+    # What serving adds to every request outside the engine's steps (HTTP, validation, the router and
+    # pod hops, the engine loop picking it up, the first event's way back): a request reaches its
+    # replica this long after it arrived.
+    request_overhead_s: float
 
     def step_seconds(self, shape: BatchShape) -> float: ...
 
@@ -79,6 +83,7 @@ class RooflineCost:
     tp: int = 1
     efficiency: Efficiency = DEFAULT_EFFICIENCY
     gpu_memory_utilization: float = 0.9
+    request_overhead_s: float = 0.0  # a GPU fleet's network and HTTP hops are small against its SLOs
     # Per-step constants, derived once (a simulated hour is millions of steps).
     _k: tuple = field(init=False, repr=False, compare=False, default=())
 
@@ -133,8 +138,25 @@ class RooflineCost:
 
 
 @dataclass(frozen=True, slots=True)
+class CoreUsage:
+    """How many of the host's cores one engine keeps busy (CPU time over wall time, measured): with
+    several engines on one host, steps stretch once their demand exceeds the cores."""
+
+    host_cores: int
+    prefill: float  # while a step holds prompt tokens
+    decode: float  # while every sequence decodes
+
+    def of(self, shape: BatchShape) -> float:
+        return self.decode if shape.num_tokens == shape.num_seqs else self.prefill
+
+
+@dataclass(frozen=True, slots=True)
 class LinearCost:
-    """step = base + per_token x tokens + per_seq x seqs + per_sample x samples + per_attn x attention work."""
+    """step = base + per_token x tokens + per_seq x seqs + per_sample x samples + per_attn x attention work
+    + per_kv_read x context read (the cached KV a step gathers: what a prefix hit still costs).
+
+    `request_overhead_s`: fitted only from timings taken through a served pod (a client's time to first
+    token is overhead + one prefill step; its later gaps are steps alone)."""
 
     base_s: float
     per_token_s: float
@@ -144,6 +166,9 @@ class LinearCost:
     kv_cache_bytes: float
     model: ModelProfile
     name: str = "cpu"
+    request_overhead_s: float = 0.0
+    cores: CoreUsage | None = None  # measured by a served calibration
+    per_kv_read_s: float = 0.0
 
     def step_seconds(self, shape: BatchShape) -> float:
         if shape.num_seqs == 0:
@@ -154,6 +179,7 @@ class LinearCost:
             + self.per_seq_s * shape.num_seqs
             + self.per_sample_s * shape.num_samples
             + self.per_attn_s * shape.attn_work
+            + self.per_kv_read_s * shape.kv_read_tokens
         )
         return max(t, self.base_s)
 
@@ -162,7 +188,7 @@ class LinearCost:
 
     def to_json(self) -> str:
         data = asdict(self)
-        data["model"] = self.model.name
+        data["model"] = self.model.name  # asdict made `cores` a plain dict
         return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
@@ -170,6 +196,8 @@ class LinearCost:
         try:
             data = json.loads(Path(path).read_text())
             data["model"] = model
+            if data.get("cores") is not None:
+                data["cores"] = CoreUsage(**data["cores"])
             return cls(**data)
         except (OSError, json.JSONDecodeError, TypeError) as e:
             raise SimInputError(

@@ -33,7 +33,7 @@ from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.errors import InvalidRequest
-from tokenfleet.sim.cost_model import CostModel, batch_shape
+from tokenfleet.sim.cost_model import CoreUsage, CostModel, batch_shape
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.workload import SimRequest
 
@@ -82,6 +82,7 @@ class SimReplica:
         config: ReplicaConfig,
         clock: Callable[[], float],
         on_first_token: Callable[[float], None],
+        shared_host: CoreUsage | None = None,
     ) -> None:
         num_blocks = cost.num_kv_blocks(config.block_size)
         if num_blocks < 1:
@@ -91,6 +92,8 @@ class SimReplica:
             )
         self.name = name
         self.cost = cost
+        self.shared_host = shared_host
+        self.step_cores = 0.0  # cores the step in flight keeps busy (shared host only)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -178,8 +181,13 @@ class SimReplica:
 
     # ---- the step -------------------------------------------------------------------------------------
 
-    def start_step(self, now: float) -> float | None:
-        """Schedule a step at `now`; its duration, or None when there is nothing to run."""
+    def start_step(self, now: float, others_cores: float = 0.0) -> float | None:
+        """Schedule a step at `now`; its duration, or None when there is nothing to run.
+
+        On a shared host (`shared_host`: the engine's measured core usage) `others_cores` are the cores the
+        other engines' steps in flight keep busy; once the demand exceeds the host's cores every engine
+        gets its share, and this step stretches by demand / cores (fixed at its start).
+        """
         scheduler = self.scheduler
         num_before = len(scheduler.running)
         output = scheduler.schedule()
@@ -204,6 +212,10 @@ class SimReplica:
         shape = batch_shape(output)
         self._all_sample = shape.num_samples == shape.num_seqs
         duration = self.cost.step_seconds(shape)
+        shared = self.shared_host
+        if shared is not None:
+            self.step_cores = shared.of(shape)
+            duration *= max(1.0, (others_cores + self.step_cores) / shared.host_cores)
         self.busy_seconds += duration
         self.num_steps += 1
         return duration

@@ -4,7 +4,8 @@ virtual clock.
 Events are (time, sequence number, kind, payload) in a heap; the sequence number makes equal-time events
 run in the order they were scheduled, so a run is a pure function of its config and seed. Each replica
 steps back to back while it has work (an engine loop), waking when a request arrives. The router picks a
-Ready replica for every arrival; KV events reach its prefix index at the end of the step that caused them
+Ready replica for every arrival, which the request reaches the cost model's `request_overhead_s` later
+(what serving adds outside the engine's steps: fitted for a served `cpu` profile); KV events reach its prefix index at the end of the step that caused them
 (the pod publishes after every step and the router long-polls), load reports every `probe_interval_s`.
 Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample per replica and sets the
 count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
@@ -13,27 +14,51 @@ what they hold and then leave (a lossless scale-down).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.server.metrics import TTFT_BUCKETS
 from tokenfleet.sim.config import SimConfig
-from tokenfleet.sim.cost_model import CostModel
+from tokenfleet.sim.cost_model import CoreUsage, CostModel
+from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.handoff import Handoff, KVHandoffs
 from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
 from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
-ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF = range(8)
+ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER = range(9)
+
+# Allocations between young-generation collections during a run (CPython's default is 700). A step of a
+# 16-replica fleet allocates thousands of short-lived objects that reference counting frees; at the default
+# the collector ran every few steps and, through the older generations, walked the whole heap (every
+# replica's KV blocks), a fifth of the run's CPU time.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+@contextmanager
+def _long_lived_heap():
+    """Freeze what exists now (the fleet's KV blocks, the workload) out of the cyclic collector's walks and
+    collect young objects rarely, for the duration of a run; the process's settings are restored after."""
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 class _Pod:
-    __slots__ = ("created", "draining", "ready", "replica", "retired", "role", "tokens")
+    __slots__ = ("created", "draining", "inbound", "ready", "replica", "retired", "role", "tokens")
 
     def __init__(self, replica: SimReplica, created: float, ready: bool, role: str = "both") -> None:
         self.replica = replica
@@ -42,6 +67,7 @@ class _Pod:
         self.ready = ready
         self.draining = False
         self.retired: float | None = None
+        self.inbound = 0  # routed here, still on their way (the cost model's request overhead)
         self.tokens: deque[tuple[float, int]] = deque()  # (time, generated total) for the tokens/s window
 
 
@@ -86,6 +112,15 @@ class Simulation:
                 config.disaggregation, kv_bytes_per_token, config.block_size, config.fleet.tp, self.clock
             )
         self._pending_handoffs = 0
+        self._shared_host: CoreUsage | None = None
+        if config.fleet.cpu_shared_host:
+            self._shared_host = getattr(cost, "cores", None)
+            if self._shared_host is None:
+                raise SimInputError(
+                    "fleet.cpu_shared_host",
+                    "the cpu profile does not say how many cores its engine keeps busy",
+                    "a profile from `tokenfleet simulate calibrate --via server`",
+                )
         self._phases: dict[str, RequestRecord] = {}  # request id -> its prefill record, while it decodes
         # Called at each timeline tick with the virtual time (the speed experiment reads the CPU clock there).
         self.on_tick: Callable[[float], None] | None = None
@@ -100,7 +135,9 @@ class Simulation:
 
     def _add_pod(self, ready: bool, role: str = "both") -> _Pod:
         name = f"replica-{next(self._names)}" if role == "both" else f"{role}-{next(self._names)}"
-        replica = SimReplica(name, self.cost, self.replica_config, self.clock, self.collector.first_token)
+        replica = SimReplica(
+            name, self.cost, self.replica_config, self.clock, self.collector.first_token, self._shared_host
+        )
         pod = _Pod(replica, self.now, ready, role)
         self.pods[name] = pod
         if ready:
@@ -113,7 +150,13 @@ class Simulation:
         return [p for p in self.pods.values() if p.retired is None and not p.draining]
 
     def _retire_if_idle(self, pod: _Pod) -> None:
-        if pod.draining and pod.retired is None and not pod.replica.has_work() and not pod.replica.busy:
+        if (
+            pod.draining
+            and pod.retired is None
+            and not pod.inbound
+            and not pod.replica.has_work()
+            and not pod.replica.busy
+        ):
             pod.retired = self.now
 
     def _scale_to(self, target: int, reason: str) -> None:
@@ -177,6 +220,18 @@ class Simulation:
             self._pending_handoffs += 1
             self._push(self.now + duration, HANDOFF, handoff)
             return
+        if self.cost.request_overhead_s > 0:
+            pod.inbound += 1
+            self._push(self.now + self.cost.request_overhead_s, DELIVER, (sreq, pod, role))
+            return
+        self._add_to_replica(sreq, pod, role)
+
+    def _on_deliver(self, item: tuple[SimRequest, _Pod, str]) -> None:
+        sreq, pod, role = item
+        pod.inbound -= 1
+        self._add_to_replica(sreq, pod, role)
+
+    def _add_to_replica(self, sreq: SimRequest, pod: _Pod, role: str) -> None:
         record = pod.replica.add(sreq, self.now, max_tokens=1 if role == "prefill" else None)
         self._admitted(record, pod)
 
@@ -204,7 +259,10 @@ class Simulation:
 
     def _start_step(self, pod: _Pod) -> None:
         replica = pod.replica
-        duration = replica.start_step(self.now)
+        others = 0.0
+        if self._shared_host is not None:  # engines computing at once share the host's cores
+            others = sum(p.replica.step_cores for p in self.pods.values() if p.replica.busy and p is not pod)
+        duration = replica.start_step(self.now, others)
         if duration is not None:
             if replica.announced:  # published before the forward: the router knows while it runs
                 for ev in replica.announced:
@@ -346,7 +404,9 @@ class Simulation:
         ):
             return False
         return not any(
-            p.replica.busy or p.replica.has_work() for p in self.pods.values() if p.retired is None
+            p.replica.busy or p.replica.has_work() or p.inbound
+            for p in self.pods.values()
+            if p.retired is None
         )
 
     def run(self):
@@ -355,6 +415,10 @@ class Simulation:
         for i in range(cfg.fleet.replicas):
             role = "both" if cfg.disaggregation is None else "prefill" if i < num_prefill else "decode"
             self._add_pod(ready=True, role=role)
+        with _long_lived_heap():
+            return self._run_events(cfg)
+
+    def _run_events(self, cfg: SimConfig):
         self._next_arrival()
         self._push(0.0, PROBE)
         if cfg.autoscaling is not None:
@@ -371,6 +435,7 @@ class Simulation:
             READY: self._on_ready,
             TICK: self._on_tick,
             HANDOFF: self._on_handoff,
+            DELIVER: self._on_deliver,
         }
         heap = self._heap
         pop = heapq.heappop

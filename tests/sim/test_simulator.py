@@ -290,3 +290,38 @@ def test_tensor_parallel_decode_pods_compute_the_prompt_themselves():
     dis = r["disaggregation"]
     assert r["requests"]["finished"] == r["requests"]["arrived"]
     assert dis["blocks_sent"] == 0 and dis["fallbacks_to_recompute"] == dis["transfers"] > 0
+
+
+def test_request_overhead_delays_every_request_by_exactly_that_and_loses_none(tmp_path):
+    """A served profile's per-request overhead: an isolated request's TTFT and E2E grow by exactly it;
+    under load nothing is lost, and a fleet scaled down while requests are on their way still serves them."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"t": i * 5.0, "prompt_tokens": 100, "output_tokens": 10} for i in range(4)]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    model = model_profile("8b")
+    fast = LinearCost(0.01, 1e-4, 1e-3, 0.0, 0.0, kv_cache_bytes=2**34, model=model)
+    slow = LinearCost(0.01, 1e-4, 1e-3, 0.0, 0.0, kv_cache_bytes=2**34, model=model, request_overhead_s=0.05)
+    config = parse_config(small(fleet={"replicas": 1}, trace=str(trace)))
+    a, b = simulate(config, cost=fast)["latency_s"], simulate(config, cost=slow)["latency_s"]
+    for figure in ("ttft", "e2e"):
+        assert abs(b[figure]["p50"] - a[figure]["p50"] - 0.05) < 1e-6
+    assert abs(b["tpot"]["p50"] - a["tpot"]["p50"]) < 1e-9
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targets": {"waitingRequestsPerReplica": 2},
+        "scaleDown": {"stabilizationWindowSeconds": 5, "maxStep": 2, "cooldownSeconds": 2},
+    }
+    busy = parse_config(
+        small(
+            fleet={"replicas": 1},
+            autoscaling=autoscaling,
+            autoscale_interval_s=1,
+            cold_start_s=2,
+            run_until_s=120,
+            workload={"rate": 200, "duration_s": 10, "output_tokens": 50},
+        )
+    )
+    r = simulate(busy, cost=LinearCost(0.01, 1e-4, 1e-3, 0.0, 0.0, 2**34, model, request_overhead_s=0.2))
+    assert [e for e in r["fleet"]["scale_events"] if e[2] < e[1]]  # it did scale down
+    assert r["requests"]["unfinished"] == 0 and r["requests"]["finished"] == r["requests"]["arrived"]

@@ -1,0 +1,155 @@
+"""Real `tokenfleet serve` pods of the default model on this machine, for measuring what the simulator models.
+
+Used by the served calibration (calibrate.py) and the fidelity harness (fidelity.py): start a pod as its
+own process, wait until it is Ready, stream one completion of exact token ids and time it as a client does
+(arrival of every streamed event), stop the pod without leaving a process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pod(tmp: Path, port: int, num_blocks: int, scheduler: dict | None = None) -> subprocess.Popen:
+    import yaml
+
+    cfg = {
+        "model": {"model": MODEL},
+        "cache": {"num_blocks": num_blocks},
+        "server": {"host": "127.0.0.1", "port": port},
+    }
+    if scheduler:
+        cfg["scheduler"] = scheduler
+    path = tmp / f"pod-{port}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
+    with open(tmp / f"pod-{port}.log", "w") as log:
+        # cwd: never the repo root, whose `operator/` folder would shadow the stdlib module.
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process (all its threads) has used so far: user + system, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_pods(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_ready(session, url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pod {url} exited ({proc.returncode}); see its log")
+        try:
+            async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"pod {url} not ready after {timeout} s")
+
+
+@contextlib.asynccontextmanager
+async def real_router(urls: list[str], routing: str = "round-robin"):
+    """The real router (in this process) in front of `urls`, once it follows every pod's KV events: its URL."""
+    from aiohttp import web
+    from tokenfleet.runtime.router.app import ROUTER, build_app
+    from tokenfleet.runtime.router.config import RouterConfig
+    from tokenfleet.runtime.router.main import load_tokenizer
+
+    tokenizer = await asyncio.to_thread(load_tokenizer, MODEL)
+    cfg = RouterConfig.model_validate(
+        {
+            "port": 0,
+            "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(urls)],
+            "routing": {
+                "strategy": routing,
+                "retries": {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900},
+            },
+            "discovery": {"kvEvents": True, "probeIntervalSeconds": 0.5},
+        }
+    )
+    app = build_app(cfg, lambda source: tokenizer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await app[ROUTER].tokenizers_loaded()
+        fleet = app[ROUTER].fleet
+        while not all(fleet.kv_events_live().values()):
+            await asyncio.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class StreamTiming:
+    """One streamed completion as its client saw it (seconds since the request was sent)."""
+
+    status: int = 0
+    token_times: list[float] = field(default_factory=list)  # arrival of each event carrying a token
+    e2e: float | None = None
+    cached_tokens: int = 0  # prompt tokens the pod served from its prefix cache (the usage event)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+async def stream_completion(
+    session, url: str, prompt: list[int], max_tokens: int, timing: StreamTiming
+) -> None:
+    """POST a streamed completion of exact token ids (`ignore_eos`, greedy) and time every event."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as r:
+        timing.status = r.status
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"usage"' in line and b'"choices":[]' in line:
+                details = json.loads(line[6:])["usage"].get("prompt_tokens_details") or {}
+                timing.cached_tokens = details.get("cached_tokens") or 0
+            elif b'"choices"' in line:
+                timing.token_times.append(time.perf_counter() - t0)
+    timing.e2e = time.perf_counter() - t0
