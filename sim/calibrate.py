@@ -135,7 +135,8 @@ def measure(decode_steps: int = 6, log=print) -> list[Timed]:
 
 
 def measure_served(decode_tokens: int = 12, log=print) -> tuple[list[Timed], CoreUsage]:
-    """The same steps as `measure`, through a real `tokenfleet serve` pod, timed by a streaming client."""
+    """The same steps as `measure`, through real `tokenfleet serve` pods, timed by a streaming client;
+    also how much two engines on this host slow each other."""
     return asyncio.run(_measure_served(decode_tokens, log))
 
 

@@ -4,7 +4,7 @@
     tokenfleet simulate run --config fleet.yaml
     tokenfleet simulate run --model 8b --gpu h100 --replicas 8 --prefill-replicas 3 --rate 60
     tokenfleet simulate plan --model 70b --rate 30 --slo-ttft 2 --slo-tpot 0.05 --gpus h100,h200,a100 --tp 1,2,4,8
-    tokenfleet simulate calibrate [--out PATH]
+    tokenfleet simulate calibrate [--out PATH] [--via server|engine]
 
 Flags override the `--config` file. Bad input exits with status 2 and one line naming the field.
 """

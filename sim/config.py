@@ -46,8 +46,8 @@ class FleetSpec(_Model):
     cpu_shared_host: bool = Field(
         False,
         description="`cpu`: every replica runs on this one machine (as pods of a single-node test do). "
-        "The profile times one engine alone, which takes all the cores: n engines computing at once "
-        "share them, so a step that starts while n - 1 others run lasts n times as long.",
+        "The profile times one engine alone; engines computing at once share the cores, so a step that "
+        "starts while others run stretches by their measured core demand over the host's cores.",
     )
     price_per_gpu_hour: float | None = Field(None, ge=0, description="USD; default: the GPU's table price.")
 

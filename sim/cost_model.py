@@ -139,8 +139,9 @@ class RooflineCost:
 
 @dataclass(frozen=True, slots=True)
 class CoreUsage:
-    """How many of the host's cores one engine keeps busy (CPU time over wall time, measured): with
-    several engines on one host, steps stretch once their demand exceeds the cores."""
+    """How many of the host's cores one engine effectively keeps busy, from the measured slowdown of two
+    engines computing at once (calibrate.py): with several engines on one host, steps stretch once their
+    demand exceeds the cores."""
 
     host_cores: int
     prefill: float  # while a step holds prompt tokens

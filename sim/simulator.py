@@ -5,8 +5,10 @@ Events are (time, sequence number, kind, payload) in a heap; the sequence number
 run in the order they were scheduled, so a run is a pure function of its config and seed. Each replica
 steps back to back while it has work (an engine loop), waking when a request arrives. The router picks a
 Ready replica for every arrival, which the request reaches the cost model's `request_overhead_s` later
-(what serving adds outside the engine's steps: fitted for a served `cpu` profile); KV events reach its prefix index at the end of the step that caused them
-(the pod publishes after every step and the router long-polls), load reports every `probe_interval_s`.
+(what serving adds outside the engine's steps: fitted for a served `cpu` profile); KV events reach the
+router's prefix index at the end of the step that caused them (the pod publishes after every step and the
+router long-polls), load reports every `probe_interval_s`. With `fleet.cpu_shared_host` the replicas share
+one host's cores: a step stretches by the demand of the engines computing when it starts.
 Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample per replica and sets the
 count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
 what they hold and then leave (a lossless scale-down).
