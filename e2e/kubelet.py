@@ -260,6 +260,11 @@ class Kubelet:
         leases = asyncio.create_task(self.keep_leases())
         try:
             while not stop.is_set():
+                if not _alive(self.owner_pid):
+                    # The test session died without stopping us (SIGKILL, a crash): end the pods rather
+                    # than leave them, and ourselves, running with no one to stop them.
+                    log.warning("owner process %d is gone: stopping every pod", self.owner_pid)
+                    break
                 try:
                     await self.sync_once()
                 except (ApiError, OSError, TimeoutError) as e:
@@ -271,6 +276,16 @@ class Kubelet:
             for worker, task in list(self.workers.values()):
                 task.cancel()
                 await worker.cleanup()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- the process
