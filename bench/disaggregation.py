@@ -31,10 +31,10 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from pods import free_port, start_pod, wait_ready
 from tokenfleet.runtime.router.app import ROUTER, build_app
 from tokenfleet.runtime.router.config import RouterConfig
 from tokenfleet.runtime.router.main import load_tokenizer
+from tokenfleet.sim.real_pod import free_port, start_pod, wait_ready
 
 MODEL = "smollm2-135m-instruct"
 WORDS = [
