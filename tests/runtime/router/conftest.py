@@ -48,6 +48,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (  # noqa: E402
 )
 from tokenfleet.runtime.kv_wire import LoadReport  # noqa: E402
 from tokenfleet.runtime.model.tokenizer import Tokenizer  # noqa: E402
+from tokenfleet.runtime.router.app import ROUTER  # noqa: E402
 from tokenfleet.runtime.router.prompt_blocks import prompt_token_ids  # noqa: E402
 from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes  # noqa: E402
 from tokenizers import models, pre_tokenizers  # noqa: E402
@@ -242,6 +243,21 @@ async def until(cond, timeout: float = 5.0, step: float = 0.02) -> None:
 @pytest.fixture
 def wait_until():
     return until
+
+
+async def until_in_rotation(app: web.Application, count: int, timeout: float = 60.0) -> None:
+    """Wait until the router `app` has `count` endpoints, all taking requests.
+
+    An endpoint starts out of rotation until its first probe answers; requests sent before that all go
+    to the endpoints already in, which a test spreading requests over several pods must not race."""
+    fleet = app[ROUTER].fleet
+    eps = fleet.endpoints.by_id
+    await until(lambda: len(eps) == count and all(map(fleet.available, eps.values())), timeout, 0.05)
+
+
+@pytest.fixture
+def in_rotation():
+    return until_in_rotation
 
 
 @pytest.fixture

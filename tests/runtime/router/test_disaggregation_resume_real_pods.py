@@ -97,7 +97,7 @@ def _total(counter) -> float:
     return sum(x.value for m in counter.collect() for x in m.samples if x.name.endswith("_total"))
 
 
-async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serve_app):
+async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serve_app, in_rotation):
     (p_url, _), (d1_url, _), (d2_url, d2_proc) = pods
     reqs = _requests()
     app = _router_app(p_url, [d1_url, d2_url])
@@ -105,6 +105,7 @@ async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serv
         plain = await asyncio.gather(*(_plain(s, p_url, path, body) for path, body in reqs))
         async with serve_app(app) as router_url:
             await app[ROUTER].tokenizers_loaded()
+            await in_rotation(app, 3)
             progressed = [asyncio.Event() for _ in reqs]
             tasks = [
                 asyncio.create_task(_stream(s, router_url, path, body, e))

@@ -134,13 +134,14 @@ def _check_unbroken(records: list[dict], refs: list[dict], reqs: list[tuple[str,
         assert got["usage"]["completion_tokens"] == ref["completion_tokens"]
 
 
-async def test_a_pod_killed_mid_stream_is_invisible_to_clients(pods, real_tokenizer, serve_app):
+async def test_a_pod_killed_mid_stream_is_invisible_to_clients(pods, real_tokenizer, serve_app, in_rotation):
     (url_a, proc_a), (url_b, _), (url_ref, _) = pods
     reqs = _requests()
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
         refs = await asyncio.gather(*(_reference(s, url_ref, p, b) for p, b in reqs))
         app = _router_app([url_a, url_b], real_tokenizer)
         async with serve_app(app) as router_url:
+            await in_rotation(app, 2)
             records = [{} for _ in reqs]
             progressed = [asyncio.Event() for _ in reqs]
             tasks = [
@@ -160,7 +161,7 @@ async def test_a_pod_killed_mid_stream_is_invisible_to_clients(pods, real_tokeni
     assert _total(metrics.resume_recomputed_tokens) > 0
 
 
-async def test_a_draining_pod_hands_its_streams_back(pods, real_tokenizer, serve_app):
+async def test_a_draining_pod_hands_its_streams_back(pods, real_tokenizer, serve_app, in_rotation):
     (_, _), (url_b, _), (url_c, proc_c) = pods
     # Long enough to outlive the drain deadline: two greedy completions, two seeded chats.
     reqs = [(p, {**b, "max_tokens": 64}) for p, b in _requests()[:4]]
@@ -168,6 +169,7 @@ async def test_a_draining_pod_hands_its_streams_back(pods, real_tokenizer, serve
         refs = await asyncio.gather(*(_reference(s, url_b, p, b) for p, b in reqs))
         app = _router_app([url_b, url_c], real_tokenizer)
         async with serve_app(app) as router_url:
+            await in_rotation(app, 2)
             records = [{} for _ in reqs]
             progressed = [asyncio.Event() for _ in reqs]
             tasks = [
