@@ -34,11 +34,8 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
-from tokenfleet.runtime.router.app import ROUTER, build_app
-from tokenfleet.runtime.router.config import RouterConfig
 from tokenfleet.runtime.router.main import load_tokenizer
-from tokenfleet.sim.real_pod import free_port, start_pod, wait_ready
+from tokenfleet.sim.real_pod import free_port, real_router, start_pod, wait_ready
 
 MODEL = "smollm2-135m-instruct"
 WORDS = [
@@ -140,27 +137,7 @@ async def one_request(session, url, system, user, max_tokens, record) -> None:
 
 async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> dict:
     routing, kv_events = STRATEGIES[name]
-    cfg = RouterConfig.model_validate(
-        {
-            "port": 0,
-            "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(pod_urls)],
-            # On a shared CPU machine a queued prefill can leave a stream silent for minutes: not a failure.
-            "routing": {**routing, "retries": {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900}},
-            "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": 0.2},
-        }
-    )
-    app = build_app(cfg, lambda source: tokenizer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await app[ROUTER].tokenizers_loaded()
-        if kv_events:  # the exact index needs the pods' streams live before the first request
-            fleet = app[ROUTER].fleet
-            while not all(fleet.kv_events_live().values()):
-                await asyncio.sleep(0.1)
+    async with real_router(pod_urls, routing, kv_events, probe_interval=0.2) as url:
         rng = random.Random(f"{args.seed}-{name}")
         systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in range(args.tenants)]
         before = [await pod_counters(session, u) for u in pod_urls]
@@ -177,8 +154,6 @@ async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> di
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         after = [await pod_counters(session, u) for u in pod_urls]
-    finally:
-        await runner.cleanup()
     ok = [r for r in records if r.get("status") == 200 and "ttft" in r]
     ttfts = sorted(r["ttft"] for r in ok)
     per_pod = Counter(r["endpoint"] for r in ok)

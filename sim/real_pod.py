@@ -1,8 +1,9 @@
 """Real `tokenfleet serve` pods of the default model on this machine, for measuring what the simulator models.
 
-Used by the served calibration (calibrate.py) and the fidelity harness (fidelity.py): start a pod as its
-own process, wait until it is Ready, stream one completion of exact token ids and time it as a client does
-(arrival of every streamed event), stop the pod without leaving a process behind.
+Used by the served calibration (calibrate.py), the fidelity harness (fidelity.py) and bench/routing.py:
+start a pod as its own process, wait until it is Ready, put the real router in front of pods, stream one
+completion of exact token ids and time it as a client does (arrival of every streamed event), stop the pod
+without leaving a process behind.
 """
 
 from __future__ import annotations
@@ -80,23 +81,29 @@ async def wait_ready(session, url: str, proc: subprocess.Popen, timeout: float =
 
 
 @contextlib.asynccontextmanager
-async def real_router(urls: list[str], routing: str = "round-robin"):
-    """The real router (in this process) in front of `urls`, once it follows every pod's KV events: its URL."""
+async def real_router(
+    urls: list[str], routing: str | dict = "round-robin", kv_events: bool = True, probe_interval: float = 0.5
+):
+    """The real router (in this process) in front of `urls`: its URL, once every pod is in rotation (and,
+    with `kv_events`, its KV-event stream is followed). `routing`: a strategy name or a whole routing spec.
+
+    Endpoints start out of rotation until their first probe answers: requests sent before that would all
+    go to the pods probed first, which no routing strategy would choose."""
     from aiohttp import web
     from tokenfleet.runtime.router.app import ROUTER, build_app
     from tokenfleet.runtime.router.config import RouterConfig
     from tokenfleet.runtime.router.main import load_tokenizer
 
     tokenizer = await asyncio.to_thread(load_tokenizer, MODEL)
+    spec = {"strategy": routing} if isinstance(routing, str) else dict(routing)
+    # On a shared CPU machine a queued prefill can leave a stream silent for minutes: not a failure.
+    spec["retries"] = {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900}
     cfg = RouterConfig.model_validate(
         {
             "port": 0,
             "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(urls)],
-            "routing": {
-                "strategy": routing,
-                "retries": {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900},
-            },
-            "discovery": {"kvEvents": True, "probeIntervalSeconds": 0.5},
+            "routing": spec,
+            "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": probe_interval},
         }
     )
     app = build_app(cfg, lambda source: tokenizer)
@@ -107,7 +114,15 @@ async def real_router(urls: list[str], routing: str = "round-robin"):
     try:
         await app[ROUTER].tokenizers_loaded()
         fleet = app[ROUTER].fleet
-        while not all(fleet.kv_events_live().values()):
+        endpoints = fleet.endpoints.by_id
+        deadline = time.monotonic() + 120.0
+        while not (
+            len(endpoints) == len(urls)
+            and all(map(fleet.available, endpoints.values()))
+            and (not kv_events or all(fleet.kv_events_live().values()))
+        ):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router did not take every pod into rotation: {list(endpoints)}")
             await asyncio.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import aiohttp
 import pytest
 import torch
 import yaml
+from tokenfleet.sim.real_pod import wait_ready
 
 
 @pytest.fixture(scope="session")
@@ -83,22 +83,6 @@ def _spawn_pod(tmp: Path, port: int, num_blocks: int, server: dict) -> subproces
         )
 
 
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pod {url} exited with {proc.returncode}")
-            try:
-                async with s.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(1.0)
-    raise TimeoutError(f"pod {url} not ready in {timeout}s")
-
-
 @contextlib.contextmanager
 def _real_pods(
     tmp: Path, count: int, num_blocks: int = 256, timeout: float = 600.0, **server
@@ -110,7 +94,10 @@ def _real_pods(
     try:
 
         async def all_ready() -> None:
-            await asyncio.gather(*(_wait_ready(u, p, timeout) for u, p in zip(urls, procs, strict=True)))
+            async with aiohttp.ClientSession() as s:
+                await asyncio.gather(
+                    *(wait_ready(s, u, p, timeout) for u, p in zip(urls, procs, strict=True))
+                )
 
         asyncio.run(all_ready())
         yield list(zip(urls, procs, strict=True))
