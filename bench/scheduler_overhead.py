@@ -98,9 +98,13 @@ def calibration_us(number: int = 2000) -> float:
     return 1e6 * timeit.timeit("sum(range(1000))", number=number, timer=time.process_time) / number
 
 
-def run(num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True) -> float:
+def run(
+    num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True, gc_young: int | None = None
+) -> float:
     """Measure one configuration, print it; the normalised CPU ms per step.
 
+    `gc_young`: allocations between young-generation collections (None: the process's setting, CPython's
+    700 as `tokenfleet serve` runs; the simulator runs its replicas with `GC_YOUNG_THRESHOLD`).
     `gc_freeze`: move everything built so far (KV blocks, requests) out of the collector's reach, as
     `tokenfleet serve` does once its engine is loaded, so that only what the steps allocate is collected.
     """
@@ -112,6 +116,9 @@ def run(num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True) -> f
     if gc_freeze:
         gc.collect()
         gc.freeze()
+    threshold = gc.get_threshold()
+    if gc_young is not None:
+        gc.set_threshold(gc_young, *threshold[1:])
     walls, cpus, sched_cpus, update_cpus = [], [], [], []
     gc_timer = GCTimer()
     gc_timer.active = True
@@ -128,6 +135,7 @@ def run(num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True) -> f
         update_cpus.append(update_cpu)
     gc_timer.active = False
     gc_timer.close()
+    gc.set_threshold(*threshold)
     if gc_freeze:
         gc.unfreeze()
     walls.sort()
@@ -146,7 +154,8 @@ def run(num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True) -> f
         f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)"
         f"  = schedule {sched_ms:.3f} + update {update_ms:.3f}\n"
         f"  wall mean {wall_ms:.3f} ms/step  p50 {p50_ms:.3f}  p99 {p99_ms:.3f}\n"
-        f"  of which garbage collection {gc_ms:.3f} ms/step (wall; heap frozen after setup: {gc_freeze}; "
+        f"  of which garbage collection {gc_ms:.3f} ms/step (wall; heap frozen after setup: {gc_freeze}, young threshold "
+        f"{gc_young or threshold[0]}; "
         f"collections gen0/1/2: "
         f"{'/'.join(str(c) for c in gc_timer.counts)})\n"
         f"  calibration (interleaved): sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
@@ -169,9 +178,15 @@ def main() -> None:
         help="leave the heap built at setup to the collector (the default freezes it, as `tokenfleet serve` "
         "does once its engine is loaded)",
     )
+    parser.add_argument(
+        "--gc-young",
+        type=int,
+        help="young-generation threshold of the collector during the steps (default: the process's; the "
+        "simulator runs with tokenfleet.sim.simulator.GC_YOUNG_THRESHOLD)",
+    )
     args = parser.parse_args()
     for num_seqs in args.seqs:
-        run(num_seqs, args.steps, args.block_size, args.gc_freeze)
+        run(num_seqs, args.steps, args.block_size, args.gc_freeze, args.gc_young)
 
 
 if __name__ == "__main__":

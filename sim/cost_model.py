@@ -113,7 +113,7 @@ class RooflineCost:
 
     @property
     def name(self) -> str:
-        return f"{self.gpu.name}x{self.tp}"
+        return f"{self.gpu.name} tp{self.tp}"
 
     def step_seconds(self, shape: BatchShape) -> float:
         if shape.num_seqs == 0:

@@ -108,14 +108,21 @@ class Collector:
         if not count:
             return _pcts([])
         keys = sorted(bins)
+
+        def center(k: int) -> float:
+            return math.exp((k + 0.5) * _LOG_BIN)
+
         out = {}
         for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
             rank, seen = q * count, 0
             for k in keys:
                 seen += bins[k]
                 if seen >= rank:
-                    out[name] = _r(math.exp((k + 0.5) * _LOG_BIN))
+                    out[name] = _r(center(k))
                     break
+        # Mean and max from the bins too: within 0.5% of the exact figures, like the percentiles.
+        out["mean"] = _r(sum(n * center(k) for k, n in bins.items()) / count)
+        out["max"] = _r(center(keys[-1]))
         return out
 
     @staticmethod
