@@ -14,8 +14,16 @@ import aiohttp
 import pytest
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
-# Six tenants, uneven (weights 6:4:3:2:2:1), in a fixed interleaving.
-TENANTS = [t for rnd in range(6) for t, n in enumerate((6, 4, 3, 2, 2, 1)) if rnd < n]
+WEIGHTS = (6, 4, 3, 2, 2, 1)
+
+
+def tenant_mix(weights: tuple[int, ...]) -> list[int]:
+    """Tenants in a fixed interleaving, tenant t appearing weights[t] times."""
+    return [t for rnd in range(max(weights)) for t, n in enumerate(weights) if rnd < n]
+
+
+# Six tenants, uneven (weights 6:4:3:2:2:1).
+TENANTS = tenant_mix(WEIGHTS)
 
 
 def chat(tenant: int, user: str) -> dict:
@@ -27,7 +35,9 @@ def chat(tenant: int, user: str) -> dict:
     }
 
 
-async def _run(router_urls: list[str], rounds: int = 3, spacing: float = 0.1) -> None:
+async def _run(
+    router_urls: list[str], rounds: int = 3, spacing: float = 0.1, tenants: list[int] = TENANTS
+) -> None:
     """Send the tenant mix `rounds` times, alternating over the routers, a request every `spacing` s (far
     less than a prefill takes, so the pods' stored blocks always lag behind the routing; far more than a
     loopback event poll takes, so what is announced is known before the next request)."""
@@ -41,13 +51,21 @@ async def _run(router_urls: list[str], rounds: int = 3, spacing: float = 0.1) ->
 
         tasks = []
         for k in range(rounds):
-            for i, tenant in enumerate(TENANTS):
+            for i, tenant in enumerate(tenants):
                 tasks.append(asyncio.create_task(one(next(urls), chat(tenant, f"w{1000 + k * 100 + i}"))))
                 await asyncio.sleep(spacing)
         await asyncio.gather(*tasks)
 
 
-async def _hit_rate(serve_app, start_router, make_pod, wait_until, num_routers: int, announce: bool) -> float:
+async def _hit_rate(
+    serve_app,
+    start_router,
+    make_pod,
+    wait_until,
+    num_routers: int,
+    announce: bool,
+    tenants: list[int] = TENANTS,
+) -> float:
     pods = [make_pod() for _ in range(3)]
     for p in pods:
         p.prefill_seconds, p.announce_prefills = 0.8, announce
@@ -57,7 +75,7 @@ async def _hit_rate(serve_app, start_router, make_pod, wait_until, num_routers: 
         routers = [await stack.enter_async_context(start_router(backends)) for _ in range(num_routers)]
         for _, r in routers:
             await wait_until(lambda r=r: all(r.fleet.kv_events_live().values()))
-        await _run([url for url, _ in routers])
+        await _run([url for url, _ in routers], tenants=tenants)
     return sum(p.hit_blocks for p in pods) / sum(p.query_blocks for p in pods)
 
 
@@ -73,9 +91,17 @@ async def test_two_routers_hit_the_cache_as_well_as_one(serve_app, start_router,
 async def test_without_announced_prefills_two_routers_lose_hits(
     serve_app, start_router, make_pod, wait_until
 ):
-    """The control: the same run, pods that store blocks only after the prefill and announce nothing."""
-    announced = await _hit_rate(serve_app, start_router, make_pod, wait_until, 2, announce=True)
-    silent = await _hit_rate(serve_app, start_router, make_pod, wait_until, 2, announce=False)
+    """The control: the same run, pods that store blocks only after the prefill and announce nothing.
+
+    Without announcements a router that has not seen a tenant yet still picks the pod the other one
+    picked whenever their load views agree (ties go by the prompt's hash), so the loss depends on how the
+    probes and requests interleave: with six tenants it lost 2 to 13 points, once 1.8 on a loaded machine.
+    Twice the tenants (the mix twice) gives twice the first-round decisions that can go apart: it lost
+    10 to 13 points in four runs.
+    """
+    tenants = tenant_mix(WEIGHTS * 2)
+    announced = await _hit_rate(serve_app, start_router, make_pod, wait_until, 2, True, tenants)
+    silent = await _hit_rate(serve_app, start_router, make_pod, wait_until, 2, False, tenants)
     assert silent < announced - 0.02, (announced, silent)
 
 
