@@ -28,6 +28,8 @@ def req(
 
 
 def test_decode_gets_a_block_exactly_when_it_needs_one_and_caches_each_block_once_computed():
+    """Prompt blocks are stored once their KV is written; blocks holding generated tokens when the
+    request gives them back (only a later prompt can contain those tokens)."""
     s = make()
     r = req("a", [10, 11, 12, 13, 14, 15])  # 1.5 blocks
     s.add_request(r)
@@ -56,16 +58,16 @@ def test_decode_gets_a_block_exactly_when_it_needs_one_and_caches_each_block_onc
         (14, (0, 1, 2, 3)),
         (15, (0, 1, 2, 3)),
     ]
-    # A block is stored once its KV is written (the step after it filled), never before, and only once.
+    # The prompt's one full block is stored once its KV is written (the step after the prefill), only once.
     tokens = r.all_token_ids
     hashes = block_hashes_for(tokens, BS, hash_extra("m"))
-    expected = [
-        BlockStored((hashes[0],), None, tuple(tokens[0:4]), BS),
-        BlockStored((hashes[1],), hashes[0], tuple(tokens[4:8]), BS),
-        BlockStored((hashes[2],), hashes[1], tuple(tokens[8:12]), BS),
-    ]
-    assert stored == expected
-    assert s.kv.tables["a"].num_cached == 3
+    assert stored == [BlockStored((hashes[0],), None, tuple(tokens[0:4]), BS)]
+    assert s.kv.tables["a"].num_cached == 1
+    # The blocks the decode filled (16 tokens computed: 4 full blocks), in one run when they are freed.
+    assert r.num_computed_tokens == 16
+    s.abort("a")
+    assert s.kv.take_events() == [BlockStored(tuple(hashes[1:4]), hashes[0], tuple(tokens[4:16]), BS)]
+    assert all(s.kv.pool.get_cached_block(h) is not None for h in hashes[:4])
 
 
 def test_decodes_around_a_chunked_prefill_keep_running_order():

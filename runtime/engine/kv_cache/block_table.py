@@ -1,11 +1,13 @@
 """A request's block table as the KV cache manager keeps it (mutable, owned and changed by the manager only).
 
 Besides the blocks, it carries `fast_limit`: the token count up to which `allocate_slots` would neither
-take a block nor cache one, i.e. `min(held slots, the end of the first block not yet offered to the
-prefix cache)`. A step that keeps `num_computed_tokens + num_new_tokens <= fast_limit` needs no call
+take a block nor cache one, i.e. `min(held slots, the end of the first prompt block not yet offered to
+the prefix cache)`. A step that keeps `num_computed_tokens + num_new_tokens <= fast_limit` needs no call
 into the manager at all: the scheduler compares two integers and moves on. That is what a decode does on
 15 of every 16 steps (block size 16), for every running request, so the check replaces a method call,
-two divisions and a pool lookup per request per step.
+two divisions and a pool lookup per request per step. Blocks that hold generated tokens are offered to
+the cache only when the request frees its table (manager.py says why), so past its prompt a decode
+reaches the manager only to take its next block.
 """
 
 from __future__ import annotations
@@ -17,20 +19,22 @@ if TYPE_CHECKING:
 
 
 class RequestBlocks:
-    __slots__ = ("block_ids", "blocks", "fast_limit", "num_cached")
+    __slots__ = ("block_ids", "blocks", "fast_limit", "num_cached", "num_prompt_blocks")
 
-    def __init__(self, num_cached: int):
+    def __init__(self, num_cached: int, num_prompt_blocks: int):
         self.blocks: list[KVBlock] = []
         # The same table as ids, as a tuple rebuilt only when it changes (every block_size tokens of a
         # decode): the scheduler hands it to the runner for every request every step without copying.
         self.block_ids: tuple[int, ...] = ()
         self.num_cached = num_cached  # leading blocks already offered to the prefix cache
+        # Full blocks of prompt tokens only: offered to the cache as soon as their KV is written.
+        self.num_prompt_blocks = num_prompt_blocks
         self.fast_limit = 0  # set by the manager after every change (`settle`)
 
     def settle(self, block_size: int, caching: bool) -> None:
         """Recompute `fast_limit` after the blocks or `num_cached` changed."""
         held = len(self.blocks) * block_size
-        if caching:
+        if caching and self.num_cached < self.num_prompt_blocks:
             # Once num_computed_tokens reaches the end of block `num_cached`, that block is to be cached.
             next_full = (self.num_cached + 1) * block_size
             self.fast_limit = held if held < next_full else next_full

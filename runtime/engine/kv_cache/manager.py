@@ -8,6 +8,13 @@ a request preempted in the step that allocated its blocks would otherwise leave 
 was never written, and rejected speculative tokens could be cached. It also means the router's
 `BlockStored` events only name KV that exists.
 
+Blocks that hold generated tokens are cached later still: when the request frees its table (it finished,
+was aborted or preempted), all at once. Only a prompt that contains those tokens could hit them, and no
+client can send one before it has the answer, i.e. before the request finished: the next turn of a
+conversation, a resumed or preempted stream all come after the free. Deferring them loses no hit and
+saves the decode hot path a hash, an index insert and an event per block (`block_size` steps of every
+running sequence): the router learns a finished answer's blocks in one `BlockStored` run.
+
 `Request.block_hashes` is extended incrementally (only the blocks that became full since the last time,
 never rehashing) when the manager needs it: at a prefix lookup and when blocks get cached.
 
@@ -260,8 +267,12 @@ class KVCacheManager:
             num_required = -(-end // bs) - len(blocks)
             if num_required > 0 and not pool.has_free(num_required):
                 return None
-            if num_computed // bs > table.num_cached and self.enable_caching:
-                self._cache_computed(request, table)
+            if (
+                table.num_cached < table.num_prompt_blocks
+                and num_computed // bs > table.num_cached
+                and self.enable_caching
+            ):
+                self._cache_computed(request, table, table.num_prompt_blocks)
             if num_required <= 0:
                 return ()
             new_blocks = pool.get_new_blocks(num_required)
@@ -283,7 +294,8 @@ class KVCacheManager:
             if num_required + num_touched_free > self.pool.num_free_blocks:
                 return None
         if table is None:
-            table = self.tables[rid] = RequestBlocks(num_cached=num_hits)  # hits are cached already
+            # Hits are cached already.
+            table = self.tables[rid] = RequestBlocks(num_hits, len(request.prompt_token_ids) // bs)
             if self.enable_caching:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_hits * bs
@@ -294,7 +306,7 @@ class KVCacheManager:
                     self.num_miss_blocks += lookup[3]
                     self._lookup = None
         elif self.enable_caching:
-            self._cache_computed(request, table)
+            self._cache_computed(request, table, table.num_prompt_blocks)
         if num_hits:
             self.pool.touch(new_computed_blocks)
             table.blocks.extend(new_computed_blocks)
@@ -381,12 +393,15 @@ class KVCacheManager:
         tokens = token_slice(request, start * bs, num_full * bs)
         append_block_hashes(hashes, hashes[-1] if hashes else None, tokens, bs, self._extra_for(request))
 
-    def _cache_computed(self, request: Request, table: RequestBlocks) -> None:
-        """Index the request's full blocks whose KV is written (covered by num_computed_tokens)."""
+    def _cache_computed(self, request: Request, table: RequestBlocks, max_blocks: int | None = None) -> None:
+        """Index the request's full blocks whose KV is written (covered by num_computed_tokens), the first
+        `max_blocks` at most."""
         start = table.num_cached
         blocks = table.blocks
         bs = self.block_size
         num_full = min(request.num_computed_tokens // bs, len(blocks))
+        if max_blocks is not None and max_blocks < num_full:
+            num_full = max_blocks
         if num_full <= start:
             return
         hashes = request.block_hashes
