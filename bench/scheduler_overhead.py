@@ -5,9 +5,11 @@ top of the forward pass each step: scheduling, block allocation, prefix-cache ha
 blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step at 1,024 sequences (a
 fleet simulator runs these same classes for every simulated step of every replica). CPU time is split
 into schedule() and update(); the garbage collector's share is shown apart, since its passes cover the
-whole heap of the process, not only what a step allocates.
+whole heap of the process, not only what a step allocates. The collector runs with the settings of
+`tokenfleet serve` and the simulator (long_lived_heap.py: the heap built at setup frozen, young
+collections rare); `--gc-young 700` shows CPython's default.
 
-    python bench/scheduler_overhead.py [--seqs 256 1024 4096] [--steps 300] [--block-size 16]
+    python bench/scheduler_overhead.py [--seqs 256 1024 4096] [--steps 300] [--block-size 16] [--gc-young N]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import timeit
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
+from tokenfleet.runtime.engine.long_lived_heap import YOUNG_THRESHOLD
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
@@ -99,12 +102,12 @@ def calibration_us(number: int = 2000) -> float:
 
 
 def run(
-    num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True, gc_young: int | None = None
+    num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True, gc_young: int = YOUNG_THRESHOLD
 ) -> float:
     """Measure one configuration, print it; the normalised CPU ms per step.
 
-    `gc_young`: allocations between young-generation collections (None: the process's setting, CPython's
-    700 as `tokenfleet serve` runs; the simulator runs its replicas with `GC_YOUNG_THRESHOLD`).
+    `gc_young`: net allocations between young-generation collections (`tokenfleet serve` and the
+    simulator run with `YOUNG_THRESHOLD`; CPython's default is 700).
     `gc_freeze`: move everything built so far (KV blocks, requests) out of the collector's reach, as
     `tokenfleet serve` does once its engine is loaded, so that only what the steps allocate is collected.
     """
@@ -117,8 +120,7 @@ def run(
         gc.collect()
         gc.freeze()
     threshold = gc.get_threshold()
-    if gc_young is not None:
-        gc.set_threshold(gc_young, *threshold[1:])
+    gc.set_threshold(gc_young, *threshold[1:])
     walls, cpus, sched_cpus, update_cpus = [], [], [], []
     gc_timer = GCTimer()
     gc_timer.active = True
@@ -155,7 +157,7 @@ def run(
         f"  = schedule {sched_ms:.3f} + update {update_ms:.3f}\n"
         f"  wall mean {wall_ms:.3f} ms/step  p50 {p50_ms:.3f}  p99 {p99_ms:.3f}\n"
         f"  of which garbage collection {gc_ms:.3f} ms/step (wall; heap frozen after setup: {gc_freeze}, young threshold "
-        f"{gc_young or threshold[0]}; "
+        f"{gc_young}; "
         f"collections gen0/1/2: "
         f"{'/'.join(str(c) for c in gc_timer.counts)})\n"
         f"  calibration (interleaved): sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
@@ -181,8 +183,9 @@ def main() -> None:
     parser.add_argument(
         "--gc-young",
         type=int,
-        help="young-generation threshold of the collector during the steps (default: the process's; the "
-        "simulator runs with tokenfleet.sim.simulator.GC_YOUNG_THRESHOLD)",
+        default=YOUNG_THRESHOLD,
+        help=f"young-generation threshold of the collector during the steps (default {YOUNG_THRESHOLD}, as "
+        "`tokenfleet serve` and the simulator run; CPython's own default is 700)",
     )
     args = parser.parse_args()
     for num_seqs in args.seqs:

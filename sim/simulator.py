@@ -16,15 +16,14 @@ what they hold and then leave (a lossless scale-down).
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.pod_metrics import histogram_quantile
+from tokenfleet.runtime.engine.long_lived_heap import long_lived_heap
 from tokenfleet.runtime.server.metrics import TTFT_BUCKETS
 from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import CoreUsage, CostModel
@@ -36,27 +35,6 @@ from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
 ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER = range(9)
-
-# Allocations between young-generation collections during a run (CPython's default is 700). A step of a
-# 16-replica fleet allocates thousands of short-lived objects that reference counting frees; at the default
-# the collector ran every few steps and, through the older generations, walked the whole heap (every
-# replica's KV blocks), a fifth of the run's CPU time.
-GC_YOUNG_THRESHOLD = 50_000
-
-
-@contextmanager
-def _long_lived_heap():
-    """Freeze what exists now (the fleet's KV blocks, the workload) out of the cyclic collector's walks and
-    collect young objects rarely, for the duration of a run; the process's settings are restored after."""
-    threshold = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 class _Pod:
@@ -417,7 +395,7 @@ class Simulation:
         for i in range(cfg.fleet.replicas):
             role = "both" if cfg.disaggregation is None else "prefill" if i < num_prefill else "decode"
             self._add_pod(ready=True, role=role)
-        with _long_lived_heap():
+        with long_lived_heap():
             return self._run_events(cfg)
 
     def _run_events(self, cfg: SimConfig):

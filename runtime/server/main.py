@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.engine.long_lived_heap import settle_heap
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.server.app import STATE_KEY, build_app
 from tokenfleet.runtime.server.auth import ApiKeys
@@ -94,9 +94,10 @@ async def serve(
     `started(url, app)` is called once the engine serves (in-process tests use it to find the port).
     With `config_path`, the file is watched and its live fields applied without a restart.
     `freeze_heap` (the process serves nothing else): once the engine is loaded, everything built so far
-    — the model, every KV block object — is moved out of the cyclic garbage collector's reach. Otherwise
-    each full collection walks all of it, a pause of the engine thread that lands in some step's
-    inter-token latency; what requests allocate later is collected as usual.
+    — the model, every KV block object — is moved out of the cyclic garbage collector's reach, and young
+    collections run rarely (long_lived_heap.py). Otherwise each full collection walks all of it, a pause
+    of the engine thread that lands in some step's inter-token latency, and a large batch's step runs
+    young collections of its own short-lived entries; cyclic garbage is still collected.
     """
     if engine_factory is None:
         from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
@@ -141,8 +142,7 @@ async def serve(
             logger.exception("model failed to load")
             return 1
         if freeze_heap:
-            gc.collect()
-            gc.freeze()
+            settle_heap()
         state.engine = engine
         state.kv_events = KVEventPump(engine)
         await state.kv_events.start()
