@@ -28,7 +28,8 @@ from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
 
-TARGET_MS = 1.0
+TARGET_MS = 1.0  # at TARGET_SEQS running sequences
+TARGET_SEQS = 1024
 
 
 def build(num_seqs: int, steps: int, block_size: int, rng: random.Random) -> Scheduler:
@@ -150,7 +151,11 @@ def run(
     gc_ms = 1e3 * sum(gc_timer.seconds) / steps
     calib = sum(calibs) / len(calibs)
     normalised_ms = cpu_ms * REFERENCE_CALIBRATION_US / calib
-    verdict = "OK" if normalised_ms <= TARGET_MS else "ABOVE TARGET"
+    verdict = ""
+    if num_seqs == TARGET_SEQS:
+        verdict = f"; target <= {TARGET_MS:.1f} ms: " + (
+            "OK" if normalised_ms <= TARGET_MS else "ABOVE TARGET"
+        )
     print(
         f"scheduler+kv overhead, {num_seqs} running seqs, block {block_size}, {steps} steps:\n"
         f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)"
@@ -161,7 +166,7 @@ def run(
         f"collections gen0/1/2: "
         f"{'/'.join(str(c) for c in gc_timer.counts)})\n"
         f"  calibration (interleaved): sum(range(1000)) = {calib:.1f} us CPU here vs {REFERENCE_CALIBRATION_US:.0f} us on "
-        f"a reference core -> {normalised_ms:.3f} ms/step normalised; target <= {TARGET_MS:.1f} ms: {verdict}\n"
+        f"a reference core -> {normalised_ms:.3f} ms/step normalised{verdict}\n"
         f"  preemptions {scheduler.num_preemptions_total}, kv usage {scheduler.kv.usage:.0%}",
         flush=True,
     )
