@@ -8,9 +8,8 @@ the sampled-token list) that live until the step's results are applied and are t
 counting. At CPython's young threshold of 700, a step of 1,024 sequences crossed it about twice, and
 every tenth young collection walked the older generations too: 12-20 % of the scheduler's step time at
 that batch size, and a fifth of a 16-replica simulation's CPU time (one process holds every replica's
-blocks and steps them all). At 50,000 the live young objects of a step never reach it; the collector still runs
-when cyclic garbage (tracebacks, closed connections) accumulates, a few MB at most.
-"""
+blocks and steps them all). At 50,000 the live young objects of a step never reach it; the collector
+still runs when cyclic garbage (tracebacks, closed connections) accumulates, a few MB at most."""
 
 from __future__ import annotations
 
