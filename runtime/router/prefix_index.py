@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+
+_NOBODY: frozenset[str] = frozenset()
 
 
-def _leading_matches(hashes: Sequence[bytes], endpoint_ids: Iterable[str], holders) -> dict[str, int]:
-    """endpoint -> how many leading blocks of `hashes` it holds. Runs for every routed request: an
-    endpoint's count is written once, when its run ends, and a block every remaining endpoint holds (the
-    usual case deep in a shared prefix) costs one C-level subset test."""
+def _leading_matches(
+    hashes: Sequence[bytes], endpoint_ids: Iterable[str], holders: Mapping[bytes, AbstractSet[str]]
+) -> dict[str, int]:
+    """endpoint -> how many leading blocks of `hashes` it holds (`holders`: block hash -> endpoints).
+    Runs for every routed request, several times: an endpoint's count is written once, when its run
+    ends, a block every remaining endpoint holds (the usual case deep in a shared prefix) costs one
+    C-level subset test, and a block's holders are one C-level lookup, not a Python call."""
     remaining = set(endpoint_ids)
     result = dict.fromkeys(remaining, 0)
+    get = holders.get
     for i, h in enumerate(hashes):
-        have = holders(h)
+        have = get(h, _NOBODY)
         if remaining <= have:
             continue
         for e in remaining - have:
@@ -90,8 +97,7 @@ class ExactPrefixIndex:
         return len(self._blocks.get(endpoint_id, ()))
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        empty: frozenset[str] = frozenset()
-        return _leading_matches(hashes, endpoint_ids, lambda h: self._holders.get(h, empty))
+        return _leading_matches(hashes, endpoint_ids, self._holders)
 
 
 class ApproximatePrefixIndex:
@@ -111,16 +117,19 @@ class ApproximatePrefixIndex:
         return len(self._entries)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
-        """`endpoint_id` was sent this prompt: after it runs, the pod will have cached these blocks."""
-        own = self._by_endpoint.setdefault(endpoint_id, set())
+        """`endpoint_id` was sent this prompt: after it runs, the pod will have cached these blocks.
+
+        Runs for every routed request over all its blocks: the per-block work is two C calls."""
+        entries = self._entries
+        get, move_to_end = entries.get, entries.move_to_end
         for h in hashes:
-            holders = self._entries.get(h)
+            holders = get(h)
             if holders is None:
-                self._entries[h] = {endpoint_id}
+                entries[h] = {endpoint_id}
             else:
                 holders.add(endpoint_id)
-                self._entries.move_to_end(h)
-            own.add(h)
+                move_to_end(h)
+        self._by_endpoint.setdefault(endpoint_id, set()).update(hashes)
         while len(self._entries) > self._capacity:
             h, holders = self._entries.popitem(last=False)
             for e in holders:
@@ -134,8 +143,7 @@ class ApproximatePrefixIndex:
                 del self._entries[h]
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        empty: frozenset[str] = frozenset()
-        return _leading_matches(hashes, endpoint_ids, lambda h: self._entries.get(h, empty))
+        return _leading_matches(hashes, endpoint_ids, self._entries)
 
 
 class RecentRoutes:
