@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kube_build import ensure_control_plane
+from tether import program, tethered
 
 OPERATOR_USER = "system:serviceaccount:tokenfleet-system:tokenfleet-operator"
 OPERATOR_GROUPS = "system:serviceaccounts,system:serviceaccounts:tokenfleet-system,system:authenticated"
@@ -90,7 +91,7 @@ def _wait_http(
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while starting")
+            raise RuntimeError(f"{program(proc.args)} exited with {proc.returncode} while starting")
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
             with urllib.request.urlopen(
@@ -200,9 +201,10 @@ class ControlPlane:
     def _alive(self) -> bool:
         for proc in self.procs:
             if proc.poll() is not None:
-                log = self.dir / f"{Path(proc.args[0]).name}.log"
+                name = program(proc.args)
+                log = self.dir / f"{name}.log"
                 raise RuntimeError(
-                    f"{proc.args[0]} exited with {proc.returncode}: {log.read_text(errors='replace')[-3000:]}"
+                    f"{name} exited with {proc.returncode}: {log.read_text(errors='replace')[-3000:]}"
                 )
         return True
 
@@ -227,7 +229,12 @@ class ControlPlane:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            # KILL: a session that died without its teardown leaves nothing to stop gracefully (tether.py).
+            subprocess.Popen(
+                tethered(cmd, "KILL"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
 
     def _write_credentials(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from kube_api import ApiError, KubeApi  # noqa: E402
 from pod_network import PodNetwork  # noqa: E402
 from pod_worker import PodWorker  # noqa: E402
+from tether import tethered  # noqa: E402
 
 log = logging.getLogger("kubelet")
 LEASE_SECONDS = 40
@@ -306,7 +307,7 @@ class KubeletProcess:
     def start(self) -> KubeletProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                tethered(self.cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         return self
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tether import tethered
+
 
 class OperatorProcess:
     def __init__(
@@ -31,7 +33,7 @@ class OperatorProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open by the child)
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            tethered(self.command()), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
 
