@@ -10,40 +10,17 @@ person put there is ever removed).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
-REGISTRY = Path("/run/tokenfleet-e2e/host-paths.json")
+from session_registry import alive, locked
 
-
-@contextlib.contextmanager
-def _locked() -> Iterator[dict[str, list[int]]]:
-    REGISTRY.parent.mkdir(parents=True, exist_ok=True)
-    with open(REGISTRY.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        entries: dict[str, list[int]] = json.loads(REGISTRY.read_text()) if REGISTRY.exists() else {}
-        yield entries
-        REGISTRY.write_text(json.dumps(entries, indent=1, sort_keys=True))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+REGISTRY = "host-paths"
 
 
 def ensure_target(target: str, is_dir: bool, owner_pid: int) -> None:
     """Make `target` exist (a dir, or an empty file); every component created is recorded for `owner_pid`."""
     path = Path(target)
-    with _locked() as entries:
+    with locked(REGISTRY) as entries:
         missing = []
         for p in [*reversed(path.parents), path]:
             if not p.exists() and not p.is_symlink():
@@ -62,9 +39,9 @@ def ensure_target(target: str, is_dir: bool, owner_pid: int) -> None:
 def release(owner_pid: int) -> list[str]:
     """Drop `owner_pid` (and dead sessions) from every path; remove paths nobody holds. Returns them."""
     removed = []
-    with _locked() as entries:
+    with locked(REGISTRY) as entries:
         for key in sorted(entries, key=len, reverse=True):  # deepest first
-            holders = [p for p in entries[key] if p != owner_pid and _alive(p)]
+            holders = [p for p in entries[key] if p != owner_pid and alive(p)]
             if holders:
                 entries[key] = holders
                 continue

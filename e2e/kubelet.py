@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from kube_api import ApiError, KubeApi  # noqa: E402
 from pod_network import PodNetwork  # noqa: E402
 from pod_worker import PodWorker  # noqa: E402
+from session_registry import alive  # noqa: E402
 from tether import tethered  # noqa: E402
 
 log = logging.getLogger("kubelet")
@@ -261,7 +262,7 @@ class Kubelet:
         leases = asyncio.create_task(self.keep_leases())
         try:
             while not stop.is_set():
-                if not _alive(self.owner_pid):
+                if not alive(self.owner_pid):
                     # The test session died without stopping us (SIGKILL, a crash): end the pods rather
                     # than leave them, and ourselves, running with no one to stop them.
                     log.warning("owner process %d is gone: stopping every pod", self.owner_pid)
@@ -277,16 +278,6 @@ class Kubelet:
             for worker, task in list(self.workers.values()):
                 task.cancel()
                 await worker.cleanup()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- the process

@@ -8,7 +8,9 @@ never forwards for them.
 
 Names carry a per-session tag, so concurrent sessions on one machine never touch each other's links and
 the teardown sweep (`PodNetwork.destroy`) removes exactly what this session made, even after the kubelet
-died: it kills every process still inside a pod namespace, deletes the namespaces, then the bridge.
+died: it kills every process still inside a pod namespace, deletes the namespaces, then the bridge. A
+session killed before its teardown leaves its network behind; every network is recorded with its
+session's pid (session_registry.py), and the next `create` sweeps those whose session is gone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+
+from session_registry import alive, locked
+
+REGISTRY = "networks"  # tag -> {"pid": the owning session, "subnet": its /24}
 
 
 class NetworkSetupError(RuntimeError):
@@ -77,6 +83,15 @@ class PodNetwork:
         """A fresh bridge on an unused 10.213.N.0/24; fails with a clear message when netns can't work."""
         if os.geteuid() != 0:
             raise NetworkSetupError("pod network namespaces need root (ip netns, veth pairs, bind mounts)")
+        with locked(REGISTRY) as owners:
+            for stale in [t for t, owner in owners.items() if not alive(owner["pid"])]:
+                cls(tag=stale, subnet=owners.pop(stale)["subnet"]).destroy(unregister=False)
+            net = cls._create()
+            owners[net.tag] = {"pid": os.getpid(), "subnet": net.subnet}
+        return net
+
+    @classmethod
+    def _create(cls) -> PodNetwork:
         tag = os.urandom(3).hex()
         used = _used_networks()
         candidates = [ipaddress.ip_network(f"10.213.{n}.0/24") for n in range(256)]
@@ -128,12 +143,15 @@ class PodNetwork:
         names = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
         return [n for n in names if n.startswith(f"tf{self.tag}-")]
 
-    def destroy(self) -> None:
+    def destroy(self, unregister: bool = True) -> None:
         """Remove every namespace and link of this session; processes still inside are killed first."""
         for ns in self.namespaces():
             self._kill_inside(ns)
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)
+        if unregister:
+            with locked(REGISTRY) as owners:
+                owners.pop(self.tag, None)
 
     @staticmethod
     def _kill_inside(ns: str) -> None:
