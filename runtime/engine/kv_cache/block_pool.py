@@ -157,7 +157,10 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block, in the given order (earlier ones get evicted earlier)."""
+        """Drop one reference from each block, in the given order (earlier ones get evicted earlier).
+
+        A finished request frees its whole table here: the clock is read once for all of its blocks."""
+        now = self._ttl.clock()
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed more often than taken"
@@ -166,7 +169,7 @@ class BlockPool:
                     self._empty.append(block)
                 else:
                     self._evictable.append(block)
-                    self._ttl.append(block)
+                    self._ttl.append(block, now)
 
     # ---- prefix cache ----------------------------------------------------------------------------------------
 

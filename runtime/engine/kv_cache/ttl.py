@@ -30,8 +30,9 @@ class TTLIndex:
         self.clock = clock
         self._freed_at: OrderedDict[int, tuple[KVBlock, float]] = OrderedDict()
 
-    def append(self, block: KVBlock) -> None:
-        self._freed_at[block.block_id] = (block, self.clock())
+    def append(self, block: KVBlock, now: float | None = None) -> None:
+        """`block` was freed at `now` (default: the clock now)."""
+        self._freed_at[block.block_id] = (block, self.clock() if now is None else now)
 
     def remove(self, block: KVBlock) -> None:
         del self._freed_at[block.block_id]
