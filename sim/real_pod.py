@@ -114,15 +114,12 @@ async def real_router(
     try:
         await app[ROUTER].tokenizers_loaded()
         fleet = app[ROUTER].fleet
-        endpoints = fleet.endpoints.by_id
         deadline = time.monotonic() + 120.0
-        while not (
-            len(endpoints) == len(urls)
-            and all(map(fleet.available, endpoints.values()))
-            and (not kv_events or all(fleet.kv_events_live().values()))
-        ):
+        while not (fleet.in_rotation(len(urls)) and (not kv_events or all(fleet.kv_events_live().values()))):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the router did not take every pod into rotation: {list(endpoints)}")
+                raise TimeoutError(
+                    f"the router did not take every pod into rotation: {list(fleet.endpoints.by_id)}"
+                )
             await asyncio.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -174,6 +174,12 @@ class Fleet:
     def available(self, ep: Endpoint) -> bool:
         return ep.health.is_available(time.monotonic())
 
+    def in_rotation(self, count: int) -> bool:
+        """Whether `count` endpoints are known and every one takes requests. An endpoint starts out of
+        rotation until its first probe answers: requests sent before that all go to those already in."""
+        eps = self.endpoints.by_id
+        return len(eps) == count and all(map(self.available, eps.values()))
+
     # --- in-flight accounting -----------------------------------------------------------------------
 
     def acquire(self, ep: Endpoint) -> None:

@@ -246,13 +246,10 @@ def wait_until():
 
 
 async def until_in_rotation(app: web.Application, count: int, timeout: float = 60.0) -> None:
-    """Wait until the router `app` has `count` endpoints, all taking requests.
-
-    An endpoint starts out of rotation until its first probe answers; requests sent before that all go
-    to the endpoints already in, which a test spreading requests over several pods must not race."""
+    """Wait until the router `app` has `count` endpoints, all taking requests (`Fleet.in_rotation`): a
+    test spreading requests over several pods must not race the first probes."""
     fleet = app[ROUTER].fleet
-    eps = fleet.endpoints.by_id
-    await until(lambda: len(eps) == count and all(map(fleet.available, eps.values())), timeout, 0.05)
+    await until(lambda: fleet.in_rotation(count), timeout, 0.05)
 
 
 @pytest.fixture
