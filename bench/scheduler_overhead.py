@@ -18,7 +18,6 @@ import argparse
 import gc
 import random
 import time
-import timeit
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
@@ -27,6 +26,7 @@ from tokenfleet.runtime.engine.long_lived_heap import YOUNG_THRESHOLD
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
+from tokenfleet.sim.cpu_speed import REFERENCE_CALIBRATION_US, calibration_us
 
 TARGET_MS = 1.0  # at TARGET_SEQS running sequences
 TARGET_SEQS = 1024
@@ -92,14 +92,6 @@ def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, floa
     scheduler.kv.take_events()  # the engine drains the KV events (for the router) every step
     w3, c3 = time.perf_counter(), time.process_time()
     return len(out.scheduled), (w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2), c1 - c0, c3 - c2
-
-
-REFERENCE_CALIBRATION_US = 10.0  # sum(range(1000)) on an idle, current x86 server core (CPython 3.11)
-
-
-def calibration_us(number: int = 2000) -> float:
-    """CPU time of a fixed pure-Python workload, per run of it (us), to compare figures across machines."""
-    return 1e6 * timeit.timeit("sum(range(1000))", number=number, timer=time.process_time) / number
 
 
 def run(

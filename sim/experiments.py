@@ -16,7 +16,9 @@ aggregated vs split into prefill and decode pods (several splits), one seeded wo
 requests (6,000 fresh tokens); KV moves over a 50 GB/s link per pod.
 
 `speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
-one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate).
+one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate); also
+scaled to a reference core by a calibration loop timed at every tick (cpu_speed.py), so that runs from
+different hours compare.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 
 from tokenfleet.sim.api import simulate
 from tokenfleet.sim.config import parse_config
+from tokenfleet.sim.cpu_speed import REFERENCE_CALIBRATION_US, calibration_us
 
 ROUTINGS = {
     "round-robin": {"strategy": "round-robin"},
@@ -167,14 +170,28 @@ def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128)
     model = build_model(config)
     cost = build_cost(config, model)
     sim = Simulation(config, build_workload(config), cost, model.name, model.max_model_len)
+    # (virtual time, the run's own CPU time): the calibration loop timed at each tick is left out of it.
     marks: list[tuple[float, float]] = []
-    sim.on_tick = lambda now: marks.append((now, time.process_time()))
+    calibs: list[float] = []
+    calib_cpu = 0.0
+
+    def tick(now: float) -> None:
+        nonlocal calib_cpu
+        before = time.process_time()
+        marks.append((now, before - calib_cpu))
+        if duration / 3 <= now <= duration:
+            calibs.append(calibration_us(100))
+            calib_cpu += time.process_time() - before
+
+    sim.on_tick = tick
     t0, c0 = time.perf_counter(), time.process_time()
     r = sim.run()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0 - calib_cpu
     steady = [m for m in marks if duration / 3 <= m[0] <= duration]
     (v0, p0), (v1, p1) = steady[0], steady[-1]
     cpu_per_s = (p1 - p0) / max(v1 - v0, 1e-9)
+    calib = sum(calibs) / len(calibs)
+    normalised = cpu_per_s * REFERENCE_CALIBRATION_US / calib
     busy = r["load"]["busy_fraction_max"], r["load"]["busy_fraction_min"]
     out = {
         "requests": r["requests"]["finished"],
@@ -184,6 +201,8 @@ def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128)
         "wall_s": wall,
         "steady_cpu_per_virtual_s": cpu_per_s,
         "hour_cpu_min": cpu_per_s * 3600 / 60,
+        "calibration_us": calib,
+        "hour_cpu_min_normalised": normalised * 3600 / 60,
     }
     print(
         f"{replicas} replicas, {rate} req/s for {duration} s ({output_tokens}-token answers): "
@@ -192,7 +211,8 @@ def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128)
         f"busy {busy[1]:.0%}..{busy[0]:.0%}, prefix hits {r['cache']['prefix_hit_rate']:.0%}; "
         f"{cpu:.1f} s of CPU in all ({wall:.1f} s wall); steady state {v0:.0f}..{v1:.0f} s: "
         f"{cpu_per_s:.2f} CPU s per simulated second -> one hour of this traffic: {out['hour_cpu_min']:.1f} min "
-        "of one core",
+        f"of one core (calibration: sum(range(1000)) = {calib:.1f} us here vs {REFERENCE_CALIBRATION_US:.0f} us on "
+        f"a reference core -> {out['hour_cpu_min_normalised']:.1f} min normalised)",
         flush=True,
     )
     return out
