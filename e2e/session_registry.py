@@ -20,14 +20,17 @@ ROOT = Path("/run/tokenfleet-e2e")
 
 @contextlib.contextmanager
 def locked(name: str) -> Iterator[dict[str, Any]]:
-    """The registry `name` (a JSON object), held under an exclusive lock; written back on exit."""
+    """The registry `name` (a JSON object), held under an exclusive lock; written back on exit, also when
+    the body raised (what it changed on the host before that is recorded)."""
     ROOT.mkdir(parents=True, exist_ok=True)
     path = ROOT / f"{name}.json"
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-        yield entries
-        path.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        try:
+            yield entries
+        finally:
+            path.write_text(json.dumps(entries, indent=1, sort_keys=True))
 
 
 def alive(pid: int) -> bool:
