@@ -12,6 +12,7 @@ Flags override the `--config` file. Bad input exits with status 2 and one line n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -132,7 +133,10 @@ def _plan(args: argparse.Namespace) -> int:
     for r in routings:
         if r not in STRATEGIES:
             raise SimInputError("routings", f"unknown strategy {r!r}", STRATEGIES)
-    feasible, closest, skipped = plan(config, gpus, tps, routings, args.max_replicas, args.top)
+    if args.jobs < 0:
+        raise SimInputError("jobs", f"expected 0 (every usable core) or a positive count, got {args.jobs}")
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    feasible, closest, skipped = plan(config, gpus, tps, routings, args.max_replicas, args.top, jobs=jobs)
     for line in skipped:
         print(f"skipped {line}")
     if feasible:
@@ -181,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--routings", help="comma-separated strategies to try (default: the config's)")
     plan.add_argument("--max-replicas", type=int, default=16)
     plan.add_argument("--top", type=int, default=5)
+    plan.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="candidates searched at once, one process each (0: every usable core)",
+    )
     cal = sub.add_parser("calibrate", help="time the real engine here and fit the cpu profile")
     cal.add_argument("--out", type=Path)
     cal.add_argument("--decode-steps", type=int, default=6)

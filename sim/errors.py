@@ -14,3 +14,8 @@ class SimInputError(ConfigError):
         text = f"{field}: {message}" + (f" (accepted: {accepted})" if accepted else "")
         super().__init__(text)
         self.field = field
+        self._args = (field, message, accepted)
+
+    def __reduce__(self):
+        # Rebuilt from its own arguments: a search run in a worker process sends its error back pickled.
+        return type(self), self._args

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -215,6 +216,8 @@ def test_cli_run_writes_json_and_png_and_reports_bad_input(tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
     assert cli(["run", "--gpu", "tpu-v5"]) == 2
     assert "fleet.gpu: unknown GPU 'tpu-v5'" in capsys.readouterr().err
+    assert cli(["plan", "--jobs", "-1"]) == 2
+    assert "jobs: expected 0 (every usable core) or a positive count, got -1" in capsys.readouterr().err
 
 
 def test_plan_finds_the_cheapest_fleet_and_says_when_none_fits():
@@ -238,3 +241,37 @@ def test_plan_finds_the_cheapest_fleet_and_says_when_none_fits():
     tight = config.model_copy(update={"slo": config.slo.model_copy(update={"tpot_s": 0.001})})
     with pytest.raises(SimInputError, match=r"^slo: no candidate can meet TPOT <= 0.001"):
         plan(tight, ["h100", "l4"], [1, 2], ["round-robin"], 2, progress=quiet)
+
+
+class _Labels:
+    def __init__(self) -> None:
+        self.total, self.labels = 0, []
+
+    def update(self, label: str) -> None:
+        self.labels.append(label)
+
+    def close(self) -> None:
+        pass
+
+
+def test_plan_in_worker_processes_gives_the_serial_answer_and_reports_every_probe():
+    config = parse_config(
+        {
+            "model": "8b",
+            "workload": {"rate": 60, "duration_s": 4, "num_tenants": 10, "seed": 5},
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.05},
+        }
+    )
+    args = (config, ["h100", "a100"], [1], ["round-robin", "prefix-affinity"], 4)
+    serial, parallel = _Labels(), _Labels()
+    expected = plan(*args, progress=serial, jobs=1)
+    assert plan(*args, progress=parallel, jobs=2) == expected
+    assert expected[0] or expected[1]
+    # Same probes (their order interleaves across workers), each reported once.
+    assert sorted(parallel.labels) == sorted(serial.labels) and len(set(serial.labels)) == len(serial.labels)
+
+
+def test_a_simulator_input_error_survives_the_trip_back_from_a_worker():
+    err = pickle.loads(pickle.dumps(SimInputError("fleet.gpu", "unknown GPU 'x'", ["a100", "h100"])))
+    assert isinstance(err, SimInputError) and err.field == "fleet.gpu"
+    assert str(err) == "fleet.gpu: unknown GPU 'x' (accepted: a100, h100)"
