@@ -14,11 +14,15 @@ every core this process may run on): on this machine's 2 cores a plan takes abou
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.queues
+import os
+import queue
 import sys
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
+from tokenfleet.runtime.engine.parallel.worker import die_with_parent
 from tokenfleet.sim.api import build_workload, simulate
 from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import BatchShape, RooflineCost
@@ -180,6 +184,32 @@ def _search(
     return run(lo)
 
 
+# A worker process's channel for its probes' labels (set by `_init_worker`, once per process).
+_labels: multiprocessing.queues.Queue | None = None
+
+
+def _init_worker(labels: multiprocessing.queues.Queue, parent_pid: int) -> None:
+    global _labels
+    _labels = labels
+    # A killed plan leaves no worker simulating on. (Ctrl-C reaches the whole group: a worker's search
+    # ends with KeyboardInterrupt, which comes back as its result.)
+    die_with_parent(parent_pid)
+
+
+def _search_in_worker(
+    config: SimConfig, combo: tuple[str, int, str], max_replicas: int
+) -> tuple[Candidate, int]:
+    """`_search` in a worker: the result and how many labels it sent (the parent reads that many)."""
+    sent = 0
+
+    def report(label: str) -> None:
+        nonlocal sent
+        sent += 1
+        _labels.put(label)
+
+    return _search(config, combo, max_replicas, report), sent
+
+
 def _searches(
     config: SimConfig, combos: list[tuple[str, int, str]], max_replicas: int, jobs: int, progress: Progress
 ) -> list[Candidate]:
@@ -187,23 +217,43 @@ def _searches(
     if jobs <= 1 or len(combos) == 1:
         return [_search(config, combo, max_replicas, progress.update) for combo in combos]
     # spawn: a fresh interpreter per worker, nothing inherited from whatever threads the caller runs.
-    # The probes' labels go through a manager's queue, whose put returns only once the label is there:
-    # every label of a search is readable by the time its result is.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager:
-        labels = manager.Queue()
-        with ProcessPoolExecutor(min(jobs, len(combos)), mp_context=ctx) as pool:
-            futures = [pool.submit(_search, config, combo, max_replicas, labels.put) for combo in combos]
+    labels = ctx.Queue()
+    received = 0
+
+    def show(block: bool) -> None:
+        nonlocal received
+        while True:
             try:
-                pending = set(futures)
-                while pending:
-                    _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                    while not labels.empty():
-                        progress.update(labels.get())
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
-            return [f.result() for f in futures]
+                label = labels.get(timeout=30) if block else labels.get_nowait()
+            except queue.Empty:
+                return
+            received += 1
+            progress.update(label)
+            block = False
+
+    pool = ProcessPoolExecutor(
+        min(jobs, len(combos)), mp_context=ctx, initializer=_init_worker, initargs=(labels, os.getpid())
+    )
+    try:
+        futures = [pool.submit(_search_in_worker, config, combo, max_replicas) for combo in combos]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            show(block=False)
+        results = [f.result() for f in futures]  # a worker's error is raised here
+        # A label is put before its search returns, but it travels through the queue's own thread and
+        # pipe: the last ones may still be on their way.
+        sent = sum(n for _, n in results)
+        while received < sent:
+            before = received
+            show(block=True)
+            if received == before:
+                break  # a label lost with its worker: the answer is complete without it
+    finally:
+        pool.shutdown(cancel_futures=True)
+        labels.close()
+    return [candidate for candidate, _ in results]
 
 
 def format_candidates(title: str, rows: list[Candidate]) -> str:
