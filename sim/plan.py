@@ -249,7 +249,7 @@ def _searches(
             before = received
             show(block=True)
             if received == before:
-                break  # a label lost with its worker: the answer is complete without it
+                break  # none came for 30 s: the bar may stay short, the answer is complete
     finally:
         pool.shutdown(cancel_futures=True)
         labels.close()
