@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.queues
+import multiprocessing.synchronize
 import os
 import queue
 import sys
@@ -184,13 +185,21 @@ def _search(
     return run(lo)
 
 
-# A worker process's channel for its probes' labels (set by `_init_worker`, once per process).
+# A worker process's channel for its probes' labels, and the plan's signal to stop searching (set by
+# `_init_worker`, once per process).
 _labels: multiprocessing.queues.Queue | None = None
+_stop: multiprocessing.synchronize.Event | None = None
 
 
-def _init_worker(labels: multiprocessing.queues.Queue, parent_pid: int) -> None:
-    global _labels
-    _labels = labels
+class _Cancelled(Exception):
+    """A worker's search ended early: the plan stopped (another search failed, or it was interrupted)."""
+
+
+def _init_worker(
+    labels: multiprocessing.queues.Queue, stop: multiprocessing.synchronize.Event, parent_pid: int
+) -> None:
+    global _labels, _stop
+    _labels, _stop = labels, stop
     # A killed plan leaves no worker simulating on. (Ctrl-C reaches the whole group: a worker's search
     # ends with KeyboardInterrupt, which comes back as its result.)
     die_with_parent(parent_pid)
@@ -199,14 +208,19 @@ def _init_worker(labels: multiprocessing.queues.Queue, parent_pid: int) -> None:
 def _search_in_worker(
     config: SimConfig, combo: tuple[str, int, str], max_replicas: int
 ) -> tuple[Candidate, int]:
-    """`_search` in a worker: the result and how many labels it sent (the parent reads that many)."""
+    """`_search` in a worker: the result and how many labels it sent (the parent reads that many). Once the
+    plan stops, a search ends at its next probe boundary instead of running its bisection out."""
     sent = 0
 
     def report(label: str) -> None:
         nonlocal sent
         sent += 1
         _labels.put(label)
+        if _stop.is_set():
+            raise _Cancelled
 
+    if _stop.is_set():
+        raise _Cancelled
     return _search(config, combo, max_replicas, report), sent
 
 
@@ -219,6 +233,7 @@ def _searches(
     # spawn: a fresh interpreter per worker, nothing inherited from whatever threads the caller runs.
     ctx = multiprocessing.get_context("spawn")
     labels = ctx.Queue()
+    stop = ctx.Event()
     received = 0
 
     def show(block: bool) -> None:
@@ -233,15 +248,22 @@ def _searches(
             block = False
 
     pool = ProcessPoolExecutor(
-        min(jobs, len(combos)), mp_context=ctx, initializer=_init_worker, initargs=(labels, os.getpid())
+        min(jobs, len(combos)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(labels, stop, os.getpid()),
     )
     try:
         futures = [pool.submit(_search_in_worker, config, combo, max_replicas) for combo in combos]
         pending = set(futures)
         while pending:
-            _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             show(block=False)
-        results = [f.result() for f in futures]  # a worker's error is raised here
+            for f in done:
+                if f.exception() is not None:
+                    # The plan has no answer now: raise it at once, not after every other search.
+                    raise f.exception()
+        results = [f.result() for f in futures]
         # A label is put before its search returns, but it travels through the queue's own thread and
         # pipe: the last ones may still be on their way.
         sent = sum(n for _, n in results)
@@ -251,6 +273,9 @@ def _searches(
             if received == before:
                 break  # none came for 30 s: the bar may stay short, the answer is complete
     finally:
+        # Searches not started are dropped; running ones stop after their current probe (see
+        # `_search_in_worker`), so an error or Ctrl-C costs at most one probe per worker.
+        stop.set()
         pool.shutdown(cancel_futures=True)
         labels.close()
     return [candidate for candidate, _ in results]

@@ -14,7 +14,7 @@ from tokenfleet.sim.cost_model import BatchShape, RooflineCost
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.hardware import Efficiency, gpu_profile
 from tokenfleet.sim.model_profile import from_gguf, model_profile
-from tokenfleet.sim.plan import plan
+from tokenfleet.sim.plan import _searches, plan
 from tokenfleet.sim.trace import TraceWorkload
 
 
@@ -269,6 +269,25 @@ def test_plan_in_worker_processes_gives_the_serial_answer_and_reports_every_prob
     assert expected[0] or expected[1]
     # Same probes (their order interleaves across workers), each reported once.
     assert sorted(parallel.labels) == sorted(serial.labels) and len(set(serial.labels)) == len(serial.labels)
+
+
+def test_a_failing_search_ends_the_plan_at_once_instead_of_after_every_other_search():
+    config = parse_config(
+        {
+            "model": "8b",
+            "workload": {"rate": 200, "duration_s": 10, "num_tenants": 10, "seed": 6},
+            "slo": {"ttft_s": 1.0, "tpot_s": 0.05},
+        }
+    )
+    # The first candidate fails in its worker; three good ones would take about four probes each.
+    combos = [("no-such-gpu", 1, "round-robin")] + [
+        ("h100", 1, r) for r in ("round-robin", "least-load", "prefix-affinity")
+    ]
+    progress = _Labels()
+    with pytest.raises(SimInputError, match=r"^fleet.gpu: unknown GPU 'no-such-gpu'"):
+        _searches(config, combos, 8, 2, progress)
+    # The other worker stops after its probe in flight, and the queued searches never start.
+    assert len(progress.labels) <= 3, progress.labels
 
 
 def test_a_simulator_input_error_survives_the_trip_back_from_a_worker():
