@@ -146,6 +146,7 @@ OPERATOR_SET_FIELDS = frozenset(
         "server.host",
         "server.port",
         "server.api_key_file",  # the mounted `apiKeySecret`, when one is named
+        "server.internal_api_key_file",  # the deployment's generated internal-key Secret
     }
 )
 # RuntimeConfig fields no custom resource exposes: every pod runs with the runtime's own default.

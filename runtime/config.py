@@ -121,6 +121,12 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: tuple[str, ...] = ()
     api_key_file: str | None = Field(None, description="One key per line (a mounted Secret).")
+    internal_api_key_file: str | None = Field(
+        None,
+        description="The deployment's internal key (first line; a mounted Secret, re-read live): routers and "
+        "the other role's pods call with it. When set, the internal endpoints (KV events, KV transfer, holds, "
+        "config, tokenizer) require it and the tenant header is trusted only with it.",
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     drain_seconds: float = Field(30.0, ge=0, description="SIGTERM grace: in-flight requests may finish.")
     health_stall_seconds: float = Field(30.0, gt=0, description="/health fails when work waits this long.")
@@ -162,6 +168,7 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "scheduler.max_waiting",
         "server.api_keys",
         "server.api_key_file",
+        "server.internal_api_key_file",
         "server.drain_seconds",
     }
 )

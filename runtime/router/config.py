@@ -168,6 +168,11 @@ class Backend(_Spec):
         description="Model source to load the tokenizer from (built-in name, .gguf, HF dir); default `model`.",
     )
     block_size: int = Field(16, description="Used until the pods report theirs on the KV-event stream.")
+    internal_key_file: str | None = Field(
+        None,
+        description="The deployment's internal key (a mounted Secret, re-read live): every router -> pod call "
+        "(proxied requests, KV events, models, load, holds, tokenizer) authenticates with it.",
+    )
     role: Role = Field(
         "both",
         description="Prefill/decode disaggregation: a model with prefill and decode endpoints runs each prompt "
