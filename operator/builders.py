@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
+from tokenfleet.operator.internal_key import pod_key_path, pod_key_volume
 from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
 from tokenfleet.runtime.router.config import SecretKeyRef
@@ -196,6 +197,7 @@ def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | Non
             "server.host": "0.0.0.0",
             "server.port": RUNTIME_PORT,
             "server.api_key_file": api_key_path(spec.api_key_secret),
+            "server.internal_api_key_file": pod_key_path(),
         }
     )
     return RuntimeConfig.model_validate(_nest(values))
@@ -301,7 +303,11 @@ def _resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig) -> dict[str, Any]:
+def build_deployment(
+    name: str, spec: ModelDeploymentSpec, config: RuntimeConfig, md_name: str | None = None
+) -> dict[str, Any]:
+    """The runtime pods' Deployment `name`; `md_name` is the ModelDeployment whose internal key they mount
+    (default `name`; a disaggregated role's Deployment is `<md>-<role>` and shares its deployment's key)."""
     gpu = spec.resources.gpus > 0
     csc = container_security_context()
     mount = model_mount(spec, csc)
@@ -319,6 +325,9 @@ def build_deployment(name: str, spec: ModelDeploymentSpec, config: RuntimeConfig
     key_volumes, key_mounts = api_key_volume(spec.api_key_secret)
     volumes += key_volumes
     mounts += key_mounts
+    internal_volume, internal_mount = pod_key_volume(md_name or name)
+    volumes.append(internal_volume)
+    mounts.append(internal_mount)
     if gpu or spec.tensor_parallel_size > 1:
         # NCCL, CUDA IPC and torch.multiprocessing's shared tensors between tensor-parallel workers need
         # more shared memory than a container's default 64 MiB /dev/shm.

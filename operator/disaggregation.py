@@ -75,7 +75,7 @@ def build_disaggregated_children(
         name = role_name(md_name, role)
         cm, deployment, service = (
             build_config_map(name, config),
-            build_deployment(name, rspec, config),
+            build_deployment(name, rspec, config, md_name=md_name),
             build_service(name),
         )
         for obj in (cm, deployment, service):
@@ -97,7 +97,11 @@ def router_backends(
     for role in ROLES:
         name = role_name(md_name, role)
         base = build_backend(
-            name, namespace, build_runtime_config(role_spec(spec, role), cache), builtin_model
+            name,
+            namespace,
+            build_runtime_config(role_spec(spec, role), cache),
+            builtin_model,
+            key_owner=md_name,  # both roles' pods hold their deployment's one key
         )
         out.append(base.model_copy(update={"role": role}))
     return out

@@ -44,6 +44,7 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("v1", "configmaps"),
     "Pod": Kind("v1", "pods"),
+    "Secret": Kind("v1", "secrets"),
     "Service": Kind("v1", "services"),
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Deployment": Kind("apps/v1", "deployments"),
@@ -141,6 +142,27 @@ class Kube:
             if e.status == 404:
                 raise NotServed(obj["kind"]) from e
             raise
+
+    def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless an object of its name exists (then nothing is written): False when it did.
+
+        For what must be made once and never overwritten (the internal key): a plain POST, so the
+        operator neither reads nor rewrites what is stored.
+        """
+        meta = obj["metadata"]
+        try:
+            self._call(
+                "POST",
+                KINDS[obj["kind"]].path(meta["namespace"]),
+                body=json.dumps(obj),
+                content_type="application/json",
+                fieldManager=FIELD_MANAGER,
+            )
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete one object (its dependents go by garbage collection); False when there was none."""

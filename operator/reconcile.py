@@ -34,12 +34,14 @@ from tokenfleet.operator.builders import (
     build_deployment,
     build_runtime_config,
     build_service,
+    common_labels,
     config_hash,
     selector_string,
     service_url,
 )
 from tokenfleet.operator.disaggregation import build_disaggregated_children, role_name, router_backends
 from tokenfleet.operator.inference_pool import PoolSupport, build_inference_pool
+from tokenfleet.operator.internal_key import build_internal_key_secret, new_internal_key
 from tokenfleet.operator.kube import Kube, NamespaceTerminating, NotServed
 from tokenfleet.operator.router_builders import (
     ROUTER_PORT,
@@ -182,6 +184,8 @@ def _reconcile_model_deployment(
             served = name  # the Deployment the status reports on
             if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
                 children, served = build_disaggregated_children(name, spec, cache), role_name(name, "decode")
+            # Before the Deployments: their pods mount it.
+            ensure_internal_key(ctx, body, logger)
             applied = _adopt_and_apply(ctx, body, children)
             switching = finish_mode_switch(ctx, body, spec, children, applied, logger)
             sync_inference_pool(ctx, body, spec, logger)
@@ -230,6 +234,22 @@ def _reconcile_model_deployment(
             "the children of the previous serving mode",
             delay=ctx.resync_seconds,
         )
+
+
+def ensure_internal_key(ctx: OperatorContext, owner: dict[str, Any], logger: logging.Logger) -> bool:
+    """Create the ModelDeployment's internal-key Secret if there is none; True when it was created.
+
+    Create-only (a POST that a stored Secret refuses): never regenerated or rewritten, so neither a
+    restart, a resync nor a spec change rotates the key; what an admin stored there stays. The operator
+    never reads it back.
+    """
+    name = owner["metadata"]["name"]
+    secret = build_internal_key_secret(name, common_labels(name), new_internal_key())
+    kopf.adopt(secret, owner=owner)
+    created = ctx.kube.create_if_absent(secret)
+    if created:
+        logger.info("created the internal key Secret %s", secret["metadata"]["name"])
+    return created
 
 
 def role_counts_patch(
@@ -480,6 +500,7 @@ def _reconcile_routing_policy(
         return
     backends = []
     used_by = []
+    key_owners = []  # the ModelDeployments whose internal keys the routers mount
     md_specs = watched.model_deployment_specs(namespace)
     for md_name in watched.users_of(namespace, "routingPolicyRef", name):
         used_by.append(md_name)
@@ -494,6 +515,7 @@ def _reconcile_routing_policy(
             logger.info("router %s skips ModelDeployment %s: %s", name, md_name, e)
             continue
         builtin = source_kind(md_spec.model.source) == "builtin"
+        key_owners.append(md_name)
         if md_spec.disaggregation is not None:  # one backend per role's Service
             backends += router_backends(md_name, namespace, md_spec, cache, builtin)
         else:
@@ -507,7 +529,7 @@ def _reconcile_routing_policy(
         build_router_config_map(name, router_config),
         build_router_service_account(name),
         build_router_role_binding(name),
-        build_router_deployment(name, router_config, ctx.image),
+        build_router_deployment(name, router_config, ctx.image, key_owners),
         build_router_service(name),
     ]
     _adopt_and_apply(ctx, body, children)

@@ -17,6 +17,7 @@ API keys come from the Secret entry `apiKeySecret` names, mounted whole so rotat
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from tokenfleet.operator.builders import (
     pod_security_context,
     service_url,
 )
+from tokenfleet.operator.internal_key import router_key_path, router_key_volume
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.router.config import Backend, Discovery, RouterConfig, RoutingSpec, restart_only
 
@@ -67,8 +69,16 @@ def router_labels(rp_name: str) -> dict[str, str]:
     }
 
 
-def build_backend(md_name: str, namespace: str, config: RuntimeConfig, builtin_model: bool) -> Backend:
-    """One router backend per ModelDeployment: its Service URL and what the router needs to hash prompts."""
+def build_backend(
+    md_name: str,
+    namespace: str,
+    config: RuntimeConfig,
+    builtin_model: bool,
+    key_owner: str | None = None,
+) -> Backend:
+    """One router backend per ModelDeployment (`md_name` = its Service): its URL, what the router needs to
+    hash prompts, and the internal key file of `key_owner` (default `md_name`; a disaggregated role's
+    backend uses its deployment's key)."""
     return Backend(
         name=md_name,
         model=config.model.name,
@@ -77,6 +87,7 @@ def build_backend(md_name: str, namespace: str, config: RuntimeConfig, builtin_m
         # for others the router falls back to its default (documented in docs/operations.md).
         tokenizer=config.model.model if builtin_model else None,
         block_size=config.cache.block_size,
+        internal_key_file=router_key_path(key_owner or md_name),
     )
 
 
@@ -147,11 +158,19 @@ def build_router_service(rp_name: str) -> dict[str, Any]:
     }
 
 
-def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> dict[str, Any]:
-    """The router pods; the template hashes only the restart-only config, so policy edits roll nothing."""
+def build_router_deployment(
+    rp_name: str, config: RouterConfig, image: str, key_owners: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The router pods; the template hashes only the restart-only config, so policy edits roll nothing.
+
+    `key_owners`: the ModelDeployments it routes to, whose internal keys it mounts. Volumes are part of the
+    pod template, so a deployment joining or leaving the policy rolls the routers (one at a time, surge
+    first); everything else about a backend applies live.
+    """
     spec = config.routing
     names = router_names(rp_name)
     key_volumes, key_mounts = api_key_volume(spec.api_key_secret)
+    internal_volumes, internal_mounts = router_key_volume(key_owners)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     container = {
         "name": "router",
@@ -164,6 +183,7 @@ def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> d
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             *key_mounts,
+            *internal_mounts,
         ],
         "securityContext": container_security_context(),
         "startupProbe": {**probe, "failureThreshold": 24},
@@ -188,6 +208,7 @@ def build_router_deployment(rp_name: str, config: RouterConfig, image: str) -> d
                         {"name": "config", "configMap": {"name": names.config_map}},
                         {"name": "tmp", "emptyDir": {}},
                         *key_volumes,
+                        *internal_volumes,
                     ],
                     "securityContext": pod_security_context(),
                     "terminationGracePeriodSeconds": 30,

@@ -95,6 +95,19 @@ class FakeKube:
         self.objects[key] = stored
         return copy.deepcopy(stored)
 
+    def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        meta = obj["metadata"]
+        self.calls.append(("create", obj["kind"], meta["name"]))
+        key = self._key(obj["kind"], meta["namespace"], meta["name"])
+        if key in self.objects:
+            return False  # the API server's 409: nothing is written
+        if meta["namespace"] in self.terminating:
+            raise NamespaceTerminating(meta["namespace"])
+        self._uid += 1
+        self.objects[key] = copy.deepcopy(obj)
+        self.objects[key]["metadata"]["uid"] = f"uid-{self._uid}"
+        return True
+
     def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.calls.append(("patch_status", kind, name))
         obj = self.objects[self._key(kind, namespace, name)]

@@ -37,7 +37,7 @@ def test_router_config_round_trips_through_the_routers_own_schema():
 def test_router_deployment_and_binding():
     spec = parse_routing_policy({"router": {"replicas": 3}})
     cfg = build_router_config("ns", spec, [_backend("a")])
-    dep = build_router_deployment("chat", cfg, "img:1")
+    dep = build_router_deployment("chat", cfg, "img:1", ["a"])
     pod = dep["spec"]["template"]["spec"]
     assert dep["spec"]["replicas"] == 3
     assert pod["serviceAccountName"] == "chat-router"
@@ -54,11 +54,17 @@ def test_router_deployment_and_binding():
         {"strategy": "round-robin", "weights": {"prefix": 9}, "router": {"replicas": 5}}
     )
     other = build_router_deployment(
-        "chat", build_router_config("ns", edited, [_backend("a"), _backend("b")], generation=7), "img:1"
+        "chat", build_router_config("ns", edited, [_backend("a", "pvc://m/x")], generation=7), "img:1", ["a"]
     )
     assert other["spec"]["template"] == dep["spec"]["template"]
     assert other["spec"]["replicas"] == 5
     assert annotations[key] == other["spec"]["template"]["metadata"]["annotations"][key]
+    # A deployment joining the policy brings its internal key, a volume: only that rolls the routers.
+    joined = build_router_deployment(
+        "chat", build_router_config("ns", edited, [_backend("a"), _backend("b")]), "img:1", ["a", "b"]
+    )
+    assert joined["spec"]["template"]["spec"]["volumes"] != pod["volumes"]
+    assert annotations[key] == joined["spec"]["template"]["metadata"]["annotations"][key]
     rb = build_router_role_binding("chat")
     assert rb["roleRef"]["name"] == "tokenfleet-router"
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router"}]
