@@ -81,10 +81,10 @@ def test_inference_pool_follows_the_model_deployment(cluster, operator, namespac
     dep = wait(lambda: cluster.get("deployment", "chat", namespace), what="deployment chat")
     md = cluster.get("md", "chat", namespace)
 
-    # The pool selects exactly the runtime pods, on the port the runtime container serves.
-    assert pool["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    # The pool selects the runtime pods (those of this deployment only), on the port the runtime serves.
     template_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    assert pool["spec"]["selector"]["matchLabels"]["serving.tokenfleet.dev/model-deployment"] == "chat"
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]
     picker = pool["spec"]["endpointPickerRef"]

@@ -17,14 +17,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet.operator.api import ModelDeploymentSpec
-from tokenfleet.operator.builders import RUNTIME_PORT, common_labels, selector_labels
+from tokenfleet.operator.api import GROUP, ModelDeploymentSpec
+from tokenfleet.operator.builders import RUNTIME_PORT, common_labels
 from tokenfleet.operator.kube import INFERENCE_POOL_API
 
 
 def endpoint_picker_name(name: str, spec: ModelDeploymentSpec) -> str:
     # `<pool>-epp` is the name the Inference Extension's endpoint-picker chart gives its Service.
     return spec.inference_pool.endpoint_picker.name or f"{name}-epp"
+
+
+def pool_selector(name: str) -> dict[str, str]:
+    """The pool's pods: every runtime pod of the ModelDeployment, in either serving mode (its label; an
+    aggregated deployment's pods are also what Service `name` selects).
+
+    Disaggregated, that is the pods of both roles (each labelled with its role), as the Inference
+    Extension's prefill/decode design has it: a gateway sends an HTTPRoute rule to one pool and its endpoint
+    picker chooses a request's endpoints from it. A picker that knows prefill/decode filters the pods by
+    their role label (`serving.tokenfleet.dev/role`); any other picker still serves, every pod answering
+    whole requests, with all of the deployment's capacity (a decode-only pool would leave the prefill pods
+    idle; a pool per role would need two routes with nothing to choose between them). One selector for
+    both modes also keeps the old mode's pods in the pool while a switch between them is under way.
+    """
+    return {f"{GROUP}/model-deployment": name, "app.kubernetes.io/component": "runtime"}
 
 
 def build_inference_pool(name: str, spec: ModelDeploymentSpec) -> dict[str, Any]:
@@ -34,7 +49,7 @@ def build_inference_pool(name: str, spec: ModelDeploymentSpec) -> dict[str, Any]
         "kind": "InferencePool",
         "metadata": {"name": name, "labels": common_labels(name)},
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": pool_selector(name)},
             "targetPorts": [{"number": RUNTIME_PORT}],
             "endpointPickerRef": {
                 "group": picker.group,

@@ -313,8 +313,13 @@ def test_inference_pool_selects_the_runtime_pods_on_their_port(clock, events):
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     pod_labels = kube.obj("Deployment", "chat")["spec"]["template"]["metadata"]["labels"]
     selector = pool["spec"]["selector"]["matchLabels"]
-    assert selector == kube.obj("Service", "chat")["spec"]["selector"]
     assert selector.items() <= pod_labels.items()
+    # Exactly the runtime pods of `chat`: nothing the Service `chat` does not select.
+    assert selector == {
+        "serving.tokenfleet.dev/model-deployment": "chat",
+        "app.kubernetes.io/component": "runtime",
+    }
+    assert kube.obj("Service", "chat")["spec"]["selector"].items() <= pod_labels.items()
     container = kube.obj("Deployment", "chat")["spec"]["template"]["spec"]["containers"][0]
     assert pool["spec"]["targetPorts"] == [{"number": container["ports"][0]["containerPort"]}]
     assert pool["spec"]["targetPorts"] == [{"number": RUNTIME_PORT}]
@@ -353,6 +358,34 @@ def test_inference_pool_selects_the_runtime_pods_on_their_port(clock, events):
     # Deleting the ModelDeployment takes the pool with it (owner reference).
     kube.remove("ModelDeployment", "chat")
     assert kube.names("InferencePool") == []
+
+
+def test_the_inference_pool_of_a_disaggregated_deployment_selects_the_pods_of_both_roles(clock, events):
+    kube = FakeKube(served=set(KINDS))
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "chat", {"disaggregation": {"prefill": {}, "decode": {"replicas": 2}}})
+    _reconcile(ctx, kube, "chat")
+    selector = kube.obj("InferencePool", "chat")["spec"]["selector"]["matchLabels"]
+    # Every pod either role's Deployment makes is in the pool, and the role label tells a P/D-aware picker
+    # which is which; nothing of another deployment is.
+    roles = {}
+    for role in ("prefill", "decode"):
+        labels = kube.obj("Deployment", f"chat-{role}")["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), role
+        roles[role] = labels["serving.tokenfleet.dev/role"]
+    assert roles == {"prefill": "prefill", "decode": "decode"}
+    kube.create("ModelDeployment", "other", {})
+    _reconcile(ctx, kube, "other")
+    other_pods = kube.obj("Deployment", "other")["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= other_pods.items()
+    # Back to aggregated: while the new pods start, the roles' pods (still serving) stay in the pool with them.
+    kube.edit("ModelDeployment", "chat", {})
+    with pytest.raises(kopf.TemporaryError, match="waiting for Deployment chat"):
+        _reconcile(ctx, kube, "chat")
+    selector = kube.obj("InferencePool", "chat")["spec"]["selector"]["matchLabels"]
+    for dep in ("chat", "chat-decode", "chat-prefill"):
+        labels = kube.obj("Deployment", dep)["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), dep
 
 
 def test_without_the_inference_pool_crd_everything_else_reconciles_and_it_is_said_once(clock, events, caplog):
