@@ -11,7 +11,9 @@ A kopf timer per such ModelDeployment runs one decision every interval:
    demand that brings a model back from zero (requests they hold because no endpoint can take them);
 4. call the one policy, `autoscaling_policy.decide`, with the history kept in `status.autoscaling`
    (level-based: a restarted operator continues the same windows and cooldowns);
-5. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
+5. before a scale-down, set each Ready pod's `controller.kubernetes.io/pod-deletion-cost` to its requests
+   in flight (deletion_cost.py), so the ReplicaSet removes the idlest pods;
+6. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
    Event with the reason whenever the count changes: the status records only a count that was written.
 
 Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
@@ -58,6 +60,7 @@ from tokenfleet.operator.autoscaling_policy import (
 )
 from tokenfleet.operator.autoscaling_status import autoscaling_status, history_from_status
 from tokenfleet.operator.builders import RUNTIME_PORT, model_mount, selector_string
+from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
 from tokenfleet.operator.pod_metrics import MetricsParseError, PodMetrics, parse_metrics, pod_sample
 from tokenfleet.operator.reconcile import OperatorContext
@@ -378,6 +381,9 @@ async def _decide(
     if routers:
         observed["router_scrape_failures"] = seen.router_failures
     status = autoscaling_status(decision, target.previous, scaled, now, observed)
+    if decision.replicas < target.replicas:
+        # Before the count drops: the ReplicaSet then removes the pods with the fewest requests in flight.
+        await _mark_deletion_costs(ctx, namespace, pods, seen.samples, logger)
     if not await _write_count(ctx, namespace, name, target, decision.replicas):
         logger.info(
             "autoscaler: %sdecision dropped, the spec changed since it was read (%s)", what, decision.reason
@@ -403,6 +409,22 @@ async def _decide(
     if scaled or target.replicas != decision.replicas:
         logger.info("autoscaler: %s%s", what, decision.reason)
     return decision
+
+
+async def _mark_deletion_costs(
+    ctx: OperatorContext,
+    namespace: str,
+    pods: list[Mapping[str, Any]],
+    samples: tuple[PodSample, ...],
+    logger: logging.Logger,
+) -> None:
+    """Set each Ready pod's pod-deletion-cost to its in-flight requests (deletion_cost.py). Best effort:
+    a pod gone meanwhile or a refused write costs only the choice of which pod goes, never the decision."""
+    for pod, cost in cost_annotations(pods, deletion_costs(samples)).items():
+        try:
+            await asyncio.to_thread(ctx.kube.annotate, "Pod", namespace, pod, {POD_DELETION_COST: cost})
+        except ApiException as e:
+            logger.info("autoscaler: pod %s: deletion cost not set (%s)", pod, e.reason)
 
 
 async def _write_count(

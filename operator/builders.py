@@ -254,6 +254,21 @@ def build_service(name: str) -> dict[str, Any]:
     }
 
 
+def build_pod_disruption_budget(name: str) -> dict[str, Any]:
+    """At most one of Deployment `name`'s pods evicted at a time (node drains, cluster autoscaler).
+
+    `maxUnavailable` rather than `minAvailable`: a single-replica deployment can still be drained (its pod
+    drains its streams and the router resumes the rest elsewhere), while a many-replica one never loses
+    more than one pod's capacity, and its model cache, to voluntary disruptions at once.
+    """
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": child_names(name).deployment, "labels": common_labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
 def pod_security_context() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000}
 

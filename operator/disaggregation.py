@@ -21,6 +21,7 @@ from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec
 from tokenfleet.operator.builders import (
     build_config_map,
     build_deployment,
+    build_pod_disruption_budget,
     build_runtime_config,
     build_service,
 )
@@ -58,7 +59,7 @@ def _label(obj: dict[str, Any], md_name: str, role: str) -> None:
             labels[f"{GROUP}/model-deployment"] = md_name
             labels[ROLE_LABEL] = role
     selector = obj["spec"].get("selector")
-    if obj["kind"] == "Deployment":
+    if obj["kind"] in ("Deployment", "PodDisruptionBudget"):
         selector["matchLabels"][ROLE_LABEL] = role
     elif obj["kind"] == "Service":
         selector[ROLE_LABEL] = role
@@ -67,25 +68,26 @@ def _label(obj: dict[str, Any], md_name: str, role: str) -> None:
 def build_disaggregated_children(
     md_name: str, spec: ModelDeploymentSpec, cache: CachePolicySpec | None
 ) -> list[dict[str, Any]]:
-    """ConfigMap, Deployment, Service for the prefill role, then the same for decode."""
+    """ConfigMap, Deployment, Service, PodDisruptionBudget for the prefill role, then the same for decode."""
     children: list[dict[str, Any]] = []
     for role in ROLES:
         rspec = role_spec(spec, role)
         config = build_runtime_config(rspec, cache)
         name = role_name(md_name, role)
-        cm, deployment, service = (
+        cm, deployment, service, budget = (
             build_config_map(name, config),
             build_deployment(name, rspec, config, md_name=md_name),
             build_service(name),
+            build_pod_disruption_budget(name),
         )
-        for obj in (cm, deployment, service):
+        for obj in (cm, deployment, service, budget):
             if obj["kind"] == "ConfigMap":
                 obj["metadata"].setdefault("labels", {})
                 obj["metadata"]["labels"][f"{GROUP}/model-deployment"] = md_name
                 obj["metadata"]["labels"][ROLE_LABEL] = role
             else:
                 _label(obj, md_name, role)
-        children += [cm, deployment, service]
+        children += [cm, deployment, service, budget]
     return children
 
 

@@ -48,6 +48,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services"),
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Deployment": Kind("apps/v1", "deployments"),
+    "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
     "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
     "ModelDeployment": Kind(f"{GROUP}/{VERSION}", "modeldeployments"),
     "CachePolicy": Kind(f"{GROUP}/{VERSION}", "cachepolicies"),
@@ -191,6 +192,15 @@ class Kube:
             KINDS[kind].path(namespace, name),
             body=ops,
             content_type="application/json-patch+json",
+        )
+
+    def annotate(self, kind: str, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        """Merge `annotations` into the object's (a merge patch of metadata.annotations only)."""
+        self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name),
+            body={"metadata": {"annotations": annotations}},
+            content_type="application/merge-patch+json",
         )
 
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:

@@ -32,6 +32,7 @@ from tokenfleet.operator.api import (
 from tokenfleet.operator.builders import (
     build_config_map,
     build_deployment,
+    build_pod_disruption_budget,
     build_runtime_config,
     build_service,
     common_labels,
@@ -180,6 +181,7 @@ def _reconcile_model_deployment(
                 build_config_map(name, config),
                 build_deployment(name, spec, config),
                 build_service(name),
+                build_pod_disruption_budget(name),
             ]
             served = name  # the Deployment the status reports on
             if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
@@ -274,7 +276,7 @@ def role_counts_patch(
 
 # The kinds of a ModelDeployment's runtime children: those of its other serving mode (aggregated, or a
 # disaggregated role) go after the spec switches between them, once the new mode's pods serve.
-PRUNED_KINDS = ("Deployment", "Service", "ConfigMap")
+PRUNED_KINDS = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget")
 
 
 def stale_children(

@@ -103,6 +103,14 @@ class Cluster:
         obj["status"] = merge_patch(obj.get("status") or {}, status)
         self.writes.append("patch_status")
 
+    def annotate(self, kind: str, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        self._maybe_fail(f"annotate {name}")
+        if (kind, name) not in self.objects:
+            raise ApiException(status=404, reason="Not Found")
+        meta = self.objects[(kind, name)]["metadata"]
+        meta["annotations"] = merge_patch(meta.get("annotations") or {}, annotations)
+        self.writes.append(f"annotate {name}")
+
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> None:
         self._maybe_fail("scale")
         self.objects[(kind, name)]["spec"]["replicas"] = replicas
@@ -808,3 +816,74 @@ def test_scale_targets_name_each_roles_pods():
     assert target.role == "decode" and target.routers and target.replicas == 1
     assert target.selector == "app.kubernetes.io/instance=chat-decode,app.kubernetes.io/component=runtime"
     assert scale_targets("chat", parse_model_deployment({"replicas": 2}), {}) == []
+
+
+# ----------------------------------------------------------------------------------- which pods a scale-down removes
+COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+def _cost(cluster: Cluster, pod: str) -> str | None:
+    return (cluster.objects[("Pod", pod)]["metadata"].get("annotations") or {}).get(COST)
+
+
+async def test_before_a_scale_down_each_ready_pod_is_marked_with_its_requests_in_flight(servers, session):
+    cluster = Cluster()
+    now_down = {"stabilizationWindowSeconds": 0, "maxStep": 2, "cooldownSeconds": 0}
+    cluster.create_md(
+        "chat", {"replicas": 3, "autoscaling": autoscaling(scaleDown=now_down, scaleUp=now_down)}
+    )
+    labels = common_labels("chat")
+    busy, idle, mid = [await servers(FakePod()) for _ in range(3)]
+    for name, pod in (("chat-a", busy), ("chat-b", idle), ("chat-c", mid)):
+        cluster.add_pod(name, labels, pod.port)
+    cluster.add_pod("chat-d", labels, None)  # starting: no figures, no cost (not-ready pods go first anyway)
+    loop = Loop(cluster, session)
+
+    # Light load on three pods against 2 waiting per replica: 3 -> 2. One pod has 5 streams running, one
+    # none, one 1 running and 1 queued.
+    busy.load(running=5, kv=0.4)
+    mid.load(running=1, waiting=1)
+    d = await loop.tick(0.0)
+    assert d.replicas < 3 and loop.replicas == d.replicas
+    assert [_cost(cluster, p) for p in ("chat-a", "chat-b", "chat-c", "chat-d")] == ["5", "0", "2", None]
+    # The costs are in place before the count drops (the ReplicaSet reads them when it picks).
+    assert cluster.writes.index("scale") > max(
+        i for i, w in enumerate(cluster.writes) if w.startswith("annotate")
+    )
+
+    # A decision that does not lower the count (here back up to a raised minimum) writes no cost.
+    cluster.writes.clear()
+    cluster.md("chat")["spec"]["autoscaling"]["minReplicas"] = 2
+    busy.load(running=7)
+    d = await loop.tick(1.0)
+    assert loop.replicas == 2 and cluster.writes[0] == "scale"
+    assert not any(w.startswith("annotate") for w in cluster.writes) and _cost(cluster, "chat-a") == "5"
+
+
+async def test_a_pod_that_cannot_be_marked_does_not_stop_the_scale_down(servers, session):
+    cluster = Cluster()
+    now_down = {"stabilizationWindowSeconds": 0, "maxStep": 1, "cooldownSeconds": 0}
+    cluster.create_md("chat", {"replicas": 2, "autoscaling": autoscaling(scaleDown=now_down)})
+    a, b = await servers(FakePod()), await servers(FakePod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    cluster.add_pod("chat-b", common_labels("chat"), b.port)
+    cluster.failing.add("annotate chat-a")  # e.g. the pod was deleted between the list and the patch
+    b.load(running=3)
+    d = await Loop(cluster, session).tick(0.0)
+    assert d.replicas == 1 and cluster.md("chat")["spec"]["replicas"] == 1
+    assert (_cost(cluster, "chat-a"), _cost(cluster, "chat-b")) == (None, "3")
+
+
+async def test_a_role_scale_down_marks_that_roles_pods_only(servers, session):
+    cluster, p, d = await _two_role_deployment(servers)
+    cluster.md("chat")["spec"]["disaggregation"]["decode"]["replicas"] = 2
+    now_down = {"stabilizationWindowSeconds": 0, "maxStep": 1, "cooldownSeconds": 0}
+    cluster.md("chat")["spec"]["disaggregation"]["decode"]["autoscaling"]["scaleDown"] = now_down
+    d2 = await servers(FakePod())
+    cluster.add_pod("chat-decode-b", role_labels("decode"), d2.port)
+    d.load(running=4, kv=0.2)
+    p.load(waiting=2, running=1)
+    decisions = await RoleLoop(cluster, session).tick(0.0)
+    assert decisions["decode"].replicas == 1
+    assert (_cost(cluster, "chat-decode-a"), _cost(cluster, "chat-decode-b")) == ("4", "0")
+    assert _cost(cluster, "chat-prefill-a") is None  # its role did not shrink

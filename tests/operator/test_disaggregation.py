@@ -32,6 +32,8 @@ def test_each_role_gets_its_deployment_service_and_config_with_its_overrides():
         ("ConfigMap", "chat-prefill-runtime"),
         ("Deployment", "chat-decode"),
         ("Deployment", "chat-prefill"),
+        ("PodDisruptionBudget", "chat-decode"),
+        ("PodDisruptionBudget", "chat-prefill"),
         ("Service", "chat-decode"),
         ("Service", "chat-prefill"),
     ]
@@ -52,6 +54,10 @@ def test_each_role_gets_its_deployment_service_and_config_with_its_overrides():
         assert svc["spec"]["selector"][ROLE_LABEL] == role
         # A Service selects exactly its role's pods: its selector is a subset of those pods' labels only.
         assert svc["spec"]["selector"].items() <= labels.items()
+        # So does the role's disruption budget: a drain takes at most one pod of each role at a time.
+        budget = _by(children, "PodDisruptionBudget", f"chat-{role}")["spec"]
+        assert budget["maxUnavailable"] == 1
+        assert budget["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     other = _by(children, "Deployment", "chat-prefill")["spec"]["template"]["metadata"]["labels"]
     assert not _by(children, "Service", "chat-decode")["spec"]["selector"].items() <= other.items()
     decode_cfg = RuntimeConfig.model_validate(
@@ -195,12 +201,19 @@ def test_reconcile_creates_both_roles_reports_on_decode_and_the_router_gets_both
     ]
 
 
-AGGREGATED = [("ConfigMap", "chat-runtime"), ("Deployment", "chat"), ("Service", "chat")]
+AGGREGATED = [
+    ("ConfigMap", "chat-runtime"),
+    ("Deployment", "chat"),
+    ("PodDisruptionBudget", "chat"),
+    ("Service", "chat"),
+]
 DISAGGREGATED = [
     ("ConfigMap", "chat-decode-runtime"),
     ("ConfigMap", "chat-prefill-runtime"),
     ("Deployment", "chat-decode"),
     ("Deployment", "chat-prefill"),
+    ("PodDisruptionBudget", "chat-decode"),
+    ("PodDisruptionBudget", "chat-prefill"),
     ("Service", "chat-decode"),
     ("Service", "chat-prefill"),
 ]
@@ -208,7 +221,7 @@ DISAGGREGATED = [
 
 def _children(kube) -> list[tuple[str, str]]:
     """The ModelDeployment's runtime children (not the router's)."""
-    kinds = ("ConfigMap", "Deployment", "Service")
+    kinds = ("ConfigMap", "Deployment", "PodDisruptionBudget", "Service")
     return sorted((k, n) for k in kinds for n in kube.names(k) if not n.startswith("front-"))
 
 
@@ -249,6 +262,7 @@ def test_switching_modes_removes_the_other_modes_children_once_the_new_ones_serv
     # The Deployment goes last: while one is left, the next reconcile knows there is more to remove.
     assert [c for c in kube.calls[calls:] if c[0] == "delete"] == [
         ("delete", "ConfigMap", "chat-runtime"),
+        ("delete", "PodDisruptionBudget", "chat"),
         ("delete", "Service", "chat"),
         ("delete", "Deployment", "chat"),
     ]

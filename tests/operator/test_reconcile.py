@@ -214,8 +214,16 @@ def test_model_deployment_gets_its_children_and_becomes_ready(clock, events):
     assert kube.names("Deployment") == ["chat"]
     assert kube.names("Service") == ["chat"]
     assert kube.names("ConfigMap") == ["chat-runtime"]
+    assert kube.names("PodDisruptionBudget") == ["chat"]
+    budget = kube.obj("PodDisruptionBudget", "chat")["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": kube.obj("Deployment", "chat")["spec"]["selector"]}
     owner_uid = kube.obj("ModelDeployment", "chat")["metadata"]["uid"]
-    for kind, name in (("Deployment", "chat"), ("Service", "chat"), ("ConfigMap", "chat-runtime")):
+    for kind, name in (
+        ("Deployment", "chat"),
+        ("Service", "chat"),
+        ("ConfigMap", "chat-runtime"),
+        ("PodDisruptionBudget", "chat"),
+    ):
         assert [ref["uid"] for ref in kube.obj(kind, name)["metadata"]["ownerReferences"]] == [owner_uid]
     status = kube.obj("ModelDeployment", "chat")["status"]
     assert status["phase"] == "Progressing"
