@@ -15,8 +15,9 @@ verbatim into the router's config file, so the two can never disagree.
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -143,6 +144,92 @@ class InferencePoolSettings(_Spec):
     endpoint_picker: EndpointPicker = EndpointPicker()
 
 
+class LabelSelectorRequirement(_Spec):
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: tuple[str, ...] = Field((), description="For In and NotIn; empty for Exists and DoesNotExist.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(
+                f"operator {self.operator} {'needs' if self.values == () else 'takes no'} values"
+            )
+        return self
+
+
+class LabelSelector(_Spec):
+    """A Kubernetes label selector; empty selects everything in its scope."""
+
+    match_labels: dict[str, str] = {}
+    match_expressions: tuple[LabelSelectorRequirement, ...] = ()
+
+
+class IPBlock(_Spec):
+    cidr: str = Field(description="A CIDR, e.g. 10.0.0.0/16 or 2001:db8::/48.")
+    except_: tuple[str, ...] = Field((), alias="except", description="CIDRs inside `cidr` to leave out.")
+
+    @model_validator(mode="after")
+    def _check(self) -> IPBlock:
+        network = _cidr(self.cidr, "cidr")
+        for i, sub in enumerate(self.except_):
+            inner = _cidr(sub, f"except[{i}]")
+            if inner.version != network.version or not inner.subnet_of(network):  # type: ignore[arg-type]
+                raise ValueError(f"except[{i}] {sub} is not inside cidr {self.cidr}")
+        return self
+
+
+def _cidr(text: str, at: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise ValueError(f"{at} {text!r} is not a CIDR (e.g. 10.0.0.0/16)") from None
+
+
+PEER_RULE = "podSelector and/or namespaceSelector, or ipBlock alone"
+
+
+class NetworkPolicyPeer(_Spec):
+    """Who may connect, as in a NetworkPolicy's `from`: pods (of this namespace, or of the namespaces
+    `namespaceSelector` picks), every pod of some namespaces, or an IP range."""
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IPBlock | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> NetworkPolicyPeer:
+        selectors = self.pod_selector is not None or self.namespace_selector is not None
+        if selectors == (self.ip_block is not None):
+            raise ValueError(f"set {PEER_RULE}")
+        return self
+
+
+class NetworkPolicySettings(_Spec):
+    """A NetworkPolicy `<name>` admitting to the runtime pods (port 8000) only: the routers of its
+    RoutingPolicy, its other role's pods (disaggregated: KV transfer), the operator (it scrapes /metrics),
+    the gateway and endpoint picker while `inferencePool.enabled`, the monitoring namespaces, and
+    `allowFrom`. Enforced only where the cluster's network plugin implements NetworkPolicies."""
+
+    enabled: bool = Field(True, description="Write the NetworkPolicy; false removes it (pods open to all).")
+    allow_from: tuple[NetworkPolicyPeer, ...] = Field(
+        (), max_length=32, description="More peers allowed in (NetworkPolicyPeer: selectors or an ipBlock)."
+    )
+    monitoring_namespaces: tuple[Annotated[str, Field(pattern=REF_PATTERN, max_length=63)], ...] = Field(
+        ("monitoring",),
+        max_length=16,
+        description="Namespaces whose pods may scrape /metrics (Prometheus); [] for none.",
+    )
+    gateway_from: tuple[NetworkPolicyPeer, ...] | None = Field(
+        None,
+        max_length=32,
+        description="While inferencePool.enabled: the gateway's data-plane pods and the endpoint picker. "
+        "Default: pods labelled gateway.networking.k8s.io/gateway-name in any namespace (what Gateway API "
+        "implementations label the gateway pods they deploy with) and this namespace's pods labelled "
+        "`inferencepool: <endpoint picker name>` (the Inference Extension chart's picker).",
+    )
+
+
 class DisaggregationRole(_Spec):
     """The pods of one role of a disaggregated deployment; unset fields take the deployment's values."""
 
@@ -196,6 +283,7 @@ class ModelDeploymentSpec(_Spec):
     )
     metrics: Metrics = Metrics()
     inference_pool: InferencePoolSettings = InferencePoolSettings()
+    network_policy: NetworkPolicySettings = NetworkPolicySettings()
     cache_policy_ref: str | None = Field(
         None, pattern=REF_PATTERN, max_length=63, description="CachePolicy (same namespace) for the KV cache."
     )
@@ -459,6 +547,16 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
                 "disaggregation.prefill.autoscaling and/or disaggregation.decode.autoscaling instead",
             },
         ],
+        **{
+            f"networkPolicy.{field}": [
+                {
+                    "rule": "self.all(p, has(p.ipBlock) ? !has(p.podSelector) && !has(p.namespaceSelector) "
+                    ": has(p.podSelector) || has(p.namespaceSelector))",
+                    "message": f"networkPolicy.{field}: each entry sets {PEER_RULE}",
+                }
+            ]
+            for field in ("allowFrom", "gatewayFrom")
+        },
         **_autoscaling_rules("autoscaling"),
         **{
             path: rules

@@ -48,6 +48,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services"),
     "ServiceAccount": Kind("v1", "serviceaccounts"),
     "Deployment": Kind("apps/v1", "deployments"),
+    "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
     "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
     "ModelDeployment": Kind(f"{GROUP}/{VERSION}", "modeldeployments"),

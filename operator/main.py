@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -18,6 +19,9 @@ from tokenfleet.operator.api import DEFAULT_IMAGE
 from tokenfleet.operator.handlers import register
 from tokenfleet.operator.kube import Kube
 from tokenfleet.operator.reconcile import OperatorContext
+
+DEFAULT_OPERATOR_NAMESPACE = "tokenfleet-system"  # manifests/namespace.yaml
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="how often the autoscaler decides for each ModelDeployment with spec.autoscaling "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--operator-namespace",
+        default=None,
+        help="the namespace the operator's pods run in, which the runtime pods' NetworkPolicies admit "
+        f"(default: the in-cluster ServiceAccount's, else {DEFAULT_OPERATOR_NAMESPACE})",
+    )
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
@@ -55,6 +65,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.autoscale_seconds <= 0:
         p.error("--autoscale-seconds must be > 0")
     return args
+
+
+def own_namespace(token_dir: Path = SERVICE_ACCOUNT_DIR) -> str:
+    """The namespace of the ServiceAccount the operator runs as in a pod, else the manifests' default."""
+    try:
+        return (token_dir / "namespace").read_text().strip() or DEFAULT_OPERATOR_NAMESPACE
+    except OSError:
+        return DEFAULT_OPERATOR_NAMESPACE
 
 
 def load_client_configuration(kubeconfig: str | None, context: str | None) -> client.Configuration:
@@ -105,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return connection_info(fresh)
 
     ctx = OperatorContext(
-        kube=Kube(client.ApiClient(configuration)), image=args.image, resync_seconds=args.resync_seconds
+        kube=Kube(client.ApiClient(configuration)),
+        image=args.image,
+        resync_seconds=args.resync_seconds,
+        operator_namespace=args.operator_namespace or own_namespace(),
     )
     kopf.run(
         registry=registry,

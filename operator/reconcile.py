@@ -44,6 +44,7 @@ from tokenfleet.operator.disaggregation import build_disaggregated_children, rol
 from tokenfleet.operator.inference_pool import PoolSupport, build_inference_pool
 from tokenfleet.operator.internal_key import build_internal_key_secret, new_internal_key
 from tokenfleet.operator.kube import Kube, NamespaceTerminating, NotServed
+from tokenfleet.operator.network_policy import build_network_policy
 from tokenfleet.operator.router_builders import (
     ROUTER_PORT,
     build_backend,
@@ -115,6 +116,8 @@ class OperatorContext:
     event: Callable[[dict[str, Any], str, str, str], None] = post_event
     # Whether InferencePools can be written here; built from resync_seconds unless given.
     pools: PoolSupport | None = None
+    # Where the operator's own pods run: the runtime pods' NetworkPolicy admits them (metrics scrapes).
+    operator_namespace: str = "tokenfleet-system"
 
     def __post_init__(self) -> None:
         if self.pools is None:
@@ -190,6 +193,7 @@ def _reconcile_model_deployment(
             ensure_internal_key(ctx, body, logger)
             applied = _adopt_and_apply(ctx, body, children)
             switching = finish_mode_switch(ctx, body, spec, children, applied, logger)
+            sync_network_policy(ctx, body, spec)
             sync_inference_pool(ctx, body, spec, logger)
             outcome = ReconcileOutcome(
                 desired_replicas=spec.replicas if served == name else spec.disaggregation.decode.replicas,
@@ -358,6 +362,15 @@ def prune_children(
         ctx.kube.delete(kind, meta["namespace"], name)
         logger.info("removed %s %s (no longer part of the spec)", kind, name)
     return removed
+
+
+def sync_network_policy(ctx: OperatorContext, body: dict[str, Any], spec: ModelDeploymentSpec) -> None:
+    """Write the runtime pods' NetworkPolicy, or remove it when `spec.networkPolicy.enabled` is false."""
+    meta = body["metadata"]
+    if spec.network_policy.enabled:
+        _adopt_and_apply(ctx, body, [build_network_policy(meta["name"], spec, ctx.operator_namespace)])
+    else:
+        ctx.kube.delete("NetworkPolicy", meta["namespace"], meta["name"])
 
 
 def sync_inference_pool(
