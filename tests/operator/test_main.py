@@ -9,7 +9,7 @@ import kopf
 import pytest
 from kubernetes import client
 from tokenfleet.operator.handlers import register
-from tokenfleet.operator.main import connection_info, parse_args
+from tokenfleet.operator.main import connection_info, own_namespace, parse_args
 
 
 def test_defaults_and_validation():
@@ -18,6 +18,14 @@ def test_defaults_and_validation():
     assert parse_args(["-n", "a", "-n", "b*"]).namespace == ["a", "b*"]
     with pytest.raises(SystemExit):
         parse_args(["--resync-seconds", "0"])
+
+
+def test_the_operator_namespace_is_the_flag_or_the_pods_own(tmp_path):
+    assert parse_args(["--operator-namespace", "ops"]).operator_namespace == "ops"
+    assert parse_args([]).operator_namespace is None  # then: where the operator's pod runs
+    (tmp_path / "namespace").write_text("platform\n")
+    assert own_namespace(tmp_path) == "platform"
+    assert own_namespace(tmp_path / "not-in-a-pod") == "tokenfleet-system"  # the manifests' namespace
 
 
 def test_kopf_gets_the_same_credentials_as_the_client():
