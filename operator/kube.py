@@ -156,7 +156,7 @@ class Kube:
             self._call(
                 "POST",
                 KINDS[obj["kind"]].path(meta["namespace"]),
-                body=json.dumps(obj),
+                body=obj,
                 content_type="application/json",
                 fieldManager=FIELD_MANAGER,
             )
