@@ -150,3 +150,18 @@ def test_inference_pool_follows_the_model_deployment(cluster, operator, namespac
         timeout=30,
         what="the deployment collected",
     )
+
+
+def test_a_disaggregated_deployments_pool_selects_both_roles(cluster, operator, namespace, wait, pool_crd):
+    roles = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=_md("split", disaggregation=roles))
+    pool = wait(
+        lambda: cluster.get("inferencepool", "split", namespace), timeout=30, what="InferencePool split"
+    )
+    selector = pool["spec"]["selector"]["matchLabels"]
+    for role in ("prefill", "decode"):
+        dep = wait(lambda r=role: cluster.get("deployment", f"split-{r}", namespace), what=f"split-{role}")
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        # Every pod of the role is in the pool, and carries the role a P/D-aware picker filters on.
+        assert selector.items() <= labels.items()
+        assert labels["serving.tokenfleet.dev/role"] == role
