@@ -208,6 +208,9 @@ def insert_prefix_blocks(
     if n == 0:
         return 0
     blocks = pool.get_new_blocks(n)
+    # Taking them may have evicted cached blocks into the host tier: those copies must run before `fill`
+    # overwrites the victims, or the host would keep this prefix's KV under the evicted hashes.
+    manager.run_host_transfers()
     try:
         written = max(0, min(n, fill([b.block_id for b in blocks])))
         bs = manager.block_size
