@@ -77,10 +77,11 @@ class DecodeParams(_Wire):
 class FetchRequest(_Wire):
     hold_id: str
     start: int = Field(default=0, ge=0)
+    tp_size: int | None = Field(default=None, ge=1)  # the fetching pod's tensor-parallel ranks
 
 
 class FetchHeader(_Wire):
-    layout: dict  # KVLayout.as_json(): num_layers, block_shape, dtype
+    layout: dict  # KVLayout.as_json(): num_layers, block_shape (one rank's shard), dtype, tp_size
     block_size: int
     cache_salt: str | None
     parent: str | None  # hex hash of block start-1; None when start == 0
