@@ -3,8 +3,10 @@
 Driven over the pods' own wire, as a router drives it. Checked: the decode pod's greedy output equals, token
 for token, an aggregated TP=2 pod's computing the prompt cold (the prefill pod itself, asked with another
 cache salt so nothing of its cache serves it); every rank's shard of the prompt's blocks moves (blocks sent
-= received > 0, no fallback, the decode pod's prefix hit covers them); a fetch by a pod of another
-tensor-parallel size is refused naming both sizes and ends the hold. Slow: two TP=2 pods start.
+= received > 0, no fallback, the decode pod's prefix hit covers them). Pods of another tensor-parallel
+size (a TP=1 pod) refuse the transfer both ways, naming both sizes: the fetch answers 409 and ends the
+hold, the decode pod logs it, counts the fallback and recomputes the same answer. Slow: two TP=2 pods
+and a TP=1 pod start (5 processes, tiny model).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ PROMPTS = [
 ]
 
 
-def _spawn(tmp: Path, model_dir: str, port: int) -> subprocess.Popen:
+def _spawn(tmp: Path, model_dir: str, port: int, tp: int) -> subprocess.Popen:
     config = tmp / f"pod-{port}.json"
     config.write_text(
         json.dumps(
             {
                 "model": {"model": model_dir, "dtype": "float32"},
                 "cache": {"block_size": 8, "num_blocks": 64},
-                "parallel": {"tensor_parallel_size": 2},
+                "parallel": {"tensor_parallel_size": tp},
                 "server": {"host": "127.0.0.1", "port": port},
             }
         )
@@ -57,17 +59,18 @@ def _spawn(tmp: Path, model_dir: str, port: int) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory, checkpoints):  # noqa: F811
-    """(prefill url, decode url, model name): two TP=2 pods of the tiny Qwen2 (2 KV heads: one per rank)."""
+    """(prefill url, decode url, one-process url, model name, log folder): two TP=2 pods of the tiny Qwen2
+    (2 KV heads: one per rank) and one TP=1 pod of it."""
     import socket
 
     tmp = tmp_path_factory.mktemp("tp-disagg")
     model_dir = checkpoints["qwen2"]
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    procs = [_spawn(tmp, model_dir, port) for port in ports]
+    procs = [_spawn(tmp, model_dir, port, tp) for port, tp in zip(ports, (2, 2, 1), strict=True)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
 
@@ -76,7 +79,7 @@ def pods(tmp_path_factory, checkpoints):  # noqa: F811
                 await asyncio.gather(*(wait_ready(s, u, p, 300.0) for u, p in zip(urls, procs, strict=True)))
 
         asyncio.run(ready())
-        yield urls[0], urls[1], model_dir
+        yield urls[0], urls[1], urls[2], model_dir, tmp
     finally:
         for p in procs:
             if p.poll() is None:
@@ -112,7 +115,7 @@ async def _used(s, url: str) -> float:
 
 
 def test_tp2_prefill_to_tp2_decode_moves_every_shard_and_matches_an_aggregated_tp2_pod(pods):
-    p_url, d_url, model = pods
+    p_url, d_url, _, model, _ = pods
 
     def body(prompt, max_tokens=8, **extra):
         return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -154,12 +157,30 @@ def test_tp2_prefill_to_tp2_decode_moves_every_shard_and_matches_an_aggregated_t
     asyncio.run(run())
 
 
-def test_a_fetch_from_a_pod_of_another_tensor_parallel_size_is_refused_naming_both(pods):
-    p_url, _, model = pods
+def test_pods_of_another_tensor_parallel_size_refuse_the_transfer_naming_both_and_recompute(pods):
+    p_url, d_url, one_url, model, logs = pods
     prompt = [(17 * i) % 280 + 9 for i in range(30)]
 
     async def run():
         async with aiohttp.ClientSession() as s:
+            # A TP=1 prefill pod's blocks offered to the TP=2 decode pod: refused, the prompt is recomputed.
+            plain = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            want = await _post(s, one_url, plain)
+            params = {"do_remote_decode": True, "hold_seconds": 30}
+            done = (await _post(s, one_url, {**plain, "max_tokens": 1, "kv_transfer_params": params}))[
+                "kv_transfer_params"
+            ]
+            reason = 'reason="tp_size_mismatch"'
+            before = await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total", reason)
+            params = {"do_remote_prefill": True, **done}
+            out = await _post(s, d_url, {**plain, "kv_transfer_params": params})
+            assert out["choices"][0]["text"] == want["choices"][0]["text"]
+            assert await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total", reason) == before + 1
+            port = d_url.rsplit(":", 1)[1]
+            assert "this prefill pod has 1, the fetching pod 2" in (logs / f"pod-{port}.log").read_text()
+            assert await _used(s, one_url) == 0.0  # the refused fetch ended the hold
+
+            # The other way round, asked directly: a TP=2 prefill pod refuses a fetch for one process.
             params = {"do_remote_decode": True, "hold_seconds": 30}
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
             hold = (await _post(s, p_url, body))["kv_transfer_params"]["hold_id"]
