@@ -146,8 +146,10 @@ def test_tp2_prefill_to_tp2_decode_moves_every_shard_and_matches_an_aggregated_t
             received = await _metric(s, d_url, "tokenfleet:kv_transfer_blocks_total", 'direction="received"')
             fallbacks = await _metric(s, d_url, "tokenfleet:kv_transfer_fallbacks_total")
             hits = await _metric(s, d_url, "prefix_cache_hits_total")  # vLLM's name
+            seconds = await _metric(s, d_url, "tokenfleet:kv_transfer_seconds_sum")
             print(
-                f"\nTP=2 -> TP=2: {received:.0f} blocks moved, {fallbacks:.0f} fallbacks, identical, {wall:.2f} s"
+                f"\nTP=2 -> TP=2: {received:.0f} blocks moved, {fallbacks:.0f} fallbacks, identical tokens; "
+                f"3 prompts (aggregated + prefill + decode each) in {wall:.2f} s, transfers {seconds:.3f} s"
             )
             # The second prompt's first 3 blocks were already on the decode pod (the first prompt's).
             assert sent == received == 5 + 2 + 4 and fallbacks == 0
