@@ -211,7 +211,9 @@ def test_blocks_inserted_over_cached_ones_send_the_evicted_kv_to_the_host_tier_i
     # blocks (3 blocks hold no hash), and the prompt's fifth block evicts the other.
     b = LLM(config=RuntimeConfig(), loaded=default_model, block_size=16, num_blocks=5, cpu_offload_gib=0.01)
     kb, kv_b = b.engine.kv_manager, b.engine.runner.kv_caches
-    doc = default_model.tokenizer.encode("Rivers run to the sea and back again. " * 8, add_special_tokens=False)
+    doc = default_model.tokenizer.encode(
+        "Rivers run to the sea and back again. " * 8, add_special_tokens=False
+    )
     doc = doc[:36]  # 2 full blocks + 4
     cold_doc = b.generate([doc], LP)[0]
 
