@@ -18,16 +18,20 @@ Request member `kv_transfer_params` (router -> pod, in the OpenAI body; other se
   `block_hashes`: it hashes the continuation's prompt ids itself. A fetch that arrives before the prefill
   stream has ended waits for its hold.
 
-Block stream (`POST {remote_url}/v1/kv/fetch`, body `{"hold_id": str, "start": int}`, response
-`application/octet-stream`, chunked):
+Block stream (`POST {remote_url}/v1/kv/fetch`, body `{"hold_id": str, "start": int, "tp_size": int}`,
+response `application/octet-stream`, chunked):
 
     u32 big-endian N | N bytes of UTF-8 JSON `FetchHeader` | payload of block start | ... | of the last block
 
 Every payload is exactly `layout.bytes_per_block` bytes: for each layer its K block then its V block, raw
 `[block_size, num_kv_heads, head_dim]` tensors of `layout.dtype`, native byte order (little-endian on every
-platform we run). `start` skips the leading blocks the decode pod already holds; `parent` is the hash
-before the first sent block, so the receiver can check the chain from the token ids. The fetch releases the
-hold, whether or not the stream is read to its end. Unknown or expired `hold_id` -> 404; a `start` past
+platform we run). A tensor-parallel pod's payload is `layout.tp_size` such shards, rank 0 first, each over
+that rank's KV heads (`block_shape` is one shard's); `tp_size` in the fetch body is the fetching pod's, and
+a prefill pod of another size answers 409 (`code: tp_size_mismatch`, both sizes in the message) and ends
+the hold; a fetch without it is answered and the receiver's layout check refuses the blocks. `start`
+skips the leading blocks the decode pod already holds; `parent` is the hash before the first sent block, so
+the receiver can check the chain from the token ids. The fetch releases the hold, whether or not the stream
+is read to its end. Unknown or expired `hold_id` -> 404; a `start` past
 the held blocks -> 400. `DELETE {remote_url}/v1/kv/holds/{hold_id}` releases a hold nobody will fetch.
 """
 
@@ -77,10 +81,11 @@ class DecodeParams(_Wire):
 class FetchRequest(_Wire):
     hold_id: str
     start: int = Field(default=0, ge=0)
+    tp_size: int | None = Field(default=None, ge=1)  # the fetching pod's tensor-parallel ranks
 
 
 class FetchHeader(_Wire):
-    layout: dict  # KVLayout.as_json(): num_layers, block_shape, dtype
+    layout: dict  # KVLayout.as_json(): num_layers, block_shape (one rank's shard), dtype, tp_size
     block_size: int
     cache_salt: str | None
     parent: str | None  # hex hash of block start-1; None when start == 0

@@ -13,8 +13,13 @@ transfer into a full prefix hit. A transport failure or timeout, or blocks that 
 recomputing the prompt (`tokenfleet:kv_transfer_fallbacks_total{reason}`) — the answer is the same.
 
 `KVTransport` is the seam: `HttpKVTransport` moves bytes over the pod's HTTP port; an RDMA/NIXL transport
-would implement the same two calls and read the same held blocks. Tensor-parallel pods take no part (they
-hold only rank 0's shard of each block): they compute the prompt themselves.
+would implement the same two calls and read the same held blocks.
+
+Tensor-parallel pods move every rank's shard of a block (engine/parallel/kv_shards.py: rank 0 gathers and
+scatters over the workers' pipes), so both roles must have the same `tensor_parallel_size`: the decode pod
+names its size in the fetch, and the prefill pod refuses another one (409, code `tp_size_mismatch`, naming
+both sizes); a sender that names none is caught by the layout check. Either way the decode pod logs the
+error, counts the fallback under `tp_size_mismatch` and computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -39,12 +44,11 @@ from tokenfleet.runtime.engine.kv_cache.kv_connector import (
     KVTransferError,
     cached_prefix_len,
     check_chain,
+    check_layout,
     insert_prefix_blocks,
-    layout_of,
-    read_blocks,
-    write_blocks,
 )
 from tokenfleet.runtime.engine.kv_cache.kv_holds import KVHolds
+from tokenfleet.runtime.engine.parallel.kv_shards import PodKV
 from tokenfleet.runtime.openai import kv_transfer as wire
 from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenfleet.runtime.openai.resume import CONTINUATION_FIELD
@@ -67,11 +71,15 @@ class KVFetchError(Exception):
         self.reason = reason
 
 
+TP_MISMATCH = "tp_size_mismatch"  # the fallback reason, and the prefill pod's error code
+
+
 class KVTransport(Protocol):
     async def fetch(
-        self, remote_url: str, hold_id: str, start: int, auth: str | None
+        self, remote_url: str, hold_id: str, start: int, auth: str | None, tp_size: int = 1
     ) -> tuple[wire.FetchHeader, list[bytes]]:
-        """The held blocks from `start` on (header + one payload per block); raises KVFetchError."""
+        """The held blocks from `start` on (header + one payload per block) for a pod of `tp_size` ranks;
+        raises KVFetchError."""
         ...
 
     async def release(self, remote_url: str, hold_id: str, auth: str | None) -> None: ...
@@ -79,7 +87,16 @@ class KVTransport(Protocol):
 
 def _bytes_per_block(layout: dict) -> int:
     itemsize = torch.empty(0, dtype=getattr(torch, layout["dtype"])).element_size()
-    return 2 * layout["num_layers"] * math.prod(layout["block_shape"]) * itemsize
+    shard = 2 * layout["num_layers"] * math.prod(layout["block_shape"]) * itemsize
+    return int(layout.get("tp_size", 1)) * shard
+
+
+async def _error_of(resp: aiohttp.ClientResponse) -> tuple[str | None, str]:
+    """The (code, message) of a pod's OpenAI-style error answer, as far as it is one."""
+    with contextlib.suppress(Exception):
+        error = (await resp.json())["error"]
+        return error.get("code"), str(error.get("message"))
+    return None, ""
 
 
 class HttpKVTransport:
@@ -95,12 +112,14 @@ class HttpKVTransport:
         if self._session is not None:
             await self._session.close()
 
-    async def fetch(self, remote_url, hold_id, start, auth):
+    async def fetch(self, remote_url, hold_id, start, auth, tp_size=1):
         headers = {"Authorization": auth} if auth else {}
-        body = wire.FetchRequest(hold_id=hold_id, start=start).model_dump()
+        body = wire.FetchRequest(hold_id=hold_id, start=start, tp_size=tp_size).model_dump()
         async with self._client().post(remote_url + wire.FETCH_PATH, json=body, headers=headers) as resp:
             if resp.status != 200:
-                raise KVFetchError(f"http_{resp.status}", f"{remote_url} answered {resp.status}")
+                code, message = await _error_of(resp)
+                reason = TP_MISMATCH if code == TP_MISMATCH else f"http_{resp.status}"
+                raise KVFetchError(reason, f"{remote_url} answered {resp.status}: {message}")
             n = wire.header_length(await resp.content.readexactly(wire.HEADER_PREFIX_BYTES))
             header = wire.decode_header(await resp.content.readexactly(n))
             size = _bytes_per_block(header.layout)
@@ -187,8 +206,6 @@ async def _prefill(
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
     engine = state.require_engine()
-    if _sharded(engine):
-        return await handler(request)  # no hold: the router then lets the decode pod compute the prompt
     token_ids, salt = _prompt(request.path, state, engine, raw)
     hold_id = uuid.uuid4().hex
     # The hold is announced before the request runs and taken by the engine in the very step the request
@@ -271,10 +288,14 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
     def begin(core):
         holds = kvs.holds_of(core)
         held = holds.num_blocks(req.hold_id)
+        layout = PodKV(core.runner.kv_caches, core.workers).layout
         if held is None or req.start > held:
-            return held, None, None
+            return held, None, layout
+        if req.tp_size is not None and req.tp_size != layout.tp_size:
+            holds.release(req.hold_id)  # the fetch ends the hold, used or not (no other pod will come)
+            return held, None, layout
         taken.append(holds.take(req.hold_id))
-        return held, taken[-1], layout_of(core.runner.kv_caches)
+        return held, taken[-1], layout
 
     try:
         held, hold, layout = await engine.call(begin)
@@ -291,6 +312,16 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
     if held is None:
         raise HttpError(
             ApiError(404, f"no KV hold {req.hold_id!r} (unknown, fetched or expired)", code="not_found")
+        )
+    if hold is None and req.tp_size is not None and req.tp_size != layout.tp_size:
+        raise HttpError(
+            ApiError(
+                409,
+                f"tensor_parallel_size differs: this prefill pod has {layout.tp_size}, the fetching pod "
+                f"{req.tp_size} (each rank holds only its KV heads; both roles need the same size)",
+                param="tp_size",
+                code=TP_MISMATCH,
+            )
         )
     if hold is None:
         raise HttpError(invalid(f"start {req.start} is past the {held} held blocks", param="start"))
@@ -310,7 +341,9 @@ async def fetch_endpoint(request: web.Request) -> web.StreamResponse:
         ids = hold.block_ids[req.start :]
         for i in range(0, len(ids), _BLOCKS_PER_CALL):
             chunk = ids[i : i + _BLOCKS_PER_CALL]
-            payloads = await engine.call(lambda core, chunk=chunk: read_blocks(core.runner.kv_caches, chunk))
+            payloads = await engine.call(
+                lambda core, chunk=chunk: PodKV(core.runner.kv_caches, core.workers).read(chunk)
+            )
             for p in payloads:
                 await resp.write(p)
             kvs.metrics.blocks.labels("sent").inc(len(payloads))
@@ -356,8 +389,7 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
     kvs = request.app[KV_TRANSFER_KEY]
     engine = state.require_engine()
     auth = request.headers.get("Authorization")
-    if _sharded(engine):
-        return _fallback(kvs, "tensor_parallel", KVTransferError("this pod's KV is sharded over ranks"))
+    tp_size = engine.config.parallel.tensor_parallel_size
     try:
         hashes = [bytes.fromhex(h) for h in params.block_hashes]
     except ValueError:
@@ -374,7 +406,9 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
     t0 = time.monotonic()
     try:
         async with asyncio.timeout(kvs.timeout):
-            header, payloads = await kvs.transport.fetch(params.remote_url, params.hold_id, start, auth)
+            header, payloads = await kvs.transport.fetch(
+                params.remote_url, params.hold_id, start, auth, tp_size
+            )
     except KVFetchError as e:
         return _fallback(kvs, e.reason, e)
     except TimeoutError as e:
@@ -387,13 +421,12 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
     parent = bytes.fromhex(header.parent) if header.parent else None
 
     def insert(core):
-        km, kv = core.kv_manager, core.runner.kv_caches
-        if layout_of(kv).as_json() != header.layout:
-            raise KVTransferError(f"remote KV layout {header.layout} is not ours {layout_of(kv).as_json()}")
+        km, pod = core.kv_manager, PodKV(core.runner.kv_caches, core.workers)
+        check_layout(pod.layout, header.layout)
         check_chain(km, got, header.token_ids, header.cache_salt, parent)
 
         def fill(block_ids: list[int]) -> int:
-            write_blocks(kv, block_ids, payloads[: len(block_ids)])
+            pod.write(block_ids, payloads[: len(block_ids)])
             return len(block_ids)
 
         return insert_prefix_blocks(km, got, header.token_ids, parent, fill)
@@ -401,20 +434,17 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
     try:
         inserted = await engine.call(insert)
     except KVTransferError as e:
-        return _fallback(kvs, "refused", e)
+        their_tp = int(header.layout.get("tp_size", 1))
+        return _fallback(kvs, TP_MISMATCH if their_tp != tp_size else "refused", e)
     kvs.metrics.blocks.labels("received").inc(inserted)
     kvs.metrics.bytes.labels("received").inc(sum(len(p) for p in payloads[:inserted]))
     kvs.metrics.seconds.observe(time.monotonic() - t0)
 
 
-def _sharded(engine) -> bool:
-    """Tensor parallel: this process holds only rank 0's heads of each block; moving that shard alone would
-    leave the other ranks' KV wrong, so such pods neither hold nor fetch (they compute the prompt)."""
-    return engine.config.parallel.tensor_parallel_size > 1
-
-
 def _fallback(kvs: KVTransferState, reason: str, error: BaseException) -> None:
-    logger.warning("KV transfer failed (%s: %s): recomputing the prompt", reason, error)
+    # A TP-size mismatch is a deployment error that will not go away by itself: said louder than a blip.
+    level = logging.ERROR if reason == TP_MISMATCH else logging.WARNING
+    logger.log(level, "KV transfer failed (%s: %s): recomputing the prompt", reason, error)
     kvs.metrics.fallbacks.labels(reason).inc()
 
 

@@ -192,3 +192,41 @@ def test_an_announced_hold_is_dropped_on_cancel_and_one_without_full_blocks_is_e
     short = holds.expect("c", (), ids[:5], None, ttl=30.0)
     assert short.held is not None and short.held.blocks == () and holds.release("c")
     assert km.num_free_blocks == km.num_blocks
+
+
+def test_blocks_inserted_over_cached_ones_send_the_evicted_kv_to_the_host_tier_intact(default_model, prompt):
+    """Inserting transferred blocks can evict cached ones into the host tier: their KV is copied out before
+    the transfer overwrites those device blocks, so a later host hit gives the evicted prefix's own tokens."""
+    LP = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
+    a = _llm(default_model)
+    cold_p = a.generate([prompt], LP)[0]
+    hashes = _hashes(a, prompt)
+    ka = a.engine.kv_manager
+    payloads = read_blocks(a.engine.runner.kv_caches, [ka.pool.get_cached_block(h).block_id for h in hashes])
+
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.llm import LLM
+
+    # 5 device blocks: the 4 inserted ones can only fit by evicting one of the other document's 2 cached
+    # blocks (3 blocks hold no hash), and the prompt's fifth block evicts the other.
+    b = LLM(config=RuntimeConfig(), loaded=default_model, block_size=16, num_blocks=5, cpu_offload_gib=0.01)
+    kb, kv_b = b.engine.kv_manager, b.engine.runner.kv_caches
+    doc = default_model.tokenizer.encode(
+        "Rivers run to the sea and back again. " * 8, add_special_tokens=False
+    )
+    doc = doc[:36]  # 2 full blocks + 4
+    cold_doc = b.generate([doc], LP)[0]
+
+    def fill(block_ids):
+        write_blocks(kv_b, block_ids, payloads[: len(block_ids)])
+        return len(block_ids)
+
+    assert insert_prefix_blocks(kb, hashes, prompt[:64], None, fill) == 4
+    warm_p = b.generate([prompt], LP)[0]
+    assert warm_p.num_cached_tokens == 64 and warm_p.token_ids == cold_p.token_ids
+    again = b.generate([doc], LP)[0]
+    m = kb.metrics()
+    assert m.offloaded_blocks >= 2 and m.host_hit_blocks == 2
+    assert again.num_cached_tokens == 32  # both blocks came back from the host tier ...
+    assert again.token_ids == cold_doc.token_ids  # ... holding the document's KV, not the prompt's
+    assert [lp.logprob for lp in again.logprobs] == pytest.approx([lp.logprob for lp in cold_doc.logprobs])

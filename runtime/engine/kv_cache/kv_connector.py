@@ -18,6 +18,9 @@ received payloads with `write_blocks` (the server's kv_transfer.py is the HTTP t
 
 Block payload layout (`KVLayout`): for each layer in order its K block then its V block, each the raw
 bytes of a contiguous `[block_size, num_kv_heads, head_dim]` tensor of the cache dtype (native byte order).
+Under tensor parallelism a pod's block is its ranks' shards of it, rank 0 first, each in that layout over
+the rank's own KV heads (`tp_size` ranks; engine/parallel/kv_shards.py gathers and scatters them): only a
+pod with the same split can use it, so `check_layout` refuses another `tp_size`, naming both.
 All functions here run on the engine thread (they touch the block pool and the cache tensors).
 """
 
@@ -47,9 +50,10 @@ class KVTransferError(TokenfleetError):
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     num_layers: int
-    block_shape: tuple[int, ...]  # [block_size, num_kv_heads, head_dim]
+    block_shape: tuple[int, ...]  # [block_size, num_kv_heads, head_dim] of one rank's shard
     dtype: str  # torch dtype name, e.g. "float32"
     itemsize: int
+    tp_size: int = 1  # shards per block: the pod's tensor-parallel ranks
 
     @property
     def bytes_per_tensor(self) -> int:
@@ -59,16 +63,40 @@ class KVLayout:
         return n
 
     @property
-    def bytes_per_block(self) -> int:
+    def bytes_per_shard(self) -> int:
         return 2 * self.num_layers * self.bytes_per_tensor
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.tp_size * self.bytes_per_shard
+
     def as_json(self) -> dict:
-        return {"num_layers": self.num_layers, "block_shape": list(self.block_shape), "dtype": self.dtype}
+        return {
+            "num_layers": self.num_layers,
+            "block_shape": list(self.block_shape),
+            "dtype": self.dtype,
+            "tp_size": self.tp_size,
+        }
 
 
-def layout_of(kv_caches: KVCaches) -> KVLayout:
+def layout_of(kv_caches: KVCaches, tp_size: int = 1) -> KVLayout:
+    """The layout of a pod's blocks; `kv_caches` is this process's cache (rank 0's shard under TP)."""
     k = kv_caches[0][0]
-    return KVLayout(len(kv_caches), tuple(k.shape[1:]), str(k.dtype).removeprefix("torch."), k.element_size())
+    dtype = str(k.dtype).removeprefix("torch.")
+    return KVLayout(len(kv_caches), tuple(k.shape[1:]), dtype, k.element_size(), tp_size)
+
+
+def check_layout(ours: KVLayout, theirs: dict) -> None:
+    """Raise KVTransferError unless blocks of layout `theirs` (as_json; a sender without `tp_size` is one
+    process) can be written into our cache as they are."""
+    their_tp = int(theirs.get("tp_size", 1))
+    if their_tp != ours.tp_size:
+        raise KVTransferError(
+            f"tensor_parallel_size differs: the sending pod has {their_tp}, this pod {ours.tp_size} (each "
+            "rank holds only its KV heads; both roles need the same size)"
+        )
+    if {**theirs, "tp_size": their_tp} != ours.as_json():
+        raise KVTransferError(f"remote KV layout {theirs} is not ours {ours.as_json()}")
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -208,6 +236,9 @@ def insert_prefix_blocks(
     if n == 0:
         return 0
     blocks = pool.get_new_blocks(n)
+    # Taking them may have evicted cached blocks into the host tier: those copies must run before `fill`
+    # overwrites the victims, or the host would keep this prefix's KV under the evicted hashes.
+    manager.run_host_transfers()
     try:
         written = max(0, min(n, fill([b.block_id for b in blocks])))
         bs = manager.block_size

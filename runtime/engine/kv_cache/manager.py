@@ -128,6 +128,11 @@ class KVCacheManager:
         self._run_transfers = run_transfers
         self.pool.on_evict = None if host is None else (lambda block, h: host.offload(block.block_id, h))
 
+    def run_host_transfers(self) -> None:
+        """Run the host tier's recorded copies now: for a caller that took blocks from the pool itself (a KV
+        connector filling them) and must copy the evicted victims out before it writes into them."""
+        self._flush_transfers()
+
     def _flush_transfers(self) -> None:
         if self.host is not None and self._run_transfers is not None:
             transfers = self.host.take_transfers()

@@ -6,7 +6,10 @@ Protocol over its pipe to rank 0 (pickled tuples):
   rank 0 -> worker   ("start", num_blocks): the agreed block count (the smallest over the ranks); both
                      sides then join the process group; after that, each step as ("step", SchedulerOutput,
                      host KV operations to replay first) and each self-draft as ("propose", proposal
-                     inputs, host KV operations); None to stop.
+                     inputs, host KV operations); a disaggregated transfer's ("kv_read", block ids,
+                     host KV operations) -> ("kv", this rank's payload per block) and ("kv_write",
+                     (block ids, payloads), host KV operations) -> ("ok", None), either answered
+                     ("error", message) instead when it fails; None to stop.
 For a step the worker builds the same inputs as rank 0 from the same message (`prepare_inputs`) and runs
 the same forward on its shard (all-reduces and the logits' all-gather are collectives every rank joins);
 sampling happens on rank 0 only.
@@ -50,6 +53,21 @@ def init_process_group(init_method: str, rank: int, size: int, backend: str, tim
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def move_kv(kind: str, work, kv_caches) -> tuple[str, object]:
+    """A disaggregated transfer's part on this rank: read or write its shard of the given blocks."""
+    from tokenfleet.runtime.engine.kv_cache.kv_connector import read_blocks, write_blocks
+
+    try:
+        if kind == "kv_read":
+            return "kv", read_blocks(kv_caches, work)
+        block_ids, payloads = work
+        write_blocks(kv_caches, block_ids, payloads)
+        return "ok", None
+    except Exception as e:  # rank 0 refuses the transfer: the blocks are never indexed
+        logger.exception("KV %s failed", kind)
+        return "error", f"{type(e).__name__}: {e}"
 
 
 def worker_main(
@@ -109,8 +127,12 @@ def worker_main(
         host_kv.apply(host_ops, runner.kv_caches)
         if kind == "step":
             runner.forward(runner.prepare_inputs(work))
-        else:  # "propose": the same argmax loop as rank 0 (the logits are all-gathered: same proposals)
+        elif (
+            kind == "propose"
+        ):  # the same argmax loop as rank 0 (the logits are all-gathered: same proposals)
             runner.propose(work)
+        else:
+            conn.send(move_kv(kind, work, runner.kv_caches))
     conn.close()
     import torch.distributed as dist
 

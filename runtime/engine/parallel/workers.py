@@ -9,6 +9,9 @@ queued since the last step, see host_kv.py) down every worker's pipe before runn
 (`broadcast`); all ranks meet in the forward's collectives (gloo on
 CPU, NCCL on CUDA), on loopback.
 
+The same pipes carry a pod's KV blocks under prefill/decode disaggregation (`read_kv` / `write_kv`, driven
+by kv_shards.py): the only messages a worker answers, always between two steps.
+
 Failure: the supervisor watches the workers' process sentinels. When one exits unasked, the engine is
 dead: `check()` raises EngineDeadError naming the worker (the server's /health fails, the engine loop
 fails every in-flight request with it), and the surviving workers are stopped, so no process is left
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
+from tokenfleet.runtime.engine.kv_cache.kv_connector import KVTransferError
 from tokenfleet.runtime.engine.parallel.host_kv import HostKVOp
 from tokenfleet.runtime.engine.parallel.support import SHARDED_DRAFTS
 from tokenfleet.runtime.engine.parallel.worker import init_process_group, worker_main
@@ -178,13 +182,45 @@ class TPWorkers:
         ]
         self._send(("propose", compact))
 
+    def read_kv(self, block_ids: Sequence[int]) -> list[list[bytes]]:
+        """Each worker's shard of these device blocks (kv_cache/kv_connector.read_blocks on its own cache),
+        per rank 1 .. N-1. The host KV copies queued so far run first, as before a step."""
+        ids = tuple(block_ids)
+        self._send_each("kv_read", [ids] * len(self._conns))
+        return [self._reply(rank, "kv_read") for rank in range(1, self.size)]
+
+    def write_kv(self, block_ids: Sequence[int], shards: Sequence[Sequence[bytes]]) -> None:
+        """Write `shards[r - 1]` (one payload per block) into these device blocks of rank r; returns once
+        every worker has written (a worker that cannot raises KVTransferError here, the engine lives on)."""
+        ids = tuple(block_ids)
+        self._send_each("kv_write", [(ids, tuple(s)) for s in shards])
+        for rank in range(1, self.size):
+            self._reply(rank, "kv_write")
+
+    def _reply(self, rank: int, what: str):
+        conn = self._conns[rank - 1]
+        try:
+            if not conn.poll(collective_timeout_s(self._config)):
+                raise EngineDeadError(f"tensor-parallel worker {rank} did not answer {what} (hung)")
+            kind, value = conn.recv()
+        except (EOFError, OSError) as e:
+            self.check()
+            raise EngineDeadError(f"tensor-parallel worker {rank} is gone ({what}): {e!r}") from e
+        if kind == "error":
+            raise KVTransferError(f"tensor-parallel worker {rank} failed {what}: {value}")
+        return value
+
     def _send(self, work: tuple[str, object]) -> None:
+        self._send_each(work[0], [work[1]] * len(self._conns))
+
+    def _send_each(self, kind: str, works: Sequence[object]) -> None:
+        """Send worker r `(kind, works[r - 1], host KV operations queued since the last message)`."""
         self.check()
-        message = (*work, tuple(self._host_ops))
+        ops = tuple(self._host_ops)
         self._host_ops.clear()
         try:
-            for conn in self._conns:
-                conn.send(message)
+            for conn, work in zip(self._conns, works, strict=True):
+                conn.send((kind, work, ops))
         except OSError as e:  # a broken pipe: the worker is gone
             raise EngineDeadError(self.dead or f"a tensor-parallel worker is gone: {e!r}") from e
 
