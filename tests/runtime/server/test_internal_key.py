@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.server.access import Access, access_of, access_table
 from tokenfleet.runtime.server.auth import InternalKey
 
@@ -114,3 +115,27 @@ async def test_without_an_internal_key_the_pod_behaves_as_before(make_client, fa
     resp = await client.post("/v1/completions", json=BODY, headers={**CLIENT, "x-tokenfleet-priority": "3"})
     assert resp.status == 200
     assert list(fake_engine.priorities.values()) == [3]
+
+
+async def test_an_internal_key_set_live_guards_the_internal_endpoints_at_once(
+    make_client, fake_engine, tmp_path
+):
+    from tokenfleet.runtime.server.live_config import on_change_for
+    from tokenfleet.runtime.server.state import STATE_KEY
+
+    old = RuntimeConfig.model_validate({"server": {"api_keys": ["client-key"]}})
+    client = await make_client(None, old)  # /v1/config needs no engine; a reload then touches only keys
+    assert (await client.get("/v1/config", headers=CLIENT)).status == 200
+    (tmp_path / "k").write_text("internal-key\n")
+    new = RuntimeConfig.model_validate(
+        {"server": {"api_keys": ["client-key"], "internal_api_key_file": str(tmp_path / "k")}}
+    )
+    await on_change_for(client.app[STATE_KEY])(old, new)
+    assert (await client.get("/v1/config", headers=CLIENT)).status == 401
+    assert (await client.get("/v1/config", headers=INTERNAL)).status == 200
+    missing = new.model_copy(
+        update={"server": new.server.model_copy(update={"internal_api_key_file": "/nope"})}
+    )
+    with pytest.raises(ConfigError, match="internal_api_key_file"):
+        await on_change_for(client.app[STATE_KEY])(new, missing)  # refused: the last good key stays
+    assert (await client.get("/v1/config", headers=INTERNAL)).status == 200
