@@ -67,6 +67,10 @@ def announced_digest(endpoints: Iterable[Endpoint]) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def _parse(raw: bytes) -> TokenizerPayload:
+    return TokenizerPayload.model_validate_json(raw).verified()
+
+
 class FetchError(Exception):
     def __init__(self, state: str, reason: str):
         super().__init__(reason)
@@ -158,7 +162,8 @@ class BackendTokenizer:
             eps = self._endpoints()
             announced = announced_digest(eps)
             now = time.monotonic()
-            news = announced is not None and announced != last_seen  # a pod came up, or the model changed
+            # A pod came up, or the model changed: try at once rather than after the backoff.
+            news = announced is not None and announced not in (last_seen, held)
             due = held is None and now >= next_try
             stale = held is not None and announced is not None and announced != held
             if eps and (due or news or (stale and now >= next_try)):
@@ -184,6 +189,7 @@ class BackendTokenizer:
                 self.first_attempt.set()
             elif not eps and held is None:
                 self._set(TokenizerStatus("fetching", "pods", reason="no endpoint discovered yet"))
+                self.first_attempt.set()  # nothing to try yet (a backend scaled to zero): do not hold anyone
             await asyncio.sleep(0.2)
 
     async def _fetch(self, eps: list[Endpoint], digest: str | None) -> TokenizerPayload:
@@ -195,7 +201,8 @@ class BackendTokenizer:
             try:
                 async with self._session.get(ep.url + TOKENIZER_PATH, timeout=FETCH_TIMEOUT) as r:
                     if r.status == 200:
-                        return TokenizerPayload.model_validate_json(await r.read()).verified()
+                        # Megabytes of JSON to parse and hash: off the loop, like the build.
+                        return await self._off_loop(_parse, await r.read())
                     if r.status == 404:
                         legacy += 1
                         continue
