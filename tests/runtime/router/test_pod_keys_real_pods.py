@@ -6,13 +6,16 @@ the internal key and no local tokenizer at all, so exact routing works only if t
 from the pods. Checked: both routers get both tokenizers from the pods; a request through one router is
 announced (`scheduled`) and stored on the pod, and the other router, which never routed that prefix,
 matches it in its exact index and routes the follow-up as a prefix hit the pod confirms (cached tokens);
-a third router without the internal key says clearly that the pods refuse it.
+a third router without the internal key says clearly that the pods refuse it. And a disaggregated model
+(a third pod decoding what the HF pod prefilled): the decode pod fetches the KV from the prefill pod with
+the internal key the router gave it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,10 +46,14 @@ def pods(tmp_path_factory, default_model_path):
     gguf = write_gguf(tmp / "tiny.gguf", hf, default_model_path)
     (tmp / "internal").write_text(INTERNAL + "\n")
     procs, urls = {}, {}
-    for name, model in (("tiny-hf", hf), ("tiny-gguf", gguf)):
+    for name, model, served in (
+        ("tiny-hf", hf, "tiny-hf"),
+        ("tiny-gguf", gguf, "tiny-gguf"),
+        ("decode", hf, "tiny-hf"),
+    ):
         port = free_port()
         cfg = {
-            "model": {"model": str(model), "served_name": name, "max_model_len": 1024},
+            "model": {"model": str(model), "served_name": served, "max_model_len": 1024},
             "cache": {"num_blocks": 128},
             "server": {
                 "host": "127.0.0.1",
@@ -72,7 +79,8 @@ def pods(tmp_path_factory, default_model_path):
                 await asyncio.gather(*(wait_ready(s, urls[n], procs[n], 300.0) for n in urls))
 
         asyncio.run(ready())
-        yield urls, tmp / "internal"
+        decode = urls.pop("decode")
+        yield urls, tmp / "internal", decode
     finally:
         for p in procs.values():
             p.kill()
@@ -117,7 +125,7 @@ def exact_hashes(router, model: str, pod_url: str, body: dict) -> list[bytes]:
 
 
 async def test_keys_on_and_exact_routing_for_models_that_are_not_built_in(pods):
-    urls, key_file = pods
+    urls, key_file, _ = pods
     app_a, app_b, app_c = router_app(urls, key_file), router_app(urls, key_file), router_app(urls, None)
     async with serve(app_a) as url_a, serve(app_b) as url_b, serve(app_c) as _:
         a, b, c = app_a[ROUTER], app_b[ROUTER], app_c[ROUTER]
@@ -148,3 +156,41 @@ async def test_keys_on_and_exact_routing_for_models_that_are_not_built_in(pods):
         assert all("401" in s["reason"] for s in c.tokenizer_states().values())
         refused = {(r["endpoint"], r["path"]) for r in c.pod_auth.state()["unauthorized"]}
         assert all((u, "/v1/kv-events") in refused for u in urls.values())
+
+
+async def _metric(url: str, name: str, labels: str = "") -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(m.group(2))
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M)
+        if labels in (m.group(1) or "")
+    )
+
+
+async def test_disaggregation_hand_off_carries_the_internal_key(pods):
+    urls, key_file, decode_url = pods
+    cfg = RouterConfig.model_validate(
+        {
+            "apiKeys": [CLIENT],
+            "backends": [
+                {"name": "p", "model": "tiny-hf", "url": urls["tiny-hf"], "role": "prefill",
+                 "internalKeyFile": str(key_file)},
+                {"name": "d", "model": "tiny-hf", "url": decode_url, "role": "decode",
+                 "internalKeyFile": str(key_file)},
+            ],
+            "discovery": {"probeIntervalSeconds": 0.2},
+        }
+    )  # fmt: skip
+    app = build_app(cfg, tokenizer_loader=None)
+    async with serve(app) as url:
+        router = app[ROUTER]
+        await until(lambda: router.fleet.in_rotation(2), 30)
+        received = 'direction="received"'
+        before = await _metric(decode_url, "tokenfleet:kv_transfer_blocks_total", received)
+        status, _, _ = await send(url, chat("tiny-hf", "Say three."))
+        assert status == 200
+        # The KV came over (/v1/kv/fetch takes only the internal key): nothing recomputed, no fallback.
+        assert await _metric(decode_url, "tokenfleet:kv_transfer_blocks_total", received) > before
+        assert await _metric(decode_url, "tokenfleet:kv_transfer_fallbacks_total") == 0
+        assert router.pod_auth.state()["unauthorized"] == []
