@@ -135,8 +135,17 @@ async def test_keys_on_and_exact_routing_for_models_that_are_not_built_in(pods):
                 lambda r=r: len(r.fleet.kv_events_live()) == 2 and all(r.fleet.kv_events_live().values()), 30
             )
             assert {s["source"] for s in r.tokenizer_states().values()} == {"pods"}
-        # The HF directory and the GGUF file carry the same tokenizer: one digest.
+        # The HF directory and the GGUF file carry the same tokenizer: one digest, as the pods' /load says.
         assert len({s["digest"] for s in a.tokenizer_states().values()}) == 1
+        async with aiohttp.ClientSession() as s:
+            for name, pod_url in urls.items():
+                async with s.get(pod_url + "/load") as r:  # open: no key
+                    load = await r.json()
+                assert load["tokenizer_digest"] == a.tokenizer_states()[name]["digest"]
+                assert load["access"]["/v1/tokenizer"]["needs"] == "internal_key"
+                client = {"Authorization": f"Bearer {CLIENT}"}
+                async with s.get(pod_url + "/v1/tokenizer", headers=client) as r:
+                    assert r.status == 401  # a tenant's key does not open router endpoints
 
         for model, pod_url in urls.items():
             first = chat(model, "Say one.")
