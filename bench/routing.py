@@ -1,7 +1,13 @@
 """Routing benchmark: N real CPU runtime pods behind the router, four strategies, one run, one table.
 
     python bench/routing.py [--replicas 3] [--tenants 6] [--zipf 1.0] [--system-tokens 1000] [--requests 30]
-                            [--rate R | --utilization 0.6]
+                            [--rate R | --utilization 0.6] [--model-path PATH] [--pod-keys]
+
+--model-path serves a model that is not built in (an HF directory or a .gguf file): the routers then have
+no tokenizer of their own and must learn it from the pods (GET /v1/tokenizer). --pod-keys runs the
+deployment as it is secured: pods with a client key and the internal key, routers asking clients for the
+client key and calling pods with the internal key. The "-x2" strategies run two router replicas
+(active-active) and send every other request to each.
 
 Workload: `tenants` system prompts of about `system-tokens` tokens, many short user turns, Poisson arrivals;
 tenant k is picked with weight 1/(k+1)^zipf (uneven tenants: the first has several times the traffic of the
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -74,13 +81,18 @@ WORDS = [
     "example",
 ]
 
+# name -> (routing spec, follow the pods' KV events, router replicas)
 STRATEGIES = {
-    "round-robin": ({"strategy": "round-robin"}, False),
-    "least-load": ({"strategy": "least-load"}, False),
-    "prefix-exact": ({"strategy": "prefix-affinity", "balance": {"maxRatio": None}}, True),
-    "prefix-balanced": ({"strategy": "prefix-affinity"}, True),
-    "prefix-approx": ({"strategy": "prefix-affinity"}, False),
+    "round-robin": ({"strategy": "round-robin"}, False, 1),
+    "least-load": ({"strategy": "least-load"}, False, 1),
+    "prefix-exact": ({"strategy": "prefix-affinity", "balance": {"maxRatio": None}}, True, 1),
+    "prefix-balanced": ({"strategy": "prefix-affinity"}, True, 1),
+    "prefix-approx": ({"strategy": "prefix-affinity"}, False, 1),
+    "prefix-exact-x2": ({"strategy": "prefix-affinity", "balance": {"maxRatio": None}}, True, 2),
+    "prefix-balanced-x2": ({"strategy": "prefix-affinity"}, True, 2),
 }
+CLIENT_KEY = "bench-client-key"
+INTERNAL_KEY = "bench-internal-key"
 DEFAULT_STRATEGIES = ["round-robin", "least-load", "prefix-exact", "prefix-balanced"]
 
 
@@ -116,9 +128,9 @@ def _has_text(chunk: bytes) -> bool:
     return False
 
 
-async def one_request(session, url, system, user, max_tokens, record) -> None:
+async def one_request(session, url, system, user, max_tokens, record, model: str = MODEL) -> None:
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -135,21 +147,38 @@ async def one_request(session, url, system, user, max_tokens, record) -> None:
     record["e2e"] = time.perf_counter() - t0
 
 
+def router_options(args) -> dict:
+    """How the routers are set up for this run (a model that is not built in; keys)."""
+    opts: dict = {"model": args.served_name, "local_tokenizer": args.model_path is None}
+    if args.pod_keys:
+        opts |= {"backend": {"internalKeyFile": str(args.internal_key_file)}, "api_keys": [CLIENT_KEY]}
+    return opts
+
+
 async def run_strategy(name, args, pod_urls, tokenizer, arrivals, session) -> dict:
-    routing, kv_events = STRATEGIES[name]
-    async with real_router(pod_urls, routing, kv_events, probe_interval=0.2) as url:
+    routing, kv_events, replicas = STRATEGIES[name]
+    async with contextlib.AsyncExitStack() as stack:
+        routers = [
+            await stack.enter_async_context(
+                real_router(pod_urls, routing, kv_events, probe_interval=0.2, **router_options(args))
+            )
+            for _ in range(replicas)
+        ]
         rng = random.Random(f"{args.seed}-{name}")
         systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in range(args.tenants)]
         before = [await pod_counters(session, u) for u in pod_urls]
         records: list[dict] = [{} for _ in arrivals]
         start = time.perf_counter()
         tasks = []
-        for rec, (at, tenant, user) in zip(records, arrivals, strict=True):
+        for i, (rec, (at, tenant, user)) in enumerate(zip(records, arrivals, strict=True)):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            url = routers[i % replicas]  # active-active: the replicas take turns
             tasks.append(
-                asyncio.create_task(one_request(session, url, systems[tenant], user, args.max_tokens, rec))
+                asyncio.create_task(
+                    one_request(session, url, systems[tenant], user, args.max_tokens, rec, args.served_name)
+                )
             )
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
@@ -179,7 +208,10 @@ async def miss_capacity(session, urls, tokenizer, args) -> float:
     saturation on any machine; past it, every strategy's TTFT is just its position in an ever-growing queue."""
     warm: list[dict] = [{} for _ in urls]  # a pod's first request pays one-off start-up costs
     await asyncio.gather(
-        *(one_request(session, u, "Hi.", "Hi?", 1, r) for u, r in zip(urls, warm, strict=True))
+        *(
+            one_request(session, u, "Hi.", "Hi?", 1, r, args.served_name)
+            for u, r in zip(urls, warm, strict=True)
+        )
     )
     rng = random.Random(f"{args.seed}-calibration")
     systems = [system_prompt(rng, tokenizer, args.system_tokens) for _ in urls]
@@ -187,7 +219,7 @@ async def miss_capacity(session, urls, tokenizer, args) -> float:
     t0 = time.perf_counter()
     await asyncio.gather(
         *(
-            one_request(session, u, s, "Hello?", args.max_tokens, r)
+            one_request(session, u, s, "Hello?", args.max_tokens, r, args.served_name)
             for u, s, r in zip(urls, systems, records, strict=True)
         )
     )
@@ -211,13 +243,22 @@ def make_arrivals(args) -> list[tuple[float, int, str]]:
 async def main_async(args) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="tf-bench-routing-"))
     ports = [free_port() for _ in range(args.replicas)]
-    procs = [start_pod(tmp, p, args.num_blocks) for p in ports]
+    model = {"model": args.model_path, "served_name": args.served_name} if args.model_path else None
+    server = None
+    headers = {}
+    if args.pod_keys:
+        args.internal_key_file = tmp / "internal-key"
+        args.internal_key_file.write_text(INTERNAL_KEY + "\n")
+        server = {"api_keys": [CLIENT_KEY], "internal_api_key_file": str(args.internal_key_file)}
+        headers = {"Authorization": f"Bearer {CLIENT_KEY}"}  # the client's key: routers and pods take it
+    procs = [start_pod(tmp, p, args.num_blocks, model=model, server=server) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
             print(f"starting {args.replicas} pods (logs in {tmp}) ...", file=sys.stderr)
-            tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, MODEL))
+            # The bench's own tokenizer only sizes the system prompts; the routers get theirs from the pods.
+            tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, args.model_path or MODEL))
             await asyncio.gather(
                 *(wait_ready(session, u, p, args.start_timeout) for u, p in zip(urls, procs, strict=True))
             )
@@ -243,23 +284,27 @@ async def main_async(args) -> list[dict]:
 
 
 def print_table(results: list[dict], args) -> None:
-    head = f"{'strategy':<17}{'ok':>7}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>8}{'max/min':>9}  per pod"
+    head = f"{'strategy':<20}{'ok':>7}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>8}{'max/min':>9}  per pod"
     print(head)
     print("-" * len(head))
     for r in results:
         print(
-            f"{r['strategy']:<17}{r['ok']:>4}/{r['requests']:<2}{r['hit_rate']:>10.1%}{r['ttft_p50']:>9.2f}s"
+            f"{r['strategy']:<20}{r['ok']:>4}/{r['requests']:<2}{r['hit_rate']:>10.1%}{r['ttft_p50']:>9.2f}s"
             f"{r['ttft_p99']:>9.2f}s{r['throughput']:>8.2f}{r['load_ratio']:>9.2f}  {r['per_pod']}"
         )
     by = {r["strategy"]: r for r in results}
     for name in ("prefix-exact", "prefix-balanced"):
+        if name in by and f"{name}-x2" in by:
+            print(f"\n{name}: hit rate with two routers (active-active) {by[f'{name}-x2']['hit_rate']:.1%} "
+                  f"vs one router {by[name]['hit_rate']:.1%}")  # fmt: skip
         if "round-robin" in by and name in by:
             ratio = by[name]["ttft_p50"] / by["round-robin"]["ttft_p50"]
             lr = by[name]["load_ratio"]
             verdict = "met" if ratio <= 0.5 and lr <= 1.5 else "NOT met"
             print(f"\n{name}: TTFT p50 = {ratio:.2f}x round-robin, max/min load {lr:.2f} "
                   f"(target <= 0.5x and <= 1.5: {verdict})")  # fmt: skip
-    print(f"\nsetup: {args.replicas} CPU pods of {MODEL}, {args.tenants} tenants (zipf {args.zipf}) x "
+    keys = ", client + internal keys on" if args.pod_keys else ""
+    print(f"\nsetup: {args.replicas} CPU pods of {args.model_path or MODEL}{keys}, {args.tenants} tenants (zipf {args.zipf}) x "
           f"~{args.system_tokens}-token system prompts, {args.requests} requests at {args.rate:.2f}/s Poisson, "
           f"max_tokens {args.max_tokens}")  # fmt: skip
     print("json: " + json.dumps(results))
@@ -287,7 +332,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="serve this model (an HF directory or a .gguf file) instead of the built-in one; routers learn "
+        "its tokenizer from the pods",
+    )
+    p.add_argument("--pod-keys", action="store_true", help="client keys and the internal key on")
+    args = p.parse_args(argv)
+    args.served_name = "bench-model" if args.model_path else MODEL
+    args.internal_key_file = None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

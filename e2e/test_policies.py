@@ -12,6 +12,7 @@ import time
 
 import pytest
 import yaml
+from pod_keys import auth_headers, internal_key
 from workload import StreamingLoad, get_json
 
 HASH = "serving.tokenfleet.dev/config-hash"
@@ -52,6 +53,12 @@ def _hash(cluster, ns: str, name: str) -> str:
 
 def _runtime(cluster, ns: str, name: str) -> dict:
     return yaml.safe_load(cluster.get("configmap", f"{name}-runtime", ns)["data"]["runtime.yaml"])
+
+
+def _pod_config(cluster, ns: str, name: str, pod: dict) -> dict:
+    """The pod's /v1/config, read with the deployment's internal key when its config names one."""
+    key = internal_key(cluster, ns, pod, _runtime(cluster, ns, name))
+    return get_json(f"http://{pod['status']['podIP']}:8000/v1/config", headers=auth_headers(key))
 
 
 def _pods(cluster, ns: str, name: str, component: str = "runtime") -> list[dict]:
@@ -102,9 +109,10 @@ def test_cache_policy_edit_reloads_live_and_rolls_without_loss(cluster, namespac
     cluster.kubectl("patch", "cachepolicy", "shared", "-n", namespace, "--type=merge",
                     "-p", '{"spec": {"prefixCaching": {"ttlSeconds": 120, "eviction": "lfu"}}}')  # fmt: skip
     for n, pod in pods.items():
-        url = f"http://{pod['status']['podIP']}:8000/v1/config"
         cfg = wait(
-            lambda u=url: (c := get_json(u))["effective"]["cache"]["ttl_seconds"] == 120 and c,
+            lambda p=pod, n=n: (
+                (c := _pod_config(cluster, namespace, n, p))["effective"]["cache"]["ttl_seconds"] == 120 and c
+            ),
             timeout=60,
             what=f"pod {n} to reload ttl_seconds",
         )
@@ -176,7 +184,7 @@ def test_cache_policy_edit_reloads_live_and_rolls_without_loss(cluster, namespac
         timeline.join(5)
     print(f"load through the rollout: {dict(results)}")
     assert results["ok"] > 0 and results["failed_before_start"] == 0 and results["failed_in_flight"] == 0
-    new_cfg = get_json(f"http://{new[0]['status']['podIP']}:8000/v1/config")
+    new_cfg = _pod_config(cluster, namespace, "a", new[0])
     assert new_cfg["effective"]["cache"]["block_size"] == 32
     # maxUnavailable 0: at every sample some pod was Ready, and the old pod began terminating only after
     # a new one was Ready.

@@ -45,8 +45,8 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[dic
         return json.loads(resp.read()), dict(resp.headers)
 
 
-def get_json(url: str, timeout: float = 10) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def get_json(url: str, timeout: float = 10, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return json.loads(resp.read())
 
 

@@ -19,7 +19,12 @@ hashes (sent when the request is first scheduled, before the forward pass). Ever
 pod learns it within one poll, so requests sharing that prefix follow it to this pod while its prefill
 runs, whichever router replica they reach; `stored` confirms the blocks once their KV is written.
 
-    GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float}
+    GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float,
+                  "tokenizer_digest": str | null, "access": {path: {"needs": ..., "why": ...}}}
+
+`tokenizer_digest` is that of the pod's `GET /v1/tokenizer` (openai/tokenizer_wire.py): a router that
+fetched the tokenizer refetches it when the digest changes. `access` is for people (which key each
+endpoint needs and why); routers ignore it.
 
 `hash_extra` is the pod's base extra of the block hash (`block_hash.hash_extra(model_name, pod_salt)`): the
 router appends a request's `cache_salt` with `block_hash.with_salt` exactly as the engine does, so it computes
@@ -51,10 +56,14 @@ class LoadReport:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    tokenizer_digest: str | None = None
 
     def to_json(self) -> dict:
-        return {
+        out: dict = {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_cache_usage": self.kv_cache_usage,
         }
+        if self.tokenizer_digest is not None:
+            out["tokenizer_digest"] = self.tokenizer_digest
+        return out

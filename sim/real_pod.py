@@ -28,13 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_pod(tmp: Path, port: int, num_blocks: int, scheduler: dict | None = None) -> subprocess.Popen:
+def start_pod(
+    tmp: Path,
+    port: int,
+    num_blocks: int,
+    scheduler: dict | None = None,
+    model: dict | None = None,
+    server: dict | None = None,
+) -> subprocess.Popen:
+    """`model` / `server`: RuntimeConfig sections merged over the defaults (another model, keys)."""
     import yaml
 
     cfg = {
-        "model": {"model": MODEL},
+        "model": {"model": MODEL, **(model or {})},
         "cache": {"num_blocks": num_blocks},
-        "server": {"host": "127.0.0.1", "port": port},
+        "server": {"host": "127.0.0.1", "port": port, **(server or {})},
     }
     if scheduler:
         cfg["scheduler"] = scheduler
@@ -82,10 +90,20 @@ async def wait_ready(session, url: str, proc: subprocess.Popen, timeout: float =
 
 @contextlib.asynccontextmanager
 async def real_router(
-    urls: list[str], routing: str | dict = "round-robin", kv_events: bool = True, probe_interval: float = 0.5
+    urls: list[str],
+    routing: str | dict = "round-robin",
+    kv_events: bool = True,
+    probe_interval: float = 0.5,
+    model: str = MODEL,
+    local_tokenizer: bool = True,
+    backend: dict | None = None,
+    api_keys: list[str] | None = None,
 ):
     """The real router (in this process) in front of `urls`: its URL, once every pod is in rotation (and,
     with `kv_events`, its KV-event stream is followed). `routing`: a strategy name or a whole routing spec.
+    `model`: the name the pods serve; without `local_tokenizer` the router has none of its own and learns it
+    from the pods (then it also waits for that). `backend`: extra Backend fields (e.g. `internalKeyFile`);
+    `api_keys`: the keys the router asks its clients for.
 
     Endpoints start out of rotation until their first probe answers: requests sent before that would all
     go to the pods probed first, which no routing strategy would choose."""
@@ -94,19 +112,22 @@ async def real_router(
     from tokenfleet.runtime.router.config import RouterConfig
     from tokenfleet.runtime.router.main import load_tokenizer
 
-    tokenizer = await asyncio.to_thread(load_tokenizer, MODEL)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model) if local_tokenizer else None
     spec = {"strategy": routing} if isinstance(routing, str) else dict(routing)
     # On a shared CPU machine a queued prefill can leave a stream silent for minutes: not a failure.
     spec["retries"] = {"firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 900}
     cfg = RouterConfig.model_validate(
         {
             "port": 0,
-            "backends": [{"name": f"pod{i}", "model": MODEL, "url": u} for i, u in enumerate(urls)],
+            "backends": [
+                {"name": f"pod{i}", "model": model, "url": u, **(backend or {})} for i, u in enumerate(urls)
+            ],
             "routing": spec,
             "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": probe_interval},
+            "apiKeys": api_keys or [],
         }
     )
-    app = build_app(cfg, lambda source: tokenizer)
+    app = build_app(cfg, (lambda source: tokenizer) if local_tokenizer else None)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -115,7 +136,16 @@ async def real_router(
         await app[ROUTER].tokenizers_loaded()
         fleet = app[ROUTER].fleet
         deadline = time.monotonic() + 120.0
-        while not (fleet.in_rotation(len(urls)) and (not kv_events or all(fleet.kv_events_live().values()))):
+        router = app[ROUTER]
+
+        def tokenized() -> bool:
+            return all(s["state"] == "ok" for s in router.tokenizer_states().values())
+
+        while not (
+            fleet.in_rotation(len(urls))
+            and (not kv_events or all(fleet.kv_events_live().values()))
+            and (local_tokenizer or tokenized())
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the router did not take every pod into rotation: {list(fleet.endpoints.by_id)}"

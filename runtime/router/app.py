@@ -36,6 +36,8 @@ from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import served_models
+from tokenfleet.runtime.router.pod_auth import PodAuth
+from tokenfleet.runtime.router.pod_tokenizers import BackendTokenizer
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
 from tokenfleet.runtime.router.proxy import Outgoing, error_body, request_headers
@@ -62,12 +64,14 @@ class RouterApp:
         self.keys = KeyTiers(config.api_keys, config.api_key_file)
         self._set_classes(config)
         self._tokenizer_loader = tokenizer_loader
-        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.tokenizers: dict[str, Tokenizer | None] = {}  # by model
+        self._built_tokenizers: dict[str, Tokenizer] = {}  # by digest, fetched from pods
+        self._backend_tokenizers: dict[str, tuple[BackendTokenizer, asyncio.Task]] = {}  # by backend
+        self.pod_auth = PodAuth()
         self.fleet: Fleet | None = None
         self.watcher: ConfigWatcher | None = None
         self._session: aiohttp.ClientSession | None = None
         self._watches: dict[str, EndpointSliceWatch] = {}
-        self._tokenizer_task: asyncio.Task | None = None
         self.metrics.config_generation.set(config.generation if config.generation is not None else -1)
 
     def _set_classes(self, config: RouterConfig) -> None:
@@ -77,11 +81,12 @@ class RouterApp:
     async def start(self) -> None:
         # No connection cap: the router's own in-flight limits bound the load; a pool cap would queue blindly.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.fleet = Fleet(self.config, self.metrics, self._session)
-        # Tokenizers load in the background (seconds: a checkpoint's metadata, torch imported): the router
-        # serves at once with the approximate index and turns exact as each model's tokenizer arrives.
-        self._tokenizer_task = asyncio.create_task(self._load_tokenizers(None))
+        # Every call to a pod goes through `pod_auth`: it sends the backend's internal key, reports 401s.
+        self.pod_auth.set_backends(list(self.config.backends))
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, middlewares=(self.pod_auth.middleware,)
+        )
+        self.fleet = Fleet(self.config, self.metrics, self._session, self.pod_auth)
         for backend in self.config.backends:
             self._start_backend(backend)
         if self.config_path is not None:
@@ -96,7 +101,25 @@ class RouterApp:
             self.watcher.start()
 
     def _start_backend(self, backend: Backend) -> None:
-        assert self.fleet is not None
+        assert self.fleet is not None and self._session is not None
+        # Tokenizers arrive in the background (from the pods, or a local checkpoint's metadata): the router
+        # serves at once with the approximate index and turns exact as each backend's tokenizer arrives.
+        fleet = self.fleet
+
+        def on_tokenizer(tok: Tokenizer | None, model: str = backend.model) -> None:
+            if tok is not None or model not in self.tokenizers:
+                self.tokenizers[model] = tok
+
+        follower = BackendTokenizer(
+            backend,
+            self._session,
+            lambda: fleet.endpoints.of_backends([backend.name]),
+            self._built_tokenizers,
+            on_tokenizer,
+            self._tokenizer_loader,
+            _in_daemon_thread,
+        )
+        self._backend_tokenizers[backend.name] = (follower, asyncio.create_task(follower.run()))
         if self.config.discovery.mode == "static":
             self.fleet.sync_backend(backend, static_urls(backend))
         else:
@@ -111,6 +134,9 @@ class RouterApp:
         watch = self._watches.pop(backend.name, None)
         if watch is not None:
             watch.stop()
+        follower = self._backend_tokenizers.pop(backend.name, None)
+        if follower is not None:
+            follower[1].cancel()
         self.fleet.remove_backend(backend)
 
     def apply_config(self, old: RouterConfig, new: RouterConfig) -> None:
@@ -121,6 +147,7 @@ class RouterApp:
         assert self.fleet is not None
         new = new.model_copy(update={f: getattr(self.config, f) for f in RESTART_FIELDS})
         self.keys.update(new.api_keys, new.api_key_file)
+        self.pod_auth.set_backends(list(new.backends))
         previous, self.config = self.config, new
         self.limiter.set_limits(new.routing.rate_limits)
         self._set_classes(new)
@@ -133,41 +160,29 @@ class RouterApp:
         for name, backend in after.items():
             if before.get(name) != backend:
                 self._start_backend(backend)
-        if any(b.model not in self.tokenizers for b in new.backends):
-            self._tokenizer_task = asyncio.create_task(self._load_tokenizers(self._tokenizer_task))
+        served = {b.model for b in new.backends}
+        for model in [m for m in self.tokenizers if m not in served]:
+            del self.tokenizers[model]
         self.metrics.config_generation.set(new.generation if new.generation is not None else -1)
         self.metrics.config_reloads.inc()
         log.info("router config applied live (generation %s)", new.generation)
 
-    async def _load_tokenizers(self, previous: asyncio.Task | None) -> None:
-        if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)
-        if self._tokenizer_loader is None:
-            return
-        for backend in self.config.backends:
-            if backend.model in self.tokenizers:
-                continue
-            source = backend.tokenizer or backend.model
-            try:
-                tok = await _in_daemon_thread(self._tokenizer_loader, source)
-            except Exception as e:  # routing still works, with the approximate index only
-                log.warning(
-                    "no tokenizer for %s from %r (%s): exact prefix routing is off", backend.model, source, e
-                )
-                tok = None
-            self.tokenizers[backend.model] = tok
-
     async def tokenizers_loaded(self) -> None:
-        """Wait until every model's tokenizer has loaded (or failed to)."""
-        if self._tokenizer_task is not None:
-            await asyncio.shield(self._tokenizer_task)
+        """Wait until every backend's tokenizer has been tried once (loaded, or failed to)."""
+        for follower, _ in list(self._backend_tokenizers.values()):
+            await follower.first_attempt.wait()
+
+    def tokenizer_states(self) -> dict[str, dict]:
+        """Per backend: ok / fetching / error, where from, the digest, and why not."""
+        return {name: f.status.to_json() for name, (f, _) in sorted(self._backend_tokenizers.items())}
 
     async def stop(self) -> None:
         if self.watcher is not None:
             await self.watcher.stop()
-        if self._tokenizer_task is not None:
-            self._tokenizer_task.cancel()
-            await asyncio.gather(self._tokenizer_task, return_exceptions=True)
+        tasks = [t for _, t in self._backend_tokenizers.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self._watches.values():
             w.stop()
         if self.fleet is not None:
@@ -218,6 +233,8 @@ class RouterApp:
             "generation": self.config.generation,
             "config_file": str(self.config_path) if self.config_path is not None else None,
             "live_fields": sorted(LIVE_FIELDS),
+            "tokenizers": self.tokenizer_states(),
+            "pod_auth": self.pod_auth.state(),
             "restart_fields": list(RESTART_FIELDS),
         }
 

@@ -46,6 +46,7 @@ class Endpoint:
     in_flight: int = 0
     block_size: int | None = None
     role: str = "both"  # prefill | decode | both (serves whole requests)
+    tokenizer_digest: str | None = None  # what its /load reports (pod_tokenizers.py follows it)
 
     @property
     def id(self) -> str:

@@ -27,6 +27,7 @@ from tokenfleet.runtime.router.kv_events import KVEventFollower
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
 from tokenfleet.runtime.router.monitor import monitor_endpoint
+from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex, RecentRoutes
 from tokenfleet.runtime.router.priority import PriorityGate
 from tokenfleet.runtime.router.prompt_blocks import text_block_hashes, token_block_hashes
@@ -55,8 +56,15 @@ class Pick:
 
 
 class Fleet:
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        pod_auth: PodAuth | None = None,
+    ) -> None:
         self.config = config
+        self.pod_auth = pod_auth
         self.metrics = metrics
         self.session = session
         self.endpoints = EndpointSet(config.discovery)
@@ -115,7 +123,11 @@ class Fleet:
             self.recent.forget(ep.id)
             self.scheduled.forget(ep.id)
             self.metrics.forget_endpoint(ep.id)
+            if self.pod_auth is not None:
+                self.pod_auth.endpoint_removed(ep.url)
         for ep in added:
+            if self.pod_auth is not None:
+                self.pod_auth.endpoint_added(ep.url, ep.backend)
             self.metrics.healthy.labels(ep.id).set(0)  # until a probe says it serves
             self.metrics.in_flight.labels(ep.id).set(0)
             d = self.config.discovery

@@ -1,8 +1,9 @@
 """The aiohttp application: routes, and the middleware every request goes through.
 
 Middleware (outermost first): request context + x-request-id + one JSON access-log line + errors mapped
-to OpenAI's JSON shape; then, on /v1/* only, the API-key check and the in-flight count the SIGTERM drain
-waits on. Probes (/health, /ready, /metrics, /version) stay open without a key.
+to OpenAI's JSON shape; then the key check the endpoint's access class asks for (access.py: open probes,
+client-or-internal OpenAI endpoints, internal-only router endpoints) and, on /v1/*, the in-flight count
+the SIGTERM drain waits on.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
+from tokenfleet.runtime.openai.tokenizer_wire import TOKENIZER_PATH
 from tokenfleet.runtime.server import chat, completions, kv_transfer
-from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.access import WHY, Access, access_of
+from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
 from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
 from tokenfleet.runtime.server.live_config import config_endpoint
@@ -24,6 +27,7 @@ from tokenfleet.runtime.server.metrics import CONTENT_TYPE
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
 from tokenfleet.runtime.server.resume import HANDOFF_KEY, Handoff
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError, ServerState
+from tokenfleet.runtime.server.tokenizer_endpoint import tokenizer_endpoint
 
 from tokenfleet import __version__
 
@@ -33,7 +37,7 @@ logger = logging.getLogger(__name__)
 # What a client that hung up gets logged as (nginx's convention); it never sees a status.
 CLIENT_CLOSED = 499
 # Router long polls (up to 10 s, forever) are not work to drain: the drain waits on generation requests only.
-_NOT_COUNTED = frozenset({"/v1/kv-events", "/v1/config", "/v1/models"})
+_NOT_COUNTED = frozenset({"/v1/kv-events", "/v1/config", "/v1/models", TOKENIZER_PATH})
 
 
 def _route_name(request: web.Request) -> str:
@@ -99,10 +103,25 @@ async def _handle_errors(request: web.Request, handler, ctx: RequestContext) -> 
 
 @web.middleware
 async def v1_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
     state = request.app[STATE_KEY]
-    if not state.api_keys.check(request.headers.get("Authorization")):
+    access = access_of(request.path, state.internal_key.enabled)
+    if access is Access.OPEN:
+        return await handler(request)
+    header = request.headers.get("Authorization")
+    internal = state.internal_key.check(header)
+    # With an internal key configured, the headers a router sets (priority) are believed only from a
+    # caller holding it: a client key must not buy a tenant a better priority.
+    request[CONTEXT_KEY].trusted = internal or not state.internal_key.enabled
+    if access is Access.INTERNAL and not internal:
+        raise HttpError(
+            ApiError(
+                401,
+                f"{request.path} needs the deployment's internal key: {WHY[access]}.",
+                type="authentication_error",
+                code="internal_key_required",
+            )
+        )
+    if access is Access.CLIENT and not internal and not state.api_keys.check(header):
         raise HttpError(unauthorized())
     if request.path in _NOT_COUNTED:
         return await handler(request)
@@ -166,7 +185,8 @@ async def models(request: web.Request) -> web.Response:
 def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=None) -> web.Application:
     """The app for one served model. `engine` may be set later (state.engine) once the model is loaded."""
     keys = api_keys or ApiKeys(config.server.api_keys, config.server.api_key_file)
-    state = ServerState(config=config, api_keys=keys, engine=engine)
+    internal = InternalKey(config.server.internal_api_key_file)
+    state = ServerState(config=config, api_keys=keys, internal_key=internal, engine=engine)
     app = web.Application(
         middlewares=[context_middleware, v1_middleware],
         client_max_size=config.server.max_body_bytes,
@@ -181,6 +201,7 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/config", config_endpoint)
     app.router.add_get("/v1/kv-events", kv_events_endpoint)
+    app.router.add_get(TOKENIZER_PATH, tokenizer_endpoint)
     app.router.add_get("/load", load_endpoint)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)

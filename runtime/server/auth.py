@@ -55,3 +55,41 @@ class ApiKeys:
         for key in (*self._static, *file_keys):
             ok |= hmac.compare_digest(given, key.encode())
         return ok
+
+
+class InternalKey:
+    """The deployment's internal key (`server.internal_api_key_file`, first line), re-read live.
+
+    Routers and the other role's pods call with it; the endpoint table (access.py) decides where it is
+    needed. Several lines are all accepted, so a rotation can overlap the old and the new key.
+    """
+
+    def __init__(
+        self,
+        key_file: str | None,
+        recheck_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._file = (
+            WatchedKeyFile(key_file, tuple, "server.internal_api_key_file", recheck_seconds, clock)
+            if key_file is not None
+            else None
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def check(self, authorization: str | None) -> bool:
+        """True only when set and the header carries the key (never True when unset)."""
+        if self._file is None:
+            return False
+        keys = self._file.current()
+        token = bearer_token(authorization)
+        if token is None:
+            return False
+        given = token.encode()
+        ok = False
+        for key in keys:
+            ok |= hmac.compare_digest(given, key.encode())
+        return ok

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 from aiohttp import web
 from tokenfleet.runtime.errors import EngineDeadError
 from tokenfleet.runtime.kv_wire import LoadReport
+from tokenfleet.runtime.server.access import access_table
 from tokenfleet.runtime.server.errors import unavailable
 from tokenfleet.runtime.server.kv_event_log import KVEventLog, kv_event_routes
 from tokenfleet.runtime.server.state import STATE_KEY, HttpError
+from tokenfleet.runtime.server.tokenizer_endpoint import served_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -57,4 +60,11 @@ async def kv_events_endpoint(request: web.Request) -> web.StreamResponse:
 
 
 async def load_endpoint(request: web.Request) -> web.StreamResponse:
-    return await _pump(request).handlers["/load"](request)
+    """The load figures, plus what a router needs to keep in step: the tokenizer's digest (a new one means
+    a new model: fetch it again) and which endpoint needs which key (for whoever debugs a 401)."""
+    state = request.app[STATE_KEY]
+    report = _pump(request).load()
+    tok = served_tokenizer(state)
+    body = replace(report, tokenizer_digest=tok.digest if tok is not None else None).to_json()
+    body["access"] = access_table(state.internal_key.enabled, state.api_keys.enabled)
+    return web.json_response(body)

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.config_watch import apply_to_engine
-from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.state import STATE_KEY, ServerState
 
 
@@ -23,8 +23,13 @@ def on_change_for(state: ServerState):
     async def on_change(old: RuntimeConfig, new: RuntimeConfig) -> None:
         if state.engine is not None:
             await apply_to_engine(state.engine, new)
+        # Both key sets are read before either is swapped in: an unreadable file changes nothing.
+        api_keys, internal_key = state.api_keys, state.internal_key
         if (old.server.api_keys, old.server.api_key_file) != (new.server.api_keys, new.server.api_key_file):
-            state.api_keys = ApiKeys(new.server.api_keys, new.server.api_key_file)
+            api_keys = ApiKeys(new.server.api_keys, new.server.api_key_file)
+        if old.server.internal_api_key_file != new.server.internal_api_key_file:
+            internal_key = InternalKey(new.server.internal_api_key_file)
+        state.api_keys, state.internal_key = api_keys, internal_key
         state.config = new
 
     return on_change

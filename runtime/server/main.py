@@ -25,6 +25,7 @@ from tokenfleet.runtime.server.app import STATE_KEY, build_app
 from tokenfleet.runtime.server.auth import ApiKeys
 from tokenfleet.runtime.server.kv_events import KVEventPump
 from tokenfleet.runtime.server.resume import HANDOFF_KEY
+from tokenfleet.runtime.server.tokenizer_endpoint import served_tokenizer
 
 logger = logging.getLogger("tokenfleet.server")
 
@@ -144,6 +145,8 @@ async def serve(
         if freeze_heap:
             settle_heap()
         state.engine = engine
+        # Serialising a large vocabulary takes a while: once, off the loop, before routers ask for it.
+        state.tokenizer = await loop.run_in_executor(None, served_tokenizer, state)
         state.kv_events = KVEventPump(engine)
         await state.kv_events.start()
         if config_path is not None:

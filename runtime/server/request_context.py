@@ -31,6 +31,7 @@ class RequestContext:
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     prefix: str = "cmpl"
     disconnected: bool = False
+    trusted: bool = True  # may router-set headers be believed (the auth middleware decides)
     log_fields: dict = field(default_factory=dict)
 
     @staticmethod
@@ -80,8 +81,12 @@ PRIORITY_HEADER = "x-tokenfleet-priority"  # set by the router from its priority
 
 def request_priority(request: web.Request, body_priority: int, body_sets_it: bool) -> int:
     """The engine priority (lower = sooner): the body's `priority` when the client set it, else the
-    router's header, else 0. An unparsable header is ignored rather than failing the request."""
+    router's header, else 0. An unparsable header is ignored rather than failing the request, and so is
+    the header of a caller without the internal key where one is configured (see access.py)."""
     if body_sets_it:
+        return body_priority
+    ctx = request.get(CONTEXT_KEY)
+    if ctx is not None and not ctx.trusted:
         return body_priority
     try:
         return int(request.headers.get(PRIORITY_HEADER, body_priority))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
-from tokenfleet.runtime.server.auth import ApiKeys
+from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.errors import ApiError, model_not_found, unavailable
 from tokenfleet.runtime.server.metrics import ServerMetrics
 
@@ -30,9 +30,11 @@ class HttpError(Exception):
 class ServerState:
     config: RuntimeConfig
     api_keys: ApiKeys
+    internal_key: InternalKey = field(default_factory=lambda: InternalKey(None))
     engine: object | None = None  # an AsyncEngine once loaded and started
     watcher: object | None = None  # a config_watch.ConfigWatcher when serving from a config file
     kv_events: object | None = None  # a kv_events.KVEventPump once the engine runs
+    tokenizer: object | None = None  # the served tokenizer's TokenizerPayload, built once on first use
     draining: bool = False
     load_error: str | None = None
     in_flight: int = 0
