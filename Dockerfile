@@ -2,8 +2,9 @@
 # and `tokenfleet operator`. The manifests set the command; the image only provides the `tokenfleet` script.
 #
 # Docker is not part of the tests. tests/test_image_payload.py builds the wheel from exactly what the build
-# stage below copies (it reads these COPY lines) and runs every console script from it, so a folder that
-# pyproject.toml maps and this stage forgets fails there, not only in the image.
+# stage below copies (it reads these COPY lines) and runs every console script from it, and the e2e cluster
+# runs its pods and the operator from that same wheel; so a folder that pyproject.toml maps and this stage
+# forgets fails the tests, not only the image.
 #
 #   docker build -t ghcr.io/tokenfleet/tokenfleet:0.1.0 .
 
