@@ -110,6 +110,9 @@ def build_stage_copies(dockerfile: str, stage: str = BUILD_STAGE) -> list[Copy]:
 def stage_context(repo: Path, dest: Path, dockerfile: Path | None = None) -> list[Copy]:
     """Copy into `dest` exactly what the build stage's COPY lines put in its WORKDIR (Docker's rules: a
     directory's contents go into the destination; a file goes into a destination ending in `/`)."""
+    if (repo / ".dockerignore").exists():
+        # Docker would leave out what it names; staging everything would test another image.
+        raise PayloadError(f"{repo / '.dockerignore'} exists: stage_context does not apply it yet")
     copies = build_stage_copies((dockerfile or repo / "Dockerfile").read_text())
     dest.mkdir(parents=True, exist_ok=True)
     for copy in copies:
@@ -218,18 +221,20 @@ def _locked(path: Path, blocking: bool = True) -> Iterator[bool]:
 
 
 def _prune(cache: Path, keep: Path) -> None:
-    """Remove payloads nobody used for STALE_SECONDS (and half-built ones nobody is building)."""
+    """Remove payloads nobody used for STALE_SECONDS, and half-built ones (a build that was killed) older
+    than an hour, unless a session holds their lock. The empty lock files stay: removing one while another
+    session opens it would let two sessions hold "the" lock."""
     for entry in cache.iterdir():
         if not entry.is_dir() or entry == keep:
             continue
         stamp = entry / ".complete"
-        age = time.time() - (stamp.stat().st_mtime if stamp.exists() else entry.stat().st_mtime)
-        if age < STALE_SECONDS and stamp.exists():
+        complete = stamp.exists()
+        age = time.time() - (stamp if complete else entry).stat().st_mtime
+        if age < (STALE_SECONDS if complete else 3600):
             continue
         with _locked(cache / f"{entry.name}.lock", blocking=False) as mine:
-            if mine and age >= (STALE_SECONDS if stamp.exists() else 3600):
+            if mine:
                 shutil.rmtree(entry, ignore_errors=True)
-                (cache / f"{entry.name}.lock").unlink(missing_ok=True)
 
 
 def cached_payload(repo: Path = REPO, cache: Path = CACHE, python: str = sys.executable) -> Path:
