@@ -37,10 +37,9 @@ DELETE_WAITS = {
 }
 # The module's fixtures (the cluster and the routers, when this test runs alone) and the kubectl calls.
 SETUP_S = 300
-# A victim's stream is one that started under FRESH_S ago: at this length most of it is still to come
-# when `kubectl delete` returns (a fraction of a second later).
-DELETE_TOKENS = 128
-FRESH_S = 2.0
+# The victim's stream has received under a quarter of its tokens: most of it is still to come when
+# `kubectl delete` returns (a fraction of a second later), however fast the pods generate.
+DELETE_TOKENS = 96
 
 
 def _owner(obj: dict, kind: str) -> dict:
@@ -185,8 +184,7 @@ def test_deleted_pod_is_replaced_under_streaming_load(cluster, ns, wait, router_
     try:
         # The victim is the pod serving a stream that has just started: deleted under that stream.
         def fresh():
-            now = time.monotonic()
-            return [s for s in load.in_flight() if s.endpoint in names and now - s.started < FRESH_S]
+            return [s for s in load.in_flight() if s.endpoint in names and s.events < DELETE_TOKENS // 4]
 
         stream = until("a stream just started", fresh)[0]
         victim = names[stream.endpoint]

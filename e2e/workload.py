@@ -70,6 +70,7 @@ class Stream:
     prompt: str
     started: float  # time.monotonic() before the request was sent
     endpoint: str | None = None  # the pod the router chose (x-tokenfleet-endpoint), once the headers came
+    events: int = 0  # data events received so far (one per token, as pods send them)
     ended: float | None = None  # None while in flight
     outcome: str | None = None
 
@@ -95,6 +96,8 @@ def stream_once(
             for raw in resp:
                 started = True
                 line = raw.decode().strip()
+                if record is not None and line.startswith("data:"):
+                    record.events += 1
                 if line == "data: [DONE]":
                     return "ok"
                 if line.startswith("data:") and '"error"' in line:
