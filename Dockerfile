@@ -1,8 +1,10 @@
 # One image for every tokenfleet process: `tokenfleet serve` (runtime pods), `tokenfleet route` (router pods)
 # and `tokenfleet operator`. The manifests set the command; the image only provides the `tokenfleet` script.
 #
-# Not built or run in this repository's CI: the development machines have no Docker engine. The same
-# requirement files drive `make install`, which is what the tests exercise.
+# Docker is not part of the tests. tests/test_image_payload.py builds the wheel from exactly what the build
+# stage below copies (it reads these COPY lines) and runs every console script from it, and the e2e cluster
+# runs its pods and the operator from that same wheel; so a folder that pyproject.toml maps and this stage
+# forgets fails the tests, not only the image.
 #
 #   docker build -t ghcr.io/tokenfleet/tokenfleet:0.1.0 .
 
@@ -14,6 +16,7 @@ COPY tokenfleet/ tokenfleet/
 COPY operator/ operator/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
+COPY sim/ sim/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE))
 
 import host_paths  # noqa: E402
 from envtest import ControlPlane, wait_for  # noqa: E402
+from image_payload import cached_payload  # noqa: E402
 from kubelet import KubeletProcess, NodeSpec  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402
 from pod_network import PodNetwork  # noqa: E402
@@ -64,12 +65,19 @@ def pod_network() -> Iterator[PodNetwork]:
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest, pod_network: PodNetwork) -> Iterator[ControlPlane]:
+def image() -> Path:
+    """What the image would ship: the wheel built from the Dockerfile's build stage, in a venv of its own
+    (cached by the staged tree's content, so a session builds it at most once). Pods and the operator run it."""
+    return cached_payload()
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, pod_network: PodNetwork, image: Path) -> Iterator[ControlPlane]:
     # Not under pytest's basetemp: concurrent sessions rotate those away, and the logs must outlive a failure.
     plane = ControlPlane(
         Path(tempfile.mkdtemp(prefix=f"tokenfleet-e2e-{pod_network.tag}-")), host=pod_network.host_ip
     )
-    kubelet = KubeletProcess(plane.kubeconfig("admin"), pod_network, NODES, plane.dir / "kubelet")
+    kubelet = KubeletProcess(plane.kubeconfig("admin"), pod_network, NODES, plane.dir / "kubelet", image)
     try:
         plane.start()
         kubelet.start()
@@ -108,8 +116,8 @@ def kubelet(cluster: ControlPlane) -> KubeletProcess:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: ControlPlane) -> Iterator[OperatorProcess]:
-    proc = OperatorProcess(cluster.kubeconfig("operator"), cluster.dir / "operator.log")
+def operator(cluster: ControlPlane, image: Path) -> Iterator[OperatorProcess]:
+    proc = OperatorProcess(cluster.kubeconfig("operator"), cluster.dir / "operator.log", image)
     proc.start()
     try:
         yield proc

@@ -30,6 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from image_payload import image_paths  # noqa: E402
 from kube_api import ApiError, KubeApi  # noqa: E402
 from pod_network import PodNetwork  # noqa: E402
 from pod_worker import PodWorker  # noqa: E402
@@ -71,13 +72,25 @@ def micro_time() -> str:
 
 class Kubelet:
     def __init__(
-        self, api: KubeApi, network: PodNetwork, nodes: list[NodeSpec], workdir: Path, owner_pid: int
+        self,
+        api: KubeApi,
+        network: PodNetwork,
+        nodes: list[NodeSpec],
+        workdir: Path,
+        owner_pid: int,
+        image: Path,
     ):
         self.api = api
         self.network = network
         self.nodes = {n.name: n for n in nodes}
         self.workdir = workdir
         self.owner_pid = owner_pid
+        # Containers run the image payload (a venv holding the image's wheel) instead of pulling an image.
+        # What that image would hold is the venv and the site directories it borrows: a pod volume mounted
+        # over one of them (an emptyDir on /tmp while a path lives under /tmp) must not hide it, so
+        # pod_exec.py binds these back at their own paths after the volumes.
+        self.image_bin = str(image / "bin")
+        self.image_paths = image_paths(image)
         self.host_ip = network.host_ip
         self.api_port = int(api.server.rsplit(":", 1)[1])
         self.workers: dict[str, tuple[PodWorker, asyncio.Task]] = {}
@@ -284,14 +297,16 @@ class Kubelet:
 class KubeletProcess:
     """The kubelet as a child process of the test session; `stop()` ends it and its pods."""
 
-    def __init__(self, kubeconfig: Path, network: PodNetwork, nodes: list[NodeSpec], workdir: Path):
+    def __init__(
+        self, kubeconfig: Path, network: PodNetwork, nodes: list[NodeSpec], workdir: Path, image: Path
+    ):
         self.workdir = workdir
         self.log_path = workdir / "kubelet.log"
         workdir.mkdir(parents=True, exist_ok=True)
         self.cmd = [
             sys.executable, str(HERE / "kubelet.py"), "--kubeconfig", str(kubeconfig),
             "--network", f"{network.tag}/{network.subnet}", "--workdir", str(workdir),
-            "--owner-pid", str(os.getpid()), *(f"--node={n}" for n in nodes),
+            "--owner-pid", str(os.getpid()), "--image", str(image), *(f"--node={n}" for n in nodes),
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
@@ -325,6 +340,9 @@ def main() -> None:
     parser.add_argument("--network", required=True, help="TAG/SUBNET of the session's pod bridge")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--owner-pid", type=int, required=True)
+    parser.add_argument(
+        "--image", type=Path, required=True, help="the image payload's venv (image_payload.py)"
+    )
     parser.add_argument("--node", action="append", type=NodeSpec.parse, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -337,7 +355,7 @@ def main() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with KubeApi(args.kubeconfig) as api:
-            await Kubelet(api, network, args.node, args.workdir, args.owner_pid).run(stop)
+            await Kubelet(api, network, args.node, args.workdir, args.owner_pid, args.image).run(stop)
 
     asyncio.run(run())
 

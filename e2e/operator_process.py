@@ -1,10 +1,11 @@
-"""The operator as a real subprocess (`tokenfleet operator --kubeconfig ...`): killable and restartable."""
+"""The operator as a real subprocess (`tokenfleet operator --kubeconfig ...`): killable and restartable.
+It runs the image payload's `tokenfleet` script (image_payload.py), as the operator Deployment runs the
+image's."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from tether import tethered
@@ -12,18 +13,24 @@ from tether import tethered
 
 class OperatorProcess:
     def __init__(
-        self, kubeconfig: Path, log_path: Path, resync_seconds: float = 3.0, autoscale_seconds: float = 3.0
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        image: Path,
+        resync_seconds: float = 3.0,
+        autoscale_seconds: float = 3.0,
     ):
         self.kubeconfig = kubeconfig
+        self.image = image
         self.log_path = log_path
         self.resync_seconds = resync_seconds
         self.autoscale_seconds = autoscale_seconds
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        # Through the CLI dispatcher, exactly as the operator Deployment runs it.
+        # The payload's console script, exactly as the operator Deployment runs it.
         return [
-            sys.executable, "-m", "tokenfleet.runtime.cli", "operator",
+            str(self.image / "bin" / "tokenfleet"), "operator",
             "--kubeconfig", str(self.kubeconfig),
             "--resync-seconds", str(self.resync_seconds),
             "--autoscale-seconds", str(self.autoscale_seconds),

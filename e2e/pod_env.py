@@ -1,9 +1,10 @@
 """What the kubelet computes from a pod spec before a process starts: downward-API fields, resource
 fields, the container's environment (`value`, `valueFrom`, `envFrom`, `$(VAR)` expansion) and argv.
 
-The container runs this project's installed `tokenfleet` entrypoint instead of pulling its image: PATH
-starts with the venv's bin directory, so a pod command of `tokenfleet serve ...` resolves to it unchanged.
-That is the one substitution the harness makes.
+The container runs what the image would hold instead of pulling it: PATH starts with the bin directory of
+the image payload (image_payload.py: the wheel the Dockerfile's build stage makes, installed in a venv of
+its own), so a pod command of `tokenfleet serve ...` resolves to the wheel's entrypoint unchanged. That is
+the one substitution the harness makes.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import base64
 import math
 import re
-import sys
 from collections.abc import Awaitable, Callable
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
-VENV_BIN = str(Path(sys.executable).parent)
-BASE_PATH = f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SUFFIX = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
     "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1,
@@ -107,11 +105,13 @@ async def container_env(
     pod_ip: str,
     host_ip: str,
     allocatable: dict[str, str],
+    image_bin: str,
 ) -> dict[str, str]:
-    """The process environment: base + service env + envFrom + env, in the kubelet's order."""
+    """The process environment: base + service env + envFrom + env, in the kubelet's order. `image_bin`
+    (the payload's scripts) comes first on PATH, as the image's Python does."""
     ns = pod["metadata"]["namespace"]
     env = {
-        "PATH": BASE_PATH,
+        "PATH": f"{image_bin}:{SYSTEM_PATH}",
         "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
         "KUBERNETES_SERVICE_HOST": api_host,
         "KUBERNETES_SERVICE_PORT": str(api_port),

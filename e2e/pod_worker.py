@@ -33,10 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kubelet.pod")
 POD_EXEC = str(Path(__file__).resolve().parent / "pod_exec.py")
-# What the container image would hold: this checkout (the editable install of `tokenfleet` points at it) and
-# the venv. A pod volume mounted over either (an emptyDir on /tmp while the checkout lives under /tmp) must
-# not hide them, so pod_exec.py binds them back at their own paths after the volumes.
-IMAGE_PATHS = (str(Path(__file__).resolve().parents[1]), sys.prefix)
 BACKOFF_INITIAL, BACKOFF_MAX = 10.0, 300.0
 
 
@@ -212,7 +208,7 @@ class PodWorker:
     async def _run_once(self, c: Container) -> int:
         env = await container_env(
             self.pod, c.spec, self.kubelet.get_object, self.kubelet.host_ip, self.kubelet.api_port,
-            self.ip or "", self.kubelet.host_ip, self.kubelet.allocatable(self.pod),
+            self.ip or "", self.kubelet.host_ip, self.kubelet.allocatable(self.pod), self.kubelet.image_bin,
         )  # fmt: skip
         argv = container_argv(c.spec, env)
         term_file = self.dir / "termination" / c.name
@@ -222,7 +218,7 @@ class PodWorker:
         spec_file = self.dir / f"{c.name}.exec.json"
         spec_file.write_text(json.dumps({
             "argv": argv, "env": env, "mounts": mounts, "workingDir": c.spec.get("workingDir"),
-            "hostname": self.pod["spec"].get("hostname") or self.name, "image": list(IMAGE_PATHS),
+            "hostname": self.pod["spec"].get("hostname") or self.name, "image": self.kubelet.image_paths,
         }))  # fmt: skip
         # Outside the pod's dir (removed with the pod): the logs outlive it for a failure report.
         log_path = (

@@ -4,24 +4,53 @@ CPU pods report on /metrics.
 
 One story (one fleet, each step needs the previous one):
 1. a step load (more streams than the pod runs at once) raises waiting requests -> 1 -> 2 replicas;
-2. the load drops to one stream -> back to 1 replica after the scale-down window, the removed pod drained
-   while the stream kept going;
+2. two replicas held (minReplicas 2) while the load drops to two streams, one on each pod (checked); then
+   minReplicas 1 -> back to 1 replica after the scale-down window; the removed pod was serving a stream
+   when it was removed (checked, not assumed), and that stream ends well (drained, or handed back and
+   continued on the other pod);
 3. minReplicas edited to 0, no traffic -> 0 pods;
 4. a request arrives -> the router holds it, the operator sees the demand, 0 -> 1, the request is served
    after the cold start.
 Across the whole run not one request fails (429 and 503 count as failures here).
+
+Every wait has its budget in WAITS, and the test's timeout is their sum: a slow step fails with its own
+message, never with pytest's timeout in the middle of another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
 import pytest
 import yaml
-from workload import StreamingLoad, post_json
+from workload import STOP_TIMEOUT_S, StreamingLoad, post_json
 
 MODEL_READY_S = 240  # model load on a busy 2-core machine + the startup/readiness probe periods
+WAITS = {
+    "router Ready": MODEL_READY_S,
+    "1 runtime pod Ready": MODEL_READY_S,
+    "a first decision": 60,
+    "scale-up ordered": 120,
+    "2 pods Ready": MODEL_READY_S,
+    "requests served by both pods": 180,
+    "heavy load stopped": STOP_TIMEOUT_S,
+    "a stream on a pod": 120,
+    "a stream on each pod": 180,
+    "a pod removed": 120,
+    "the removed pod gone": 120,
+    "light load stopped": STOP_TIMEOUT_S,
+    "scale to zero": 180,
+    "no runtime pod left": 120,
+    "Ready at zero": 30,
+    "the request at zero served": MODEL_READY_S + 60,
+}
+# Session fixtures (the cluster, when this test comes first) and the kubectl calls between the waits.
+SETUP_S = 180
+# A pod's stream lasts many times the poll that sees the pod removed (seconds here, a minute on a busy
+# machine); short enough that stopping the load waits for little.
+LIGHT_TOKENS = 48
 RUNTIME = "app.kubernetes.io/instance=chat,app.kubernetes.io/component=runtime"
 ROUTER = "app.kubernetes.io/instance=front,app.kubernetes.io/component=router"
 
@@ -75,6 +104,19 @@ def _replicas(cluster, ns: str) -> int:
     return _md(cluster, ns).get("spec", {}).get("replicas")
 
 
+def _url(pod: dict) -> str:
+    return f"http://{pod['status']['podIP']}:8000"  # as the router names the pod (x-tokenfleet-endpoint)
+
+
+def _set_min_replicas(cluster, ns: str, count: int) -> None:
+    patch = {"spec": {"autoscaling": {"minReplicas": count}}}
+    cluster.kubectl("patch", "md", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+
+def _terminating(cluster, ns: str) -> list[dict]:
+    return [p for p in cluster.pods(ns, RUNTIME) if p["metadata"].get("deletionTimestamp")]
+
+
 def _scale_events(cluster, ns: str) -> list[tuple[str, str]]:
     events = sorted(
         cluster.events(ns, "chat"), key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""
@@ -83,19 +125,21 @@ def _scale_events(cluster, ns: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(sum(WAITS.values()) + SETUP_S)
 def test_step_load_scales_out_and_back_to_zero_and_from_zero_without_a_failed_request(
     cluster, namespace, wait
 ):
+    def until(what: str, predicate):
+        return wait(predicate, timeout=WAITS[what], what=what)
+
     ns = namespace
     cluster.kubectl(
         "apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all([ROUTING_POLICY, MODEL_DEPLOYMENT])
     )
-    (router,) = wait(lambda: _ready_count(cluster, ns, ROUTER, 1), timeout=MODEL_READY_S, what="the router")
+    (router,) = until("router Ready", lambda: _ready_count(cluster, ns, ROUTER, 1))
     router_url = f"http://{router['status']['podIP']}:8080"
-    wait(lambda: _ready_count(cluster, ns, RUNTIME, 1), timeout=MODEL_READY_S, what="1 Ready runtime pod")
-    status = wait(
-        lambda: _md(cluster, ns).get("status", {}).get("autoscaling"), timeout=60, what="a decision"
-    )
+    until("1 runtime pod Ready", lambda: _ready_count(cluster, ns, RUNTIME, 1))
+    status = until("a first decision", lambda: _md(cluster, ns).get("status", {}).get("autoscaling"))
     assert status["desiredReplicas"] == 1
 
     # 1. A step: four streams against a pod that runs one at a time -> about three waiting, target 1.
@@ -103,44 +147,64 @@ def test_step_load_scales_out_and_back_to_zero_and_from_zero_without_a_failed_re
     light = None
     try:
         started = time.monotonic()
-        wait(lambda: _replicas(cluster, ns) == 2, timeout=120, what="the autoscaler ordering a 2nd replica")
+        until("scale-up ordered", lambda: _replicas(cluster, ns) == 2)
         scale_up_s = time.monotonic() - started
-        wait(lambda: _ready_count(cluster, ns, RUNTIME, 2), timeout=MODEL_READY_S, what="2 Ready pods")
+        pods = until("2 pods Ready", lambda: _ready_count(cluster, ns, RUNTIME, 2))
         up = _md(cluster, ns)["status"]["autoscaling"]
         assert up["lastScaleReason"].startswith("scale up 1->2: waiting_requests_per_replica"), up
-        heavy.wait_for_requests(sum(heavy.results.values()) + 4, timeout=180)  # served by both pods
+        heavy.wait_for_requests(heavy.count() + 4, timeout=WAITS["requests served by both pods"])
 
-        # 2. The load drops to one stream: nothing waits any more -> 1 replica after the 15 s window; the
-        # pod chosen for removal leaves the endpoints first, then drains, while the stream keeps going.
-        light = StreamingLoad(router_url, "chat", workers=1, max_tokens=48, max_requests=400).start()
-        heavy.stop()
+        # 2. Two replicas are held while the load drops to two streams sent back to back: the first one's
+        # pod is busy when the second is routed, so least-load puts one on each pod (checked). Then nothing
+        # waits any more -> 1 replica after the 15 s window, and whichever pod the ReplicaSet removes is
+        # serving a stream. That pod leaves the endpoints first (preStop), then drains: its stream
+        # finishes there or is handed back and continued on the other pod.
+        _set_min_replicas(cluster, ns, 2)  # no scale-down before every pod serves a stream
+        heavy.stop(timeout=WAITS["heavy load stopped"])
+        light = StreamingLoad(
+            router_url, "chat", workers=1, max_tokens=LIGHT_TOKENS, max_requests=400
+        ).start()
+        until("a stream on a pod", light.in_flight)
+        light.add_worker()
+        urls = {_url(p) for p in pods}
+        until("a stream on each pod", lambda: urls <= {s.endpoint for s in light.in_flight()})
+        _set_min_replicas(cluster, ns, 1)
         started = time.monotonic()
-        wait(lambda: _replicas(cluster, ns) == 1, timeout=120, what="the scale-down to 1")
-        scale_down_s = time.monotonic() - started
-        wait(lambda: _ready_count(cluster, ns, RUNTIME, 1), timeout=120, what="the removed pod gone")
-        light.wait_for_requests(sum(light.results.values()) + 2, timeout=180)
-    finally:
-        heavy.stop()
-        if light is not None:
-            light.stop()
+        (victim,) = wait(lambda: _terminating(cluster, ns), timeout=WAITS["a pod removed"], interval=0.1,
+                         what="a pod removed")  # fmt: skip
+        seen = time.monotonic()  # the victim is terminating from here on (at the latest)
+        scale_down_s = seen - started
+        assert _replicas(cluster, ns) == 1
+        until("the removed pod gone", lambda: _ready_count(cluster, ns, RUNTIME, 1))
+        light.stop(timeout=WAITS["light load stopped"])
+    finally:  # after a failure, the failure is the one to report, not a stream still running
+        with contextlib.suppress(TimeoutError):
+            heavy.stop()
+        with contextlib.suppress(TimeoutError):
+            if light is not None:
+                light.stop()
     results = heavy.results + (light.results if light is not None else {})
     print(f"step load: {dict(results)}; scale-up ordered after {scale_up_s:.0f}s, "
-          f"scale-down after {scale_down_s:.0f}s of light load")  # fmt: skip
+          f"a pod removed {scale_down_s:.0f}s after minReplicas went back to 1")  # fmt: skip
     assert results["ok"] > 0
     assert results["failed_before_start"] == 0 and results["failed_in_flight"] == 0, results
+    # The scale-down removed a pod that was serving: the case that could lose a stream, and none was lost.
+    held = light.served_after(_url(victim), seen)
+    assert held, f"the removed pod {_url(victim)} served no stream once terminating: the check proves nothing"
+    assert all(s.outcome == "ok" for s in held), held
+    print(f"the removed pod was serving {len(held)} stream(s) when seen terminating or later; all ended well")
 
     # 3. Scale to zero: allowed now, after scaleToZeroAfterSeconds without traffic (no tokens generated
     # over the 60 s rate window either).
-    patch = {"spec": {"autoscaling": {"minReplicas": 0}}}
-    cluster.kubectl("patch", "md", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
-    wait(lambda: _replicas(cluster, ns) == 0, timeout=180, what="the scale to zero")
-    wait(lambda: cluster.pods(ns, RUNTIME) == [] or None, timeout=120, what="no runtime pod left")
-    wait(lambda: _md(cluster, ns)["status"]["phase"] == "Ready", timeout=30, what="Ready at zero")
+    _set_min_replicas(cluster, ns, 0)
+    until("scale to zero", lambda: _replicas(cluster, ns) == 0)
+    until("no runtime pod left", lambda: cluster.pods(ns, RUNTIME) == [] or None)
+    until("Ready at zero", lambda: _md(cluster, ns)["status"]["phase"] == "Ready")
 
     # 4. A request for the model at zero: held by the router, 0 -> 1, served after the cold start.
     started = time.monotonic()
     body = {"model": "chat", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
-    out, _ = post_json(f"{router_url}/v1/completions", body, timeout=MODEL_READY_S + 60)
+    out, _ = post_json(f"{router_url}/v1/completions", body, timeout=WAITS["the request at zero served"])
     cold_s = time.monotonic() - started
     print(f"first request at zero replicas served after {cold_s:.0f}s")
     assert out["choices"][0]["text"].startswith(" Paris")

@@ -57,18 +57,18 @@ def test_container_env_resolves_value_from_and_expands():
         ],
     }
     env = asyncio.run(container_env(POD, container, get, "10.213.0.1", 6443, "10.213.0.5", "10.213.0.1",
-                                    {"cpu": "8", "memory": "32Gi"}))  # fmt: skip
+                                    {"cpu": "8", "memory": "32Gi"}, "/image/bin"))  # fmt: skip
     assert env["POD"] == "p" and env["IP"] == "10.213.0.5" and env["K"] == "from-cm"
     assert env["MEM"] == "1024" and env["CPU"] == "8"
     assert env["GREETING"] == "hi p on $(NODE_UNKNOWN)"
-    assert env["KUBERNETES_SERVICE_HOST"] == "10.213.0.1" and env["PATH"].split(":")[0].endswith("bin")
+    assert env["KUBERNETES_SERVICE_HOST"] == "10.213.0.1" and env["PATH"].split(":")[0] == "/image/bin"
     assert container_argv(container, env) == ["tokenfleet", "serve", "--name=p", "$(POD)"]
     missing = {
         **container,
         "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "no", "key": "k"}}}],
     }
     with pytest.raises(PodSpecError, match="couldn't find key k"):
-        asyncio.run(container_env(POD, missing, get, "h", 1, "", "", {}))
+        asyncio.run(container_env(POD, missing, get, "h", 1, "", "", {}, "/image/bin"))
 
 
 def test_quantities():

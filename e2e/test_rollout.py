@@ -5,25 +5,41 @@
    pods; the ModelDeployment is Ready with readyReplicas from the real pod; the GPU model stays Pending
    with the scheduler's reason in its status;
 2. `kubectl scale md` -> three pod processes, the router spreads requests over them;
-3. `kubectl delete pod` under a small streaming load -> the ReplicaSet replaces it and no request that
-   had not started streaming fails;
+3. `kubectl delete pod` under a small streaming load, on a pod serving a stream that has just started ->
+   the ReplicaSet replaces it, no request fails, and the streams the deleted pod was serving end well;
 4. deleting the ModelDeployment -> the garbage collector removes every child.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+import time
 from collections import Counter
 
 import pytest
 import yaml
 from envtest import wait_for
-from workload import StreamingLoad, complete, examples_manifest, post_json
+from workload import STOP_TIMEOUT_S, StreamingLoad, complete, examples_manifest, post_json
 
 SELECTOR = "app.kubernetes.io/instance=smollm2,app.kubernetes.io/component=runtime"
 ROUTER_SELECTOR = "app.kubernetes.io/instance=chat-routing"
 MODEL_READY_S = 240  # model load on a busy 2-core machine + the startup/readiness probe periods
+# The deleted-pod test's waits; its timeout is their sum (plus SETUP_S), so a slow step fails with its own
+# message rather than with pytest's timeout in the middle of another.
+DELETE_WAITS = {
+    "3 Ready pods": MODEL_READY_S,
+    "a stream just started": 60,
+    "a replacement pod Ready": MODEL_READY_S,
+    "requests after the replacement": 120,
+    "the load stopped": STOP_TIMEOUT_S,
+}
+# The module's fixtures (the cluster and the routers, when this test runs alone) and the kubectl calls.
+SETUP_S = 300
+# The victim's stream has received under a quarter of its tokens: most of it is still to come when
+# `kubectl delete` returns (a fraction of a second later), however fast the pods generate.
+DELETE_TOKENS = 96
 
 
 def _owner(obj: dict, kind: str) -> dict:
@@ -157,25 +173,36 @@ def test_kubectl_scale_runs_three_pods_and_the_router_spreads(cluster, ns, wait,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(sum(DELETE_WAITS.values()) + SETUP_S)
 def test_deleted_pod_is_replaced_under_streaming_load(cluster, ns, wait, router_url):
-    pods = wait(lambda: _ready_pods(cluster, ns, SELECTOR, 3), timeout=MODEL_READY_S, what="3 Ready pods")
-    load = StreamingLoad(router_url, "smollm2", workers=2, max_tokens=24).start()
+    def until(what: str, predicate):
+        return wait(predicate, timeout=DELETE_WAITS[what], what=what)
+
+    pods = until("3 Ready pods", lambda: _ready_pods(cluster, ns, SELECTOR, 3))
+    names = {f"http://{p['status']['podIP']}:8000": p["metadata"]["name"] for p in pods}  # router's names
+    load = StreamingLoad(router_url, "smollm2", workers=2, max_tokens=DELETE_TOKENS).start()
     try:
-        load.wait_for_requests(2)
-        victim = pods[0]["metadata"]["name"]
+        # The victim is the pod serving a stream that has just started: deleted under that stream.
+        def fresh():
+            return [s for s in load.in_flight() if s.endpoint in names and s.events < DELETE_TOKENS // 4]
+
+        stream = until("a stream just started", fresh)[0]
+        victim = names[stream.endpoint]
         cluster.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
-        after = wait(
+        deleted = time.monotonic()  # the pod is terminating from here on
+        after = until(
+            "a replacement pod Ready",
             lambda: (
                 (p := _ready_pods(cluster, ns, SELECTOR, 3))
                 and victim not in {x["metadata"]["name"] for x in p}
                 and p
             ),
-            timeout=MODEL_READY_S,
-            what="a replacement pod Ready",
         )
-        load.wait_for_requests(sum(load.results.values()) + 2)
-    finally:
-        results = load.stop()
+        load.wait_for_requests(load.count() + 2, timeout=DELETE_WAITS["requests after the replacement"])
+        results = load.stop(timeout=DELETE_WAITS["the load stopped"])
+    finally:  # after a failure, the failure is the one to report, not a stream still running
+        with contextlib.suppress(TimeoutError):
+            load.stop()
     print(f"streaming load while a pod was deleted: {dict(results)}")
     assert {p["metadata"]["uid"] for p in after} != {p["metadata"]["uid"] for p in pods}
     assert cluster.get("pod", victim, ns) is None
@@ -184,6 +211,11 @@ def test_deleted_pod_is_replaced_under_streaming_load(cluster, ns, wait, router_
     # A deleted pod leaves the EndpointSlice during its preStop sleep, drains, and hands back whatever is still
     # running at its drain deadline; the router continues those streams on another pod.
     assert results["failed_in_flight"] == 0, results
+    # The deletion hit streams in flight (the case that could lose one), and each of them ended well.
+    held = load.served_after(stream.endpoint, deleted)
+    assert held, f"the deleted pod {victim} served no stream once terminating: the check proves nothing"
+    assert all(s.outcome == "ok" for s in held), held
+    print(f"the deleted pod was serving {len(held)} stream(s) when it was deleted or later; all ended well")
 
 
 @pytest.mark.slow
