@@ -26,7 +26,7 @@ import re
 import torch
 import torch.distributed as dist
 from tokenfleet.runtime.errors import ConfigError
-from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.arch import FUSED_CHECKPOINT_TYPES, ModelArch
 
 # (dim, start, length): the part of a checkpoint tensor one rank reads; None = the whole tensor.
 Slice = tuple[int, int, int] | None
@@ -71,6 +71,11 @@ def check_tensor_parallel(arch: ModelArch, size: int) -> None:
         problems.append(f"a shared-expert intermediate size of {arch.shared_expert_intermediate_size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size {size} does not divide this model's " + ", ".join(problems))
+    if arch.model_type in FUSED_CHECKPOINT_TYPES:
+        # A fused q/k/v tensor interleaves what each rank needs (its q rows, its k rows, its v rows).
+        raise ConfigError(
+            f"tensor parallelism does not support {arch.model_type} checkpoints (fused qkv_proj) yet"
+        )
     if arch.qk_norm:
         raise ConfigError("tensor parallelism does not support q/k norms over all heads (OLMoE) yet")
     if arch.o_bias or arch.mlp_bias:
