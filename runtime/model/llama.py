@@ -91,8 +91,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by every layer: one cos/sin table
         self.backend = backend
         # OLMoE: RMSNorm over the whole q / k projections (all heads at once) and a clamp of q, k, v.
-        self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps) if arch.qk_norm else None
+        # Under tensor parallelism each rank holds its heads' slice of q and k, and the norms all-reduce.
+        self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
         # Qwen3: one RMSNorm per head (weights head_dim wide, shared by all heads), so a tensor-parallel
         # shard holding whole heads needs no communication for it.
         if arch.head_qk_norm:
