@@ -30,7 +30,8 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn; None = derived from factor
+    attention_factor: float | None = None  # yarn, longrope; None = derived from factor
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original context
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,30 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def rope_scaling_from_hf(params: Mapping[str, Any] | None) -> RopeScaling | None:
+def _longrope(params: Mapping[str, Any], config: Mapping[str, Any]) -> RopeScaling:
+    """Phi-3 LongRoPE, within the original context only: there HF uses `short_factor` for every position.
+    Past it HF switches *every* position's frequencies to `long_factor` once a sequence is longer, which KV
+    already cached at the old frequencies cannot follow, so the served context stops at the original length
+    (`arch_from_hf_config` caps max_position_embeddings)."""
+    original = params.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in params:
+        raise ConfigError("longrope needs original_max_position_embeddings and short_factor")
+    # HF's default attention factor comes from the whole extension ratio, even within the original context.
+    factor = params.get("factor") or int(config.get("max_position_embeddings", original)) / int(original)
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        attention_factor=params.get("attention_factor"),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+    )
+
+
+def rope_scaling_from_hf(
+    params: Mapping[str, Any] | None, config: Mapping[str, Any] | None = None
+) -> RopeScaling | None:
     """`rope_parameters` (transformers >= 5) or `rope_scaling` (older) -> RopeScaling; None when unscaled."""
     if not params:
         return None
@@ -104,14 +128,11 @@ def rope_scaling_from_hf(params: Mapping[str, Any] | None) -> RopeScaling | None
     if rope_type == "default":
         return None
     if rope_type == "longrope":
-        # Phi-3's long-context variants switch every position's frequencies once a sequence passes the
-        # original length, which a paged KV cache written at earlier lengths cannot follow.
-        raise ConfigError(
-            "unsupported rope scaling type 'longrope' (Phi-3 long-context checkpoints); "
-            "supported: linear, llama3, yarn — use a short-context checkpoint (e.g. Phi-3-mini-4k)"
-        )
+        return _longrope(params, config or {})
     if rope_type not in ("linear", "llama3", "yarn"):
-        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, yarn)")
+        raise ConfigError(
+            f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, yarn, longrope)"
+        )
     return RopeScaling(
         rope_type=rope_type,
         factor=float(params["factor"]),
@@ -143,6 +164,7 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
     sliding_window = config.get("sliding_window")
     if model_type == "qwen2" and not config.get("use_sliding_window", False):
         sliding_window = None  # Qwen2 configs carry a window they do not use
+    rope_scaling = rope_scaling_from_hf(rope_params, config)
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias = model_type == "qwen2" or attention_bias
     if model_type == "qwen2_moe":
@@ -162,8 +184,8 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rope_scaling=rope_scaling_from_hf(rope_params),
+        max_position_embeddings=_served_positions(config, rope_scaling),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         # Qwen3's attention_bias covers o_proj too (Qwen2's q/k/v bias never did).
@@ -175,6 +197,13 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         head_qk_norm=model_type in ("qwen3", "qwen3_moe"),
         **MOE_FIELDS.get(model_type, _no_moe)(config),
     )
+
+
+def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | None) -> int:
+    positions = int(config.get("max_position_embeddings", 2048))
+    if rope_scaling is not None and rope_scaling.rope_type == "longrope":
+        return min(positions, rope_scaling.original_max_position_embeddings or positions)
+    return positions
 
 
 # --- MoE architectures: HF config -> the ModelArch fields the MoE layer reads (keyed by model_type) ---

@@ -73,7 +73,37 @@ def _phi3():
     return Phi3Config(**SMALL, intermediate_size=48, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-CASES = {"qwen3": _qwen3, "qwen3_bias": _qwen3_bias, "qwen3_moe": _qwen3_moe, "phi3": _phi3}
+def _phi3_longrope():
+    from transformers import Phi3Config
+
+    # A long-context Phi-3 (LongRoPE, 64 -> 256 positions); served within its original 64 positions.
+    half = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.4 * i for i in range(half)],
+        "long_factor": [4.0 + i for i in range(half)],
+        "original_max_position_embeddings": 64,
+    }
+    return Phi3Config(
+        **SMALL,
+        intermediate_size=48,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters=rope,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+    )
+
+
+CASES = {
+    "qwen3": _qwen3,
+    "qwen3_bias": _qwen3_bias,
+    "qwen3_moe": _qwen3_moe,
+    "phi3": _phi3,
+    "phi3_longrope": _phi3_longrope,
+}
 
 
 @pytest.fixture(scope="module")
@@ -239,19 +269,20 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path
         assert f"'{supported}'" in message
 
 
-def test_phi3_longrope_is_refused_clearly(checkpoints, tmp_path):
-    half = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * half,
-        "long_factor": [2.0] * half,
-        "original_max_position_embeddings": 1024,
-    }
-    directory = _copy_with_config(
-        checkpoints["phi3"][0], tmp_path, rope_parameters=rope, max_position_embeddings=4096
-    )
-    with pytest.raises(ConfigError, match="unsupported rope scaling type 'longrope'"):
+def test_phi3_longrope_serves_its_original_context_only(checkpoints):
+    """Within the original context HF uses the short factors for every position (the parity test above);
+    past it HF re-rotates every cached position, so a longer max_model_len is refused."""
+    directory = str(checkpoints["phi3_longrope"][0])
+    loaded = load_model(ModelConfig(model=directory, dtype="float32"), torch.device("cpu"))
+    assert loaded.max_model_len == 64 and loaded.arch.rope_scaling.rope_type == "longrope"
+    with pytest.raises(ConfigError, match="max_model_len 128 exceeds the model's context length 64"):
+        load_model(ModelConfig(model=directory, dtype="float32", max_model_len=128), torch.device("cpu"))
+
+
+def test_unknown_rope_scaling_is_refused(checkpoints, tmp_path):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    directory = _copy_with_config(checkpoints["phi3"][0], tmp_path, rope_parameters=rope)
+    with pytest.raises(ConfigError, match=r"unsupported rope scaling type 'dynamic'.*longrope"):
         load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
 
 
