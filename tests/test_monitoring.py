@@ -341,3 +341,29 @@ def test_kustomization_lists_every_manifest():
         assert all(
             doc["apiVersion"] and doc["kind"] for doc in yaml.safe_load_all((MONITORING / name).read_text())
         )
+
+
+def _meta_label(label: str) -> str:
+    """Prometheus' service-discovery name of a pod label (every non-alphanumeric character -> `_`)."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", label)
+
+
+def test_podmonitors_select_and_read_the_labels_the_operator_puts_on_pods():
+    from tokenfleet.operator.builders import common_labels
+    from tokenfleet.operator.disaggregation import ROLE_LABEL
+    from tokenfleet.operator.router_builders import router_labels
+
+    pod_labels = {
+        "runtime": {**common_labels("md"), ROLE_LABEL: "decode"},
+        "router": router_labels("policy"),
+    }
+    for doc in yaml.safe_load_all((MONITORING / "podmonitors.yaml").read_text()):
+        selector = doc["spec"]["selector"]["matchLabels"]
+        component = selector["app.kubernetes.io/component"]
+        labels = pod_labels[component]
+        assert selector.items() <= labels.items(), component
+        readable = {_meta_label(k) for k in labels}
+        for endpoint in doc["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] == "http"
+            for relabel in endpoint.get("relabelings", ()):
+                assert set(relabel["sourceLabels"]) <= readable, relabel
