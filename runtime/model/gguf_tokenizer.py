@@ -4,7 +4,7 @@ GGUF files carry no tokenizer.json: the vocabulary, merges, token types and spec
 `tokenizer.ggml.pre` names the pre-tokenizer the vocabulary was trained with. Two tokenizer models
 (`tokenizer.ggml.model`):
 - `gpt2`: byte-level BPE, with the split rules of the original model (as llama.cpp applies them);
-- `llama`: SentencePiece BPE (Llama 2, Mistral v0.1, Gemma): pieces spelled with `▁` for a space, one
+- `llama`: SentencePiece BPE (Llama 2, Mistral v0.1, Phi-3, Gemma): pieces spelled with `▁` for a space, one
   score per piece and no merges; a character outside the vocabulary falls back to its UTF-8 bytes
   (`<0xNN>` pieces). SentencePiece merges the adjacent pair whose joined piece scores best, which BPE with
   every split of every piece ranked by that piece's score reproduces (as transformers rebuilds it).
@@ -18,7 +18,7 @@ from typing import Any
 
 import tokenizers
 from tokenfleet.runtime.errors import ConfigError
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 # llama.cpp token types
 TOKEN_CONTROL = 3
@@ -125,8 +125,18 @@ def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list
     return [(left, right) for left, right, _ in ranked]
 
 
+# SentencePiece vocabularies whose files need reading differently, by `general.architecture`.
+_GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
+
+
 def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: Sequence[str]) -> tokenizers.Tokenizer:
+    architecture = metadata.get("general.architecture")
     scores = metadata.get("tokenizer.ggml.scores")
+    if architecture in _GEMMA:
+        # Gemma files store a piece of several spaces as real spaces, and its scores do not follow its
+        # merge order: the pieces' order in the file does.
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     if scores is None or len(scores) != len(tokens):
         raise ConfigError("GGUF SentencePiece tokenizer needs one tokenizer.ggml.scores entry per token")
     if "tokenizer.ggml.merges" in metadata:
@@ -144,11 +154,16 @@ def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: Sequence[str]) -> to
         )
     )
     # SentencePiece's dummy prefix: "▁" before the text (not before each piece between special tokens);
-    # spaces become "▁" but the text is not split on them (pieces may span words).
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
+    # spaces become "▁" but the text is not split on them (pieces may span words). Gemma has no prefix.
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True)) and architecture not in _GEMMA
+    if architecture == "phi3":
+        # Phi-3's tokenizer.json prefixes the whole text with a normalizer (so "  hi" keeps three "▁"
+        # where Metaspace would see an existing one and add none).
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+        )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1))

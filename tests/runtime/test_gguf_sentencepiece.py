@@ -1,7 +1,7 @@
-"""SentencePiece GGUF tokenizers (`tokenizer.ggml.model: llama`: Llama 2, Mistral v0.1): a small SentencePiece
-style vocabulary (▁ for spaces, <0xNN> byte pieces, scores, no merges) written to a GGUF file encodes and
-decodes exactly as HF transformers' tokenizer loaded from the same file, on mixed scripts, whitespace runs
-and characters only the byte fallback can spell."""
+"""SentencePiece GGUF tokenizers (`tokenizer.ggml.model: llama`: Llama 2 / Mistral v0.1, Phi-3 and Gemma files):
+a small SentencePiece style vocabulary (▁ for spaces, <0xNN> byte pieces, scores, no merges) written to a
+GGUF file encodes and decodes exactly as HF transformers' tokenizer loaded from the same file, on mixed
+scripts, whitespace runs and characters only the byte fallback can spell."""
 
 from __future__ import annotations
 
@@ -54,18 +54,21 @@ def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
     types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL, *[TOKEN_BYTE] * 256]
     scores = [0.0] * len(tokens)
-    for rank, (piece, _) in enumerate(learned):
+    # Runs of spaces as pieces; Gemma files spell them with real spaces.
+    for rank, (piece, _) in enumerate([*learned, ("▁▁", 0), ("▁▁▁▁", 0)]):
         tokens.append(piece)
         types.append(TOKEN_NORMAL)
         scores.append(-float(rank))
     return tokens, scores, types
 
 
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "phi3", "gemma2"])
+def gguf_path(request, tmp_path_factory) -> Path:
     tokens, scores, types = _sentencepiece_vocab()
-    path = tmp_path_factory.mktemp("spm") / "tokenizer.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    if request.param == "gemma2":
+        tokens = [t.replace("▁", " ") if set(t) == {"▁"} and len(t) > 1 else t for t in tokens]
+    path = tmp_path_factory.mktemp(f"spm-{request.param}") / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), request.param)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -99,7 +102,7 @@ def test_encode_matches_hf(ours, hf, text):
     assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
 
 
-def test_the_cases_exercise_bytes_merges_and_bos(ours):
+def test_the_cases_exercise_bytes_merges_and_bos(ours, gguf_path):
     ids = ours.encode("never seen: Ωμέγα 🚀")
     assert ids[0] == 1  # BOS added by default for a SentencePiece vocabulary, as llama.cpp does
     assert any(3 <= i < 259 for i in ids)  # byte pieces
@@ -107,7 +110,7 @@ def test_the_cases_exercise_bytes_merges_and_bos(ours):
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_decode_matches_hf_and_round_trips(ours, hf, text):
+def test_decode_matches_hf_and_round_trips(ours, hf, gguf_path, text):
     ids = ours.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
     # SentencePiece itself cannot give back a leading space (the decoder strips the dummy prefix, and one
