@@ -12,7 +12,11 @@ from typing import Any
 from tokenfleet.runtime.errors import ConfigError
 
 # model_type values whose checkpoints this implementation reproduces exactly.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe"})
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+)
+# model_types whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
+FUSED_CHECKPOINT_TYPES = frozenset({"phi3"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +30,8 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn; None = derived from factor
+    attention_factor: float | None = None  # yarn, longrope; None = derived from factor
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors within the original context
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class ModelArch:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     dense_layers: frozenset[int] = frozenset()  # layers of a MoE model that keep a dense MLP (Qwen2-MoE)
     qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections, before RoPE
+    head_qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim wide), before RoPE
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
     # Which shard of a tensor-parallel model this shape describes (tensor_parallel.shard_arch); the sizes
     # above are then the shard's (its heads, KV heads, vocabulary rows, intermediate slices).
@@ -91,15 +97,42 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def rope_scaling_from_hf(params: Mapping[str, Any] | None) -> RopeScaling | None:
+def _longrope(params: Mapping[str, Any], config: Mapping[str, Any]) -> RopeScaling:
+    """Phi-3 LongRoPE, within the original context only: there HF uses `short_factor` for every position.
+    Past it HF switches *every* position's frequencies to `long_factor` once a sequence is longer, which KV
+    already cached at the old frequencies cannot follow, so the served context stops at the original length
+    (`arch_from_hf_config` caps max_position_embeddings)."""
+    original = params.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
+    if not original or "short_factor" not in params:
+        raise ConfigError("longrope needs original_max_position_embeddings and short_factor")
+    # HF's default attention factor comes from the whole extension ratio, even within the original context.
+    factor = params.get("factor") or int(config.get("max_position_embeddings", original)) / int(original)
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        attention_factor=params.get("attention_factor"),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+    )
+
+
+def rope_scaling_from_hf(
+    params: Mapping[str, Any] | None, config: Mapping[str, Any] | None = None
+) -> RopeScaling | None:
     """`rope_parameters` (transformers >= 5) or `rope_scaling` (older) -> RopeScaling; None when unscaled."""
     if not params:
         return None
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return None
+    if rope_type == "longrope":
+        return _longrope(params, config or {})
     if rope_type not in ("linear", "llama3", "yarn"):
-        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, yarn)")
+        raise ConfigError(
+            f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, yarn, longrope)"
+        )
     return RopeScaling(
         rope_type=rope_type,
         factor=float(params["factor"]),
@@ -122,17 +155,24 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r} (Llama family uses silu)")
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
+    partial_rotary = float(rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if partial_rotary != 1.0:
+        # Phi-4-mini and others rotate only part of each head; our RoPE rotates all of it.
+        raise ConfigError(f"unsupported partial_rotary_factor {partial_rotary} (only 1.0 is implemented)")
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     sliding_window = config.get("sliding_window")
     if model_type == "qwen2" and not config.get("use_sliding_window", False):
         sliding_window = None  # Qwen2 configs carry a window they do not use
+    rope_scaling = rope_scaling_from_hf(rope_params, config)
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias = model_type == "qwen2" or attention_bias
     if model_type == "qwen2_moe":
         qkv_bias = bool(config.get("qkv_bias", True))
         if not config.get("use_sliding_window", False):
             sliding_window = None
+    if model_type in ("qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
+        sliding_window = None
     return ModelArch(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -144,17 +184,26 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rope_scaling=rope_scaling_from_hf(rope_params),
+        max_position_embeddings=_served_positions(config, rope_scaling),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        o_bias=model_type in ("llama", "olmoe") and attention_bias,
+        # Qwen3's attention_bias covers o_proj too (Qwen2's q/k/v bias never did).
+        o_bias=model_type in ("llama", "olmoe", "qwen3", "qwen3_moe") and attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
+        head_qk_norm=model_type in ("qwen3", "qwen3_moe"),
         **MOE_FIELDS.get(model_type, _no_moe)(config),
     )
+
+
+def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | None) -> int:
+    positions = int(config.get("max_position_embeddings", 2048))
+    if rope_scaling is not None and rope_scaling.rope_type == "longrope":
+        return min(positions, rope_scaling.original_max_position_embeddings or positions)
+    return positions
 
 
 # --- MoE architectures: HF config -> the ModelArch fields the MoE layer reads (keyed by model_type) ---
@@ -209,4 +258,12 @@ def _olmoe(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-MOE_FIELDS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe}
+def _qwen3_moe(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Qwen2-MoE's routing and layer rule without the shared expert (no size for one: `_qwen2_moe` reads 0).
+    # Hub checkpoints say `num_experts`; transformers >= 5 writes the same number as `num_local_experts`.
+    if "num_experts" not in config and "num_local_experts" in config:
+        config = {**config, "num_experts": config["num_local_experts"]}
+    return _qwen2_moe(config)
+
+
+MOE_FIELDS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}

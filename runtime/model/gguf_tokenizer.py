@@ -1,8 +1,13 @@
 """Build a `tokenizers.Tokenizer` from GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys).
 
 GGUF files carry no tokenizer.json: the vocabulary, merges, token types and special ids are metadata, and
-`tokenizer.ggml.pre` names the pre-tokenizer the vocabulary was trained with. We rebuild the byte-level BPE
-tokenizer those describe, with the split rules of the original model (as llama.cpp applies them).
+`tokenizer.ggml.pre` names the pre-tokenizer the vocabulary was trained with. Two tokenizer models
+(`tokenizer.ggml.model`):
+- `gpt2`: byte-level BPE, with the split rules of the original model (as llama.cpp applies them);
+- `llama`: SentencePiece BPE (Llama 2, Mistral v0.1, Phi-3, Gemma): pieces spelled with `▁` for a space, one
+  score per piece and no merges; a character outside the vocabulary falls back to its UTF-8 bytes
+  (`<0xNN>` pieces). SentencePiece merges the adjacent pair whose joined piece scores best, which BPE with
+  every split of every piece ranked by that piece's score reproduces (as transformers rebuilds it).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 import tokenizers
 from tokenfleet.runtime.errors import ConfigError
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 # llama.cpp token types
 TOKEN_CONTROL = 3
@@ -92,16 +97,8 @@ def _byte_level_spelling(token: str) -> str:
     return "".join(alphabet[b] for b in token.encode("utf-8"))
 
 
-def build_gguf_tokenizer(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    model_kind = metadata.get("tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise ConfigError(
-            f"GGUF tokenizer model {model_kind!r} is not supported (supported: byte-level BPE 'gpt2')"
-        )
-    tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
-    token_types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: Sequence[str]) -> tokenizers.Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", ())]
-
     vocab = {_byte_level_spelling(tok): i for i, tok in enumerate(tokens)}
     tokenizer = tokenizers.Tokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
@@ -109,6 +106,93 @@ def build_gguf_tokenizer(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     tokenizer.pre_tokenizer = PRE_TOKENIZERS.get(pre, _byte_level)()
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Every split of every piece into two pieces, best joined score first (ties: shorter left part, then
+    shorter right part, then the parts' ids), the order SentencePiece's BPE applies them in."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked: list[tuple[str, str, float]] = []
+    for piece, score in dict(zip(tokens, scores, strict=True)).items():
+        splits = [
+            (piece[:i], piece[i:], float(score))
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        ranked += sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: id order within ties
+    return [(left, right) for left, right, _ in ranked]
+
+
+# SentencePiece vocabularies whose files need reading differently, by `general.architecture`.
+_GEMMA = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: Sequence[str]) -> tokenizers.Tokenizer:
+    architecture = metadata.get("general.architecture")
+    scores = metadata.get("tokenizer.ggml.scores")
+    if architecture in _GEMMA:
+        # Gemma files store a piece of several spaces as real spaces, and its scores do not follow its
+        # merge order: the pieces' order in the file does.
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    if scores is None or len(scores) != len(tokens):
+        raise ConfigError("GGUF SentencePiece tokenizer needs one tokenizer.ggml.scores entry per token")
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = sentencepiece_merges(tokens, scores)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = tokenizers.Tokenizer(
+        models.BPE(
+            vocab={tok: i for i, tok in enumerate(tokens)},
+            merges=merges,
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # SentencePiece's dummy prefix: "▁" before the text (not before each piece between special tokens);
+    # spaces become "▁" but the text is not split on them (pieces may span words). Gemma has no prefix.
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True)) and architecture not in _GEMMA
+    if architecture == "phi3":
+        # Phi-3's tokenizer.json prefixes the whole text with a normalizer (so "  hi" keeps three "▁"
+        # where Metaspace would see an existing one and add none).
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+        )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+# `tokenizer.ggml.model` -> builder of the base tokenizer (vocabulary, merges, pre-tokenizer, decoder), and
+# whether it adds BOS when the file does not say (llama.cpp adds it for SentencePiece vocabularies).
+TOKENIZER_MODELS: dict[
+    str, tuple[Callable[[Mapping[str, Any], Sequence[str]], tokenizers.Tokenizer], bool]
+] = {
+    "gpt2": (_byte_level_bpe, False),
+    "llama": (_sentencepiece_bpe, True),
+}
+
+
+def build_gguf_tokenizer(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    model_kind = metadata.get("tokenizer.ggml.model")
+    if model_kind not in TOKENIZER_MODELS:
+        raise ConfigError(
+            f"GGUF tokenizer model {model_kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
+            "'llama' SentencePiece BPE)"
+        )
+    build, bos_by_default = TOKENIZER_MODELS[model_kind]
+    tokens: Sequence[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer = build(metadata, tokens)
+    vocab = tokenizer.get_vocab()
 
     # Control tokens (<|im_start|>, <|endoftext|>) and user-defined ones must match whole in the text.
     special = [
@@ -126,10 +210,17 @@ def build_gguf_tokenizer(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
     tokenizer.add_tokens(user)
 
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        bos = tokens[bos_id]
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", bos_by_default) and bos_id is not None
+    add_eos = metadata.get("tokenizer.ggml.add_eos_token", False) and eos_id is not None
+    if add_bos or add_eos:
+        bos = f"{tokens[bos_id]} " if add_bos else ""
+        eos = f" {tokens[eos_id]}" if add_eos else ""
+        ids = ([(tokens[bos_id], bos_id)] if add_bos else []) + (
+            [(tokens[eos_id], eos_id)] if add_eos else []
+        )
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+            single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B{eos}", special_tokens=list(dict(ids).items())
         )
     return tokenizer
 

@@ -9,16 +9,27 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """`tp_size` > 1: this rank holds a slice of the normalised vector (OLMoE's norm over all q / k heads
+    when the heads are split), so the mean square is all-reduced. A slice replicated on several ranks (a
+    KV head shared by them) is counted once per holder, which dividing by width x tp_size compensates:
+    every rank's slice has the same width."""
+
+    def __init__(self, hidden_size: int, eps: float, tp_size: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.tp_size = tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the model dtype: the order HF uses, so bf16 results match it bit for bit.
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.tp_size > 1:
+            square_sum = tensor_parallel.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+            mean_square = square_sum / (x32.shape[-1] * self.tp_size)
+        else:
+            mean_square = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(mean_square + self.eps)
         return self.weight * x32.to(dtype)
 
 

@@ -1,4 +1,5 @@
-"""LlamaForCausalLM over a paged KV cache: Llama, SmolLM, Mistral, Qwen2 (QKV bias).
+"""LlamaForCausalLM over a paged KV cache: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k
+norms), Phi-3 (checkpoints with q/k/v and gate/up already fused) and the MoE variants (moe.py).
 
 Inputs are flattened token batches (no padding): T = all new tokens of all sequences in the step, with their
 positions and an AttentionMetadata telling the backend where each sequence's context lives. Weights arrive
@@ -90,8 +91,15 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by every layer: one cos/sin table
         self.backend = backend
         # OLMoE: RMSNorm over the whole q / k projections (all heads at once) and a clamp of q, k, v.
-        self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps) if arch.qk_norm else None
+        # Under tensor parallelism each rank holds its heads' slice of q and k, and the norms all-reduce.
+        self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
+        # Qwen3: one RMSNorm per head (weights head_dim wide, shared by all heads), so a tensor-parallel
+        # shard holding whole heads needs no communication for it.
+        if arch.head_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.head_qk_norm = arch.head_qk_norm
         self.clip_qkv = arch.clip_qkv
         self.all_reduce = arch.tp_size > 1  # o_proj is row-parallel: its output is a partial sum
 
@@ -100,13 +108,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.head_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:  # after the norms, as HF does
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.head_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -207,13 +217,14 @@ class LlamaForCausalLM(nn.Module):
                 continue  # some tied checkpoints store the copy anyway
             for old, new in _RENAMES:
                 hf_name = hf_name.replace(old, new)
-            name, target = self._target(hf_name, params, owners)
+            name, target, shards = self._target(hf_name, params, owners, expected)
             if target.shape != tensor.shape:
                 raise ConfigError(
-                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)} "
+                    f"(the config.json does not describe these weights)"
                 )
             target.copy_(tensor)
-            seen[name] = seen.get(name, 0) + 1
+            seen[name] = seen.get(name, 0) + shards
         missing = sorted(n for n, count in expected.items() if seen.get(n, 0) < count)
         if missing:
             raise ConfigError(
@@ -221,13 +232,18 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def _target(
-        self, hf_name: str, params: dict[str, nn.Parameter], owners: dict[str, WeightOwner]
-    ) -> tuple[str, torch.Tensor]:
-        """The parameter (or the rows of a fused parameter) that the HF tensor `hf_name` fills."""
+        self,
+        hf_name: str,
+        params: dict[str, nn.Parameter],
+        owners: dict[str, WeightOwner],
+        expected: dict[str, int],
+    ) -> tuple[str, torch.Tensor, int]:
+        """The parameter (or the rows of a fused parameter) that the HF tensor `hf_name` fills, and how many
+        of that parameter's shards it writes (all of them for a checkpoint that stores it fused, as Phi-3)."""
         owner = _owner_of(hf_name, owners)
         if owner is not None and (found := owner[1].weight_target(owner[0])) is not None:
             prefix = hf_name[: len(hf_name) - len(owner[0])]
-            return prefix + found[0], found[1]
+            return prefix + found[0], found[1], 1
         for hf_part, (fused_part, shard) in _FUSED.items():
             if f".{hf_part}." not in hf_name:
                 continue
@@ -237,11 +253,11 @@ class LlamaForCausalLM(nn.Module):
                 break
             sizes = self._shard_sizes(fused_part)
             start = sum(sizes[:shard])
-            return name, param.narrow(0, start, sizes[shard])
+            return name, param.narrow(0, start, sizes[shard]), 1
         param = params.get(hf_name)
         if param is None:
             raise ConfigError(f"unexpected weight {hf_name!r} in checkpoint")
-        return hf_name, param
+        return hf_name, param, expected.get(hf_name, 1)
 
     def _shard_sizes(self, fused_part: str) -> list[int]:
         if fused_part == "self_attn.qkv_proj":

@@ -22,7 +22,11 @@ from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
 from tokenfleet.runtime.model.source import resolve_source
-from tokenfleet.runtime.model.tensor_parallel import shard_arch, shard_slice
+from tokenfleet.runtime.model.tensor_parallel import (
+    keep_row_parallel_biases_on_rank_0,
+    shard_arch,
+    shard_slice,
+)
 from tokenfleet.runtime.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -121,6 +125,8 @@ def load_model(
     model.tie_weights()  # to_empty unties shared parameters
     model.model.rotary.build_tables()
     model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
+    if tp_size > 1:
+        keep_row_parallel_biases_on_rank_0(model, tp_rank)
     model.eval().requires_grad_(False)
     if model_config.quantization == "fp8":
         saved = quantize_model_fp8(model)

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.arch import RopeScaling
 from torch import nn
 
@@ -60,8 +61,31 @@ def _yarn(inv_freq: torch.Tensor, s: RopeScaling, head_dim: int, theta: float) -
     return inv_freq, float(attention_factor)
 
 
+def _longrope(
+    inv_freq: torch.Tensor, s: RopeScaling, head_dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
+    # Phi-3 within its original context: each frequency divided by its short factor; cos/sin scaled by
+    # sqrt(1 + ln(factor) / ln(original)) (HF's default), factor being the whole extension ratio.
+    if len(s.short_factor) != head_dim // 2:
+        raise ConfigError(
+            f"longrope short_factor has {len(s.short_factor)} entries, expected {head_dim // 2}"
+        )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (torch.tensor(s.short_factor, dtype=torch.float32) * theta**exponents)
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        original = s.original_max_position_embeddings or 4096
+        attention_factor = math.sqrt(1 + math.log(s.factor) / math.log(original)) if s.factor > 1 else 1.0
+    return inv_freq, float(attention_factor)
+
+
 ScalingFn = Callable[[torch.Tensor, RopeScaling, int, float], tuple[torch.Tensor, float]]
-ROPE_SCALINGS: dict[str, ScalingFn] = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
+ROPE_SCALINGS: dict[str, ScalingFn] = {
+    "linear": _linear,
+    "llama3": _llama3,
+    "yarn": _yarn,
+    "longrope": _longrope,
+}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:

@@ -11,8 +11,11 @@ on its shard:
   outside the range embeds to zeros (all-reduce), and the logits' vocabulary slices are all-gathered;
 - MoE experts are sharded by their intermediate dimension (every rank holds a slice of every expert, so
   routing is unchanged): w13 rows and w2 columns, one all-reduce after the block (shared expert included);
-- norms, the MoE router and biases of column-parallel layers follow their rows; everything else is
-  replicated. Each rank's KV cache holds only its KV heads; block tables are shared.
+- norms, the MoE router and biases of column-parallel layers follow their rows; OLMoE's q/k norms over all
+  heads follow the heads (their mean square is all-reduced, `layers.RMSNorm`); Qwen3's per-head norms are
+  replicated; the bias of a row-parallel layer (o, down) is held by rank 0 only (zeros elsewhere), so the
+  all-reduce adds it once. Everything else is replicated. Each rank's KV cache holds only its KV heads;
+  block tables are shared.
 
 Weights are sliced as they are read (`shard_slice`): a rank never materialises the full model. Collectives
 use the default torch.distributed process group (one per process, initialised by the engine's workers).
@@ -26,7 +29,7 @@ import re
 import torch
 import torch.distributed as dist
 from tokenfleet.runtime.errors import ConfigError
-from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.arch import FUSED_CHECKPOINT_TYPES, ModelArch
 
 # (dim, start, length): the part of a checkpoint tensor one rank reads; None = the whole tensor.
 Slice = tuple[int, int, int] | None
@@ -39,6 +42,8 @@ _RULES: tuple[tuple[re.Pattern[str], str, int], ...] = tuple(
         (_LAYER + r"self_attn\.q_proj\.(weight|bias)", "q", 0),
         (_LAYER + r"self_attn\.(k_proj|v_proj)\.(weight|bias)", "kv", 0),
         (_LAYER + r"self_attn\.o_proj\.weight", "q", 1),
+        (_LAYER + r"self_attn\.q_norm\.weight", "q_norm", 0),
+        (_LAYER + r"self_attn\.k_norm\.weight", "k_norm", 0),
         (_LAYER + r"mlp\.(gate_proj|up_proj)\.(weight|bias)", "ffn", 0),
         (_LAYER + r"mlp\.down_proj\.weight", "ffn", 1),
         (_LAYER + r"mlp\.shared_expert\.(gate_proj|up_proj)\.weight", "shared", 0),
@@ -71,10 +76,11 @@ def check_tensor_parallel(arch: ModelArch, size: int) -> None:
         problems.append(f"a shared-expert intermediate size of {arch.shared_expert_intermediate_size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size {size} does not divide this model's " + ", ".join(problems))
-    if arch.qk_norm:
-        raise ConfigError("tensor parallelism does not support q/k norms over all heads (OLMoE) yet")
-    if arch.o_bias or arch.mlp_bias:
-        raise ConfigError("tensor parallelism does not support biases on o_proj / down_proj yet")
+    if arch.model_type in FUSED_CHECKPOINT_TYPES:
+        # A fused q/k/v tensor interleaves what each rank needs (its q rows, its k rows, its v rows).
+        raise ConfigError(
+            f"tensor parallelism does not support {arch.model_type} checkpoints (fused qkv_proj) yet"
+        )
 
 
 def shard_arch(arch: ModelArch, rank: int, size: int) -> ModelArch:
@@ -103,6 +109,10 @@ def shard_slice(name: str, full: ModelArch, rank: int, size: int) -> Slice:
         if pattern.fullmatch(name) is None:
             continue
         d = full.head_dim
+        if kind in ("q_norm", "k_norm"):
+            if not full.qk_norm:
+                return None  # Qwen3's per-head norm: head_dim wide, the same on every rank
+            kind = kind[0] if kind == "q_norm" else "kv"
         if kind == "q":
             per = full.num_heads // size * d
             return dim, rank * per, per
@@ -119,6 +129,17 @@ def shard_slice(name: str, full: ModelArch, rank: int, size: int) -> Slice:
         }[kind] // size
         return dim, rank * per, per
     return None
+
+
+@torch.no_grad()
+def keep_row_parallel_biases_on_rank_0(model: torch.nn.Module, rank: int) -> None:
+    """Zero the o_proj / down_proj biases on every rank but 0: each rank's output is a partial sum that the
+    all-reduce adds up, and the bias belongs in that sum once (after loading: every rank read it whole)."""
+    if rank == 0:
+        return
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj") and getattr(module, "bias", None) is not None:
+            module.bias.zero_()
 
 
 # ---- collectives (default process group) -------------------------------------------------------------------

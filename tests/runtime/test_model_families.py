@@ -1,0 +1,301 @@
+"""Qwen3 (per-head q/k norms), Qwen3-MoE and Phi-3 (fused q/k/v and gate/up tensors): tiny random checkpoints
+built from each family's HF config in a tmp dir load through `load_model` and generate greedily exactly what
+HF transformers generates; checkpoints the runtime cannot reproduce are refused with a message that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenfleet.runtime.config import ModelConfig
+from tokenfleet.runtime.errors import ConfigError
+from tokenfleet.runtime.model import load_model
+from tokenfleet.runtime.model.attention import SeqSpec, build_attention_metadata, build_positions
+from tokenfleet.runtime.model.moe import MoEBlock
+from tokenfleet.runtime.model.tensor_parallel import check_tensor_parallel
+from tokenizers import Tokenizer as HFTokenizerBackend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+BLOCK_SIZE = 8
+SMALL = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=320
+)
+PROMPT_LEN, NEW_TOKENS = 10, 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On a shared small box two OpenMP threads contend with other processes (much slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+
+    # head_dim 32 != hidden / heads = 16: the q/k norms and o_proj see the config's head_dim, not a derived one.
+    return Qwen3Config(**SMALL, intermediate_size=48, head_dim=32, tie_word_embeddings=True)
+
+
+def _qwen3_bias():
+    from transformers import Qwen3Config
+
+    # attention_bias covers q, k, v *and* o in Qwen3.
+    return Qwen3Config(**SMALL, intermediate_size=48, head_dim=32, attention_bias=True)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # Layer 0 dense (mlp_only_layers), layer 1 five experts, top-2 renormalised, no shared expert.
+    return Qwen3MoeConfig(
+        **SMALL,
+        intermediate_size=80,
+        moe_intermediate_size=32,
+        num_experts=5,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        head_dim=24,
+    )
+
+
+def _phi3():
+    from transformers import Phi3Config
+
+    return Phi3Config(**SMALL, intermediate_size=48, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _phi3_longrope():
+    from transformers import Phi3Config
+
+    # A long-context Phi-3 (LongRoPE, 64 -> 256 positions); served within its original 64 positions.
+    half = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.4 * i for i in range(half)],
+        "long_factor": [4.0 + i for i in range(half)],
+        "original_max_position_embeddings": 64,
+    }
+    return Phi3Config(
+        **SMALL,
+        intermediate_size=48,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters=rope,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+    )
+
+
+CASES = {
+    "qwen3": _qwen3,
+    "qwen3_bias": _qwen3_bias,
+    "qwen3_moe": _qwen3_moe,
+    "phi3": _phi3,
+    "phi3_longrope": _phi3_longrope,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    backend = HFTokenizerBackend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(["each model family normalises its heads in its own way"] * 10, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    backend.save(str(path))
+    return path
+
+
+def _save(model, directory: Path, tokenizer_json: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory, safe_serialization=True)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), eos_token="<|endoftext|>").save_pretrained(
+        directory
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_json) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Each case saved once as safetensors under HF's own names, with the HF model as the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    saved = {}
+    for case, make_config in CASES.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(make_config()).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                # HF's init leaves norms at 1 and biases at 0 (a missing norm or bias would go unnoticed)
+                # and makes logits nearly equal: perturb them so each part changes the greedy choice.
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.3)
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, 0.2)
+                elif name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, 0.5)  # decisive, varied routing
+                else:
+                    param.normal_(0.0, 0.15)
+        directory = tmp_path_factory.mktemp(case)
+        _save(model, directory, tokenizer_json)
+        saved[case] = (directory, model)
+    return saved
+
+
+def _caches(arch, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+
+
+@torch.inference_mode()
+def _greedy(model, arch, prompt: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill, then one decode step per token through the paged KV cache: (new ids, every step's logits)."""
+    total = len(prompt) + num_new
+    blocks = list(range((total + BLOCK_SIZE - 1) // BLOCK_SIZE))[::-1]  # reversed: non-trivial block table
+    caches = _caches(arch, len(blocks))
+    tokens, step_logits, start = list(prompt), [], 0
+    while len(tokens) < total:
+        specs = [SeqSpec(start, len(tokens) - start, blocks)]
+        meta = build_attention_metadata(specs, BLOCK_SIZE)
+        hidden = model(torch.tensor(tokens[start:]), build_positions(specs), caches, meta)
+        logits = model.compute_logits(hidden)[-1]
+        step_logits.append(logits)
+        start = len(tokens)
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :], torch.stack(step_logits)
+
+
+@torch.inference_mode()
+def _hf_greedy(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy continuation, each step recomputed from scratch (no cache logic shared with ours)."""
+    tokens, step_logits = list(prompt), []
+    for _ in range(num_new):
+        logits = hf_model(torch.tensor([tokens])).logits[0, -1]
+        step_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :], torch.stack(step_logits)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_generation_matches_transformers(case, checkpoints):
+    directory, hf_model = checkpoints[case]
+    loaded = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    arch = loaded.arch
+    if case == "qwen3_moe":
+        layers = loaded.model.model.layers
+        assert not isinstance(layers[0].mlp, MoEBlock) and isinstance(layers[1].mlp, MoEBlock)
+        assert layers[1].mlp.shared_expert is None
+    if case.startswith("qwen3"):
+        assert arch.head_qk_norm and loaded.model.model.layers[0].self_attn.q_norm.weight.shape == (
+            arch.head_dim,
+        )
+
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, arch.vocab_size, (PROMPT_LEN,), generator=generator).tolist()
+    ours, our_logits = _greedy(loaded.model, arch, prompt, NEW_TOKENS)
+    ref, ref_logits = _hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert ours == ref
+    torch.testing.assert_close(our_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # Not vacuous: the continuation is not one token repeated, and every step's winner is clear of the
+    # runner-up by more than the tolerance (so agreement is not luck between near-equal logits).
+    assert len(set(ours)) > 2
+    top2 = ref_logits.topk(2, dim=-1).values
+    assert bool(((top2[:, 0] - top2[:, 1]) > 1e-3).all())
+
+
+def test_per_head_norm_weights_change_the_output(checkpoints, tmp_path, tokenizer_json):
+    """The q/k norm weights are really applied per head: scaling one head's slot changes the logits."""
+    directory, _ = checkpoints["qwen3"]
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    weights = load_file(str(directory / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_norm.weight"] = weights["model.layers.0.self_attn.q_norm.weight"] * 3
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    base = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    changed = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    _, a = _greedy(base.model, base.arch, prompt, 1)
+    _, b = _greedy(changed.model, changed.arch, prompt, 1)
+    assert (a - b).abs().max() > 1e-2
+
+
+def _copy_with_config(directory: Path, target: Path, **overrides) -> Path:
+    for path in directory.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    config.update(overrides)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides", "tensor"),
+    [
+        # The config says 1 KV head; the checkpoint's k projection has rows for 2.
+        ("qwen3", {"num_key_value_heads": 1}, "model.layers.0.self_attn.k_proj.weight"),
+        # Phi-3 stores q/k/v fused: the error names the fused tensor.
+        ("phi3", {"num_key_value_heads": 4}, "model.layers.0.self_attn.qkv_proj.weight"),
+        ("phi3", {"intermediate_size": 40}, "model.layers.0.mlp.down_proj.weight"),
+        ("qwen3_moe", {"moe_intermediate_size": 16}, "model.layers.1.mlp.experts.0.down_proj.weight"),
+    ],
+)
+def test_config_contradicting_the_weights_names_the_tensor(checkpoints, tmp_path, case, overrides, tensor):
+    directory = _copy_with_config(checkpoints[case][0], tmp_path, **overrides)
+    with pytest.raises(ConfigError, match=re.escape(tensor) + ": checkpoint shape"):
+        load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+
+
+def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
+    directory = _copy_with_config(checkpoints["phi3"][0], tmp_path, model_type="gpt_neox")
+    with pytest.raises(ConfigError) as error:
+        load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    message = str(error.value)
+    assert "'gpt_neox'" in message
+    for supported in ("llama", "qwen3", "qwen3_moe", "phi3", "mixtral"):
+        assert f"'{supported}'" in message
+
+
+def test_phi3_longrope_serves_its_original_context_only(checkpoints):
+    """Within the original context HF uses the short factors for every position (the parity test above);
+    past it HF re-rotates every cached position, so a longer max_model_len is refused."""
+    directory = str(checkpoints["phi3_longrope"][0])
+    loaded = load_model(ModelConfig(model=directory, dtype="float32"), torch.device("cpu"))
+    assert loaded.max_model_len == 64 and loaded.arch.rope_scaling.rope_type == "longrope"
+    with pytest.raises(ConfigError, match="max_model_len 128 exceeds the model's context length 64"):
+        load_model(ModelConfig(model=directory, dtype="float32", max_model_len=128), torch.device("cpu"))
+
+
+def test_unknown_rope_scaling_is_refused(checkpoints, tmp_path):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    directory = _copy_with_config(checkpoints["phi3"][0], tmp_path, rope_parameters=rope)
+    with pytest.raises(ConfigError, match=r"unsupported rope scaling type 'dynamic'.*longrope"):
+        load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+
+
+def test_partial_rotary_is_refused(checkpoints, tmp_path):
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    directory = _copy_with_config(checkpoints["phi3"][0], tmp_path, rope_parameters=rope)
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor 0\.75"):
+        load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+
+
+def test_tensor_parallel_accepts_qwen3_and_refuses_fused_phi3(checkpoints):
+    qwen3 = load_model(ModelConfig(model=str(checkpoints["qwen3"][0]), dtype="float32"), "cpu").arch
+    check_tensor_parallel(qwen3, 2)  # per-head norms follow the heads: nothing to refuse
+    phi3 = load_model(ModelConfig(model=str(checkpoints["phi3"][0]), dtype="float32"), "cpu").arch
+    with pytest.raises(ConfigError, match="phi3 checkpoints"):
+        check_tensor_parallel(phi3, 2)
