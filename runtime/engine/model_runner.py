@@ -150,6 +150,9 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self.kv_caches, num_blocks, self.block_size)
         self._generators: dict[str, torch.Generator] = {}
+        # The sampling rows of the last step and their metadata: while a batch keeps its requests (most
+        # decode steps) the parameter tensors are reused instead of rebuilt and copied to the device.
+        self._sampling_rows: tuple[list[Request], SamplingMetadata | None] = ([], None)
         self.compiled: CompiledDecode | None = None
         if compiled:
             self.compiled = CompiledDecode(
@@ -193,6 +196,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request is finished or aborted."""
         self._generators.pop(request_id, None)
+        self._sampling_rows = ([], None)  # the rows change with the next step anyway; drop its references
 
     # ---- the step: prepare inputs -> forward -> logits -> sample -> verify ---------------------------------
 
@@ -306,10 +310,17 @@ class ModelRunner:
         logprobs: dict[str, list[TokenLogprobs | None]],
     ) -> None:
         """One token per request (row i is reqs[i]'s last position); adds them (and logprobs) to the dicts."""
-        generators = {
-            r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
-        }
-        sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
+        rows, sampling_meta = self._sampling_rows
+        if (
+            sampling_meta is not None and rows == reqs
+        ):  # the same Request objects in the same order (identity: eq=False)
+            sampling_meta = sampling_meta.refresh(reqs, self.device)
+        else:
+            generators = {
+                r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
+            }
+            sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
+            self._sampling_rows = (reqs, sampling_meta)
         result = self.sampler(logits, sampling_meta)
         for r, tok, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
             sampled[r.request_id] = [tok]
