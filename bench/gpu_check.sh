@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU check, under 10 minutes on one GPU (the four stage limits below add up to 580 s): the kernel
-# tests natively on CUDA (no interpreter), then the kernel benchmark, then the tensor-parallel benchmark,
-# then the decode benchmark. Everything lands in OUTDIR:
+# One GPU check, under 10 minutes on one GPU (the four default stage limits below add up to 580 s): the
+# kernel tests natively on CUDA (no interpreter), then the kernel benchmark, then the tensor-parallel
+# benchmark, then the decode benchmark. STAGES picks which run (comma-separated, in this order whatever the
+# order given): tests, kernels, tp, decode (the default set) and host (bench/host_overhead.py on CUDA, not
+# in the default set), so that one stage can get a whole call's time. Everything lands in OUTDIR:
 #   env.txt                 GPU, driver, torch / triton versions
 #   kernel_tests.log/.xml   pytest tests/kernels (log + JUnit XML)
 #   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
@@ -9,9 +11,11 @@
 #   tensor_parallel.txt     bench/tensor_parallel.py: TP=1 vs TP=2 tok/s (TP=2 skipped with one GPU)
 #   decode.txt              bench/decode.py: decode tok/s and ITL at batch 1/8/64, eager vs CUDA graphs
 #                           (model.compile on), against the bandwidth roofline measured in the same run
-#   summary.txt             exit codes and wall seconds of the four stages
-# Usage: bench/gpu_check.sh OUTDIR     (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S /
-#                                       DECODE_S limits)
+#   host_overhead.txt       bench/host_overhead.py --device cuda: offline engine vs HF generate vs a served
+#                           pod on a tiny model, 1/16/64/256 streams (host cost per step)
+#   summary.txt             exit codes and wall seconds of the stages run
+# Usage: [STAGES=tests,kernels,tp,decode,host] bench/gpu_check.sh OUTDIR
+#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S limits)
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
@@ -26,6 +30,27 @@ TESTS_S=${TESTS_S:-150}
 BENCH_S=${BENCH_S:-90}
 TP_S=${TP_S:-50}
 DECODE_S=${DECODE_S:-290}
+HOST_S=${HOST_S:-420}
+STAGES=${STAGES:-tests,kernels,tp,decode}
+for stage in ${STAGES//,/ }; do
+    case "$stage" in
+    tests | kernels | tp | decode | host) ;;
+    *)
+        echo "unknown stage '$stage' in STAGES (tests, kernels, tp, decode, host)" >&2
+        exit 2
+        ;;
+    esac
+done
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+SUMMARY_RC=""
+SUMMARY_T=""
+OK=1
+# record NAME RC SECONDS: one stage's exit code and wall seconds for summary.txt.
+record() {
+    SUMMARY_RC+="$1_rc=$2"$'\n'
+    SUMMARY_T+="$1_s=$3"$'\n'
+    [ "$2" -eq 0 ] || OK=0
+}
 
 # Native kernels: the interpreter must be off (tests/conftest.py only turns it on without a GPU).
 unset TRITON_INTERPRET
@@ -48,44 +73,66 @@ if ! "$PY" -c "import tokenfleet.kernels, sys; sys.exit(0 if tokenfleet.kernels.
     echo "tokenfleet imported through $PKG" >>"$OUT/env.txt"
 fi
 
-echo "== kernel tests (limit ${TESTS_S}s)"
-START=$SECONDS
-(
-    cd tests &&
-        timeout "$TESTS_S" "$PY" -m pytest --rootdir=.. -c ../pyproject.toml ../tests/kernels \
-            -q -rfE --durations=15 -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
-) >"$OUT/kernel_tests.log" 2>&1
-TESTS_RC=$?
-TESTS_T=$((SECONDS - START))
-tail -n 25 "$OUT/kernel_tests.log"
+if want tests; then
+    echo "== kernel tests (limit ${TESTS_S}s)"
+    START=$SECONDS
+    (
+        cd tests &&
+            timeout "$TESTS_S" "$PY" -m pytest --rootdir=.. -c ../pyproject.toml ../tests/kernels \
+                -q -rfE --durations=15 -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml"
+    ) >"$OUT/kernel_tests.log" 2>&1
+    TESTS_RC=$?
+    TESTS_T=$((SECONDS - START))
+    tail -n 25 "$OUT/kernel_tests.log"
+    record kernel_tests "$TESTS_RC" "$TESTS_T"
+fi
 
-echo "== kernel benchmark (limit ${BENCH_S}s)"
-START=$SECONDS
-# The benchmark stops adding rows 40 s before its limit so it always gets to write its files.
-timeout "$BENCH_S" "$PY" bench/kernels.py --out "$OUT" --budget $((BENCH_S - 40)) >"$OUT/kernels_bench.txt" 2>&1
-BENCH_RC=$?
-BENCH_T=$((SECONDS - START))
-cat "$OUT/kernels_bench.txt"
+if want kernels; then
+    echo "== kernel benchmark (limit ${BENCH_S}s)"
+    START=$SECONDS
+    # The benchmark stops adding rows 40 s before its limit so it always gets to write its files.
+    timeout "$BENCH_S" "$PY" bench/kernels.py --out "$OUT" --budget $((BENCH_S - 40)) >"$OUT/kernels_bench.txt" 2>&1
+    BENCH_RC=$?
+    BENCH_T=$((SECONDS - START))
+    cat "$OUT/kernels_bench.txt"
+    record kernels_bench "$BENCH_RC" "$BENCH_T"
+fi
 
-echo "== tensor parallel (limit ${TP_S}s)"
-START=$SECONDS
-# TP=1 vs TP=2 on NCCL, one GPU per rank; a size above the visible GPU count is reported as skipped.
-timeout "$TP_S" "$PY" bench/tensor_parallel.py --tp 1 2 >"$OUT/tensor_parallel.txt" 2>&1
-TP_RC=$?
-TP_T=$((SECONDS - START))
-cat "$OUT/tensor_parallel.txt"
+if want tp; then
+    echo "== tensor parallel (limit ${TP_S}s)"
+    START=$SECONDS
+    # TP=1 vs TP=2 on NCCL, one GPU per rank; a size above the visible GPU count is reported as skipped.
+    timeout "$TP_S" "$PY" bench/tensor_parallel.py --tp 1 2 >"$OUT/tensor_parallel.txt" 2>&1
+    TP_RC=$?
+    TP_T=$((SECONDS - START))
+    cat "$OUT/tensor_parallel.txt"
+    record tensor_parallel "$TP_RC" "$TP_T"
+fi
 
-echo "== decode: eager vs CUDA graphs (limit ${DECODE_S}s)"
-START=$SECONDS
-# Compiles and captures one graph per measured batch size (1, 8, 64) at start-up; the time is printed.
-timeout "$DECODE_S" "$PY" bench/decode.py --device cuda --batches 1 8 64 --tokens 128 >"$OUT/decode.txt" 2>&1
-DECODE_RC=$?
-DECODE_T=$((SECONDS - START))
-cat "$OUT/decode.txt"
+if want decode; then
+    echo "== decode: eager vs CUDA graphs (limit ${DECODE_S}s)"
+    START=$SECONDS
+    # Compiles and captures one graph per measured batch size (1, 8, 64) at start-up; the time is printed.
+    timeout "$DECODE_S" "$PY" bench/decode.py --device cuda --batches 1 8 64 --tokens 128 >"$OUT/decode.txt" 2>&1
+    DECODE_RC=$?
+    DECODE_T=$((SECONDS - START))
+    cat "$OUT/decode.txt"
+    record decode "$DECODE_RC" "$DECODE_T"
+fi
 
-printf 'kernel_tests_rc=%s\nkernels_bench_rc=%s\ntensor_parallel_rc=%s\ndecode_rc=%s\n' \
-    "$TESTS_RC" "$BENCH_RC" "$TP_RC" "$DECODE_RC" | tee "$OUT/summary.txt"
+if want host; then
+    echo "== host overhead (limit ${HOST_S}s)"
+    START=$SECONDS
+    # A tiny model: what is measured is the work around the forward pass (engine, HTTP server, HF generate).
+    timeout "$HOST_S" "$PY" bench/host_overhead.py --device cuda --streams 1 16 64 256 --tokens 64 --rounds 3 \
+        >"$OUT/host_overhead.txt" 2>&1
+    HOST_RC=$?
+    HOST_T=$((SECONDS - START))
+    cat "$OUT/host_overhead.txt"
+    record host_overhead "$HOST_RC" "$HOST_T"
+fi
+
+printf '%s' "$SUMMARY_RC" | tee "$OUT/summary.txt"
 # The seconds each stage took, for sizing its limit on the next run.
-printf 'kernel_tests_s=%s\nkernels_bench_s=%s\ntensor_parallel_s=%s\ndecode_s=%s\n' \
-    "$TESTS_T" "$BENCH_T" "$TP_T" "$DECODE_T" | tee -a "$OUT/summary.txt"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$TP_RC" -eq 0 ] && [ "$DECODE_RC" -eq 0 ]
+printf '%s' "$SUMMARY_T" | tee -a "$OUT/summary.txt"
+[ "$OK" -eq 1 ]

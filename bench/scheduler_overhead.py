@@ -2,8 +2,9 @@
 
 The model is replaced by random token ids, so the time measured is all bookkeeping the engine pays on
 top of the forward pass each step: scheduling, block allocation, prefix-cache hashing and caching of
-blocks as they fill, appending tokens and stop checks. Target: <= 1 ms per step at 1,024 sequences (a
-fleet simulator runs these same classes for every simulated step of every replica). CPU time is split
+blocks as they fill, appending tokens and stop checks. Targets: <= 0.5 ms per step at 1,024 sequences and
+<= 2 ms at 4,096, normalised (a fleet simulator runs these same classes for every simulated step of every
+replica, and a server runs them between forward passes that a GPU finishes in a few milliseconds). CPU time is split
 into schedule() and update(); the garbage collector's share is shown apart, since its passes cover the
 whole heap of the process, not only what a step allocates. The collector runs with the settings of
 `tokenfleet serve` and the simulator (long_lived_heap.py: the heap built at setup frozen, young
@@ -28,8 +29,9 @@ from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.sim.cpu_speed import REFERENCE_CALIBRATION_US, calibration_us
 
-TARGET_MS = 1.0  # at TARGET_SEQS running sequences
+TARGET_MS = 0.5  # at TARGET_SEQS running sequences
 TARGET_SEQS = 1024
+TARGETS_MS = {TARGET_SEQS: TARGET_MS, 4096: 2.0}  # normalised ms per step, by running sequences
 
 
 def build(num_seqs: int, steps: int, block_size: int, rng: random.Random) -> Scheduler:
@@ -144,10 +146,9 @@ def run(
     calib = sum(calibs) / len(calibs)
     normalised_ms = cpu_ms * REFERENCE_CALIBRATION_US / calib
     verdict = ""
-    if num_seqs == TARGET_SEQS:
-        verdict = f"; target <= {TARGET_MS:.1f} ms: " + (
-            "OK" if normalised_ms <= TARGET_MS else "ABOVE TARGET"
-        )
+    target = TARGETS_MS.get(num_seqs)
+    if target is not None:
+        verdict = f"; target <= {target:.1f} ms: " + ("OK" if normalised_ms <= target else "ABOVE TARGET")
     print(
         f"scheduler+kv overhead, {num_seqs} running seqs, block {block_size}, {steps} steps:\n"
         f"  cpu  mean {cpu_ms:.3f} ms/step  p50 {cpu_p50_ms:.3f}  ({1e3 * cpu_ms / num_seqs:.2f} us/seq)"

@@ -18,6 +18,7 @@ bonus token. Requests without proposals go through the plain sampler, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSam
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.attention.base import AttentionMetadata
-from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
+from tokenfleet.runtime.model.attention.metadata import build_step_metadata, to_device
 from tokenfleet.runtime.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self.kv_caches, num_blocks, self.block_size)
         self._generators: dict[str, torch.Generator] = {}
+        # The sampling rows of the last step and their metadata: while a batch keeps its requests (most
+        # decode steps) the parameter tensors are reused instead of rebuilt and copied to the device.
+        self._sampling_rows: tuple[list[Request], SamplingMetadata | None] = ([], None)
         self.compiled: CompiledDecode | None = None
         if compiled:
             self.compiled = CompiledDecode(
@@ -192,6 +196,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its seeded generator) once the request is finished or aborted."""
         self._generators.pop(request_id, None)
+        self._sampling_rows = ([], None)  # the rows change with the next step anyway; drop its references
 
     # ---- the step: prepare inputs -> forward -> logits -> sample -> verify ---------------------------------
 
@@ -218,37 +223,63 @@ class ModelRunner:
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
         """Token ids, positions and paged-attention metadata of one step, from the scheduler's output only
-        (no Request objects: a tensor-parallel worker builds the same inputs from the same message)."""
+        (no Request objects: a tensor-parallel worker builds the same inputs from the same message).
+
+        Per request only list appends; the tensors are built batch-wide and reach the device in one
+        asynchronous copy (`to_device`), so preparing a step never waits for the device.
+        """
         input_ids: list[int] = []
-        positions: list[int] = []
-        seq_specs: list[SeqSpec] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        tables: list[tuple[int, ...]] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         verify_rows: list[int] = []  # k + 1 rows per request with proposals
         verify_ids: list[str] = []
         verify_drafts: list[tuple[int, ...]] = []
-        for sched in output.scheduled:
-            spec = sched.spec_token_ids
-            tokens = list(sched.token_ids) + list(spec) if spec else list(sched.token_ids)
-            input_ids.extend(tokens)
-            positions.extend(range(sched.start_pos, sched.start_pos + len(tokens)))
-            seq_specs.append(SeqSpec(sched.start_pos, len(tokens), sched.block_ids))
-            if not sched.sample:
-                continue
+        for rid, token_ids, start_pos, block_ids, sample, spec in output.scheduled:
+            input_ids += token_ids
+            starts.append(start_pos)
+            tables.append(block_ids)
             if spec:
-                last = len(input_ids) - 1
+                input_ids += spec
+                query_lens.append(len(token_ids) + len(spec))
+            else:
+                query_lens.append(len(token_ids))
+            if not sample:
+                continue
+            last = len(input_ids) - 1
+            if spec:
                 verify_rows.extend(range(last - len(spec), last + 1))
-                verify_ids.append(sched.request_id)
+                verify_ids.append(rid)
                 verify_drafts.append(spec)
             else:
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(sched.request_id)
-        device = self.device
+                sample_rows.append(last)
+                sample_ids.append(rid)
+        meta, positions = build_step_metadata(starts, query_lens, tables, self.block_size)
+        ids_t, positions, rows_t, slot_mapping, query_start_loc, seq_lens, block_tables = to_device(
+            (
+                torch.tensor(input_ids, dtype=torch.long),
+                positions,
+                torch.tensor(sample_rows + verify_rows, dtype=torch.long),
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+            ),
+            self.device,
+        )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            attn_meta=build_attention_metadata(seq_specs, self.block_size, device),
-            logit_rows=torch.tensor(sample_rows + verify_rows, dtype=torch.long, device=device),
+            input_ids=ids_t,
+            positions=positions,
+            attn_meta=dataclasses.replace(
+                meta,
+                slot_mapping=slot_mapping,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+            ),
+            logit_rows=rows_t,
             sample_ids=tuple(sample_ids),
             verify_ids=tuple(verify_ids),
             verify_drafts=tuple(verify_drafts),
@@ -279,10 +310,17 @@ class ModelRunner:
         logprobs: dict[str, list[TokenLogprobs | None]],
     ) -> None:
         """One token per request (row i is reqs[i]'s last position); adds them (and logprobs) to the dicts."""
-        generators = {
-            r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
-        }
-        sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
+        rows, sampling_meta = self._sampling_rows
+        if (
+            sampling_meta is not None and rows == reqs
+        ):  # the same Request objects in the same order (identity: eq=False)
+            sampling_meta = sampling_meta.refresh(reqs, self.device)
+        else:
+            generators = {
+                r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
+            }
+            sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
+            self._sampling_rows = (reqs, sampling_meta)
         result = self.sampler(logits, sampling_meta)
         for r, tok, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
             sampled[r.request_id] = [tok]

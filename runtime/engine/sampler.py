@@ -206,7 +206,7 @@ class Sampler:
         Greedy rows draw nothing (their q is 1 and unused) so a request's seeded stream only advances on the
         steps where it really samples.
         """
-        greedy = meta.greedy.tolist()
+        greedy = meta.greedy_rows
         shared_rows = [i for i, g in enumerate(meta.generators) if g is None and not greedy[i]]
         if len(shared_rows) == meta.num_rows:
             return _exponential(probs.shape, self._shared_generator(probs.device), probs)

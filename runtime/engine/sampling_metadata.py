@@ -8,6 +8,7 @@ sampler skip their cost (a full-vocabulary sort for top-p, a bincount for penalt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,11 @@ class SamplingMetadata:
     # allowed next tokens (bit t of word w: token 32w + t); None when no row is constrained.
     grammar_rows: tuple[int, ...] | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # Row i is greedy, on the host (reading `greedy` back would wait for the device).
+    greedy_rows: tuple[bool, ...] = ()
+    # Some row has a part that changes from step to step (min_tokens bans, penalties, a grammar): `refresh`
+    # recomputes those; without one, the same metadata serves every step of the same rows.
+    per_step: bool = True
 
     @staticmethod
     def build(
@@ -93,11 +99,9 @@ class SamplingMetadata:
             if any(p.min_p > 0.0 and not p.greedy for p in params):
                 min_p = floats([p.min_p for p in params])
 
-        banned_rows, banned_ids = _min_tokens_bans(requests, device)
-        grammar_rows, bitmask = _grammar(requests, device)
         num_logprobs = tuple(p.logprobs for p in params)
         wanted = [k for k in num_logprobs if k is not None]
-        return SamplingMetadata(
+        static = SamplingMetadata(
             num_rows=len(requests),
             temperature=temperature,
             greedy=greedy,
@@ -106,12 +110,39 @@ class SamplingMetadata:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            penalties=_penalties(requests, device),
-            banned_rows=banned_rows,
-            banned_token_ids=banned_ids,
+            penalties=None,
+            banned_rows=None,
+            banned_token_ids=None,
             generators=tuple(generators.get(r.request_id) for r in requests),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
+            greedy_rows=tuple(greedy_list),
+            per_step=any(
+                p.min_tokens > 0
+                or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+                for p in params
+            )
+            or any(r.grammar is not None for r in requests),
+        )
+        return static.refresh(requests, device)
+
+    def refresh(self, requests: Sequence[Request], device: torch.device | str) -> SamplingMetadata:
+        """This metadata for the next step of the same rows (`requests` as built, same order): the parts
+        that follow the outputs (min_tokens bans, penalties, grammar masks) recomputed, the rest shared.
+
+        A runner keeps one per batch composition, so a step of unchanged rows builds no tensor at all.
+        """
+        if not self.per_step:
+            return self
+        banned_rows, banned_ids = _min_tokens_bans(requests, device)
+        grammar_rows, bitmask = _grammar(requests, device)
+        return dataclasses.replace(
+            self,
+            penalties=_penalties(requests, device),
+            banned_rows=banned_rows,
+            banned_token_ids=banned_ids,
             grammar_rows=grammar_rows,
             grammar_bitmask=bitmask,
         )

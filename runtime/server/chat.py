@@ -3,8 +3,6 @@ with tools the output is split into content and tool calls by the model's tool-c
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 from tokenfleet.runtime.model.chat_template import template_supports_tools
 from tokenfleet.runtime.openai.protocol import (
@@ -22,12 +20,13 @@ from tokenfleet.runtime.openai.tool_stream import ToolCallStream
 from tokenfleet.runtime.openai.tools import ToolPlan, plan_tools, tool_call_delta, tool_calls_out
 from tokenfleet.runtime.openai.translate import chat_params, parse_request
 from tokenfleet.runtime.server import sse
-from tokenfleet.runtime.server.generation import ChoiceState, Generation
-from tokenfleet.runtime.server.logprobs import TokenRenderer, chat_logprobs
+from tokenfleet.runtime.server.generation import ChoiceState
+from tokenfleet.runtime.server.logprobs import chat_logprobs
 from tokenfleet.runtime.server.prompts import chat_prompt, dropped_headers, generation_defaults
-from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
+from tokenfleet.runtime.server.request_context import RequestContext, usage_of
 from tokenfleet.runtime.server.respond import respond
-from tokenfleet.runtime.server.resume import StreamWire, speculative, why_not_resumable
+from tokenfleet.runtime.server.resume import StreamWire
+from tokenfleet.runtime.server.start_generation import start_generation
 
 
 def tool_plan(req: ChatCompletionRequest, tokenizer) -> ToolPlan:
@@ -56,22 +55,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     prompt, dropped = wire.prompt(req.stream) or chat_prompt(
         state, engine, req, plan.tools, params.max_tokens
     )
-    if params.structured_output is not None:
-        await engine.compile_grammar(params.structured_output)
-    gen = Generation(
-        engine,
-        state.metrics,
-        ctx.engine_base_id,
-        [prompt],
-        params,
-        request_priority(request, req.priority, "priority" in req.model_fields_set),
-        req.cache_salt,
-        wire.resume_from(params, engine),
+    gen, response_id, created, why_not, renderer = await start_generation(
+        request, ctx, wire, req, [prompt], params, tools=plan.parser is not None
     )
-    response_id = wire.response_id(ctx.response_id)
-    created = wire.created(int(time.time()))
-    why_not = why_not_resumable(params, 1, tools=plan.parser is not None, speculative=speculative(state))
-    renderer = TokenRenderer(engine.tokenizer)
 
     def message(st: ChoiceState) -> tuple[AssistantMessage, bool]:
         text = "".join(st.text)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from aiohttp import web
 from tokenfleet.runtime.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from tokenfleet.runtime.openai.translate import completion_params, parse_request
 from tokenfleet.runtime.server import sse
-from tokenfleet.runtime.server.generation import Generation
-from tokenfleet.runtime.server.logprobs import TokenRenderer, completion_logprobs
+from tokenfleet.runtime.server.logprobs import completion_logprobs
 from tokenfleet.runtime.server.prompts import completion_prompt_list, dropped_headers, generation_defaults
-from tokenfleet.runtime.server.request_context import RequestContext, request_priority, usage_of
+from tokenfleet.runtime.server.request_context import RequestContext, usage_of
 from tokenfleet.runtime.server.respond import respond
-from tokenfleet.runtime.server.resume import StreamWire, speculative, why_not_resumable
+from tokenfleet.runtime.server.resume import StreamWire
+from tokenfleet.runtime.server.start_generation import start_generation
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -29,22 +28,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     continued = wire.prompt(req.stream)
     if continued is not None:  # the prompt ids as the first pod's engine had them; the text for `echo`
         prompts, dropped = [replace(prompts[0], token_ids=continued[0].token_ids)], 0
-    if params.structured_output is not None:
-        await engine.compile_grammar(params.structured_output)
-    gen = Generation(
-        engine,
-        state.metrics,
-        ctx.engine_base_id,
-        prompts,
-        params,
-        request_priority(request, req.priority, "priority" in req.model_fields_set),
-        req.cache_salt,
-        wire.resume_from(params, engine),
+    gen, response_id, created, why_not, renderer = await start_generation(
+        request, ctx, wire, req, prompts, params, tools=False
     )
-    response_id = wire.response_id(ctx.response_id)
-    created = wire.created(int(time.time()))
-    why_not = why_not_resumable(params, len(prompts), tools=False, speculative=speculative(state))
-    renderer = TokenRenderer(engine.tokenizer)
 
     def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
