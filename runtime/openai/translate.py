@@ -78,7 +78,11 @@ def structured_output_spec(req: SamplingFields) -> GrammarSpec | None:
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise InvalidRequest("response_format json_schema needs `json_schema`", param="response_format")
-        specs.append(GrammarSpec.json_schema(rf.json_schema.json_schema, strict=bool(rf.json_schema.strict)))
+        # Unset `strict` compiles strictly (no properties beyond the schema's unless it allows them), as
+        # vLLM does through xgrammar: clients such as instructor send a schema without `strict` and expect
+        # an answer that validates against it. Only an explicit `strict: false` opens the objects.
+        strict = rf.json_schema.strict is not False
+        specs.append(GrammarSpec.json_schema(rf.json_schema.json_schema, strict=strict))
     so = req.structured_outputs
     if so is not None:
         given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None}

@@ -204,3 +204,66 @@ def test_grammars_compile_once_per_spec_in_a_bounded_lru_over_our_tokenizer(load
     assert allowed[tok.encode("def", add_special_tokens=False)[0]]
     assert not allowed[tok.backend.token_to_id("<|im_start|>")]
     assert allowed[tok.encode('"', add_special_tokens=False)[0]]
+
+
+# --- an unset `strict` is strict (what instructor-style clients rely on) -----------------------------------
+
+# Optional properties and no `additionalProperties`: the shape pydantic / instructor send, without `strict`.
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+    "required": ["name"],
+}
+
+
+def _pet_spec(json_schema: dict) -> GrammarSpec:
+    from tokenfleet.runtime.openai.protocol import ChatCompletionRequest
+    from tokenfleet.runtime.openai.translate import chat_params
+
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "response_format": {"type": "json_schema", "json_schema": json_schema},
+    }
+    spec = chat_params(ChatCompletionRequest.model_validate(body)).structured_output
+    assert spec is not None
+    return spec
+
+
+def test_a_json_schema_without_strict_refuses_properties_the_schema_does_not_declare(loaded_model):
+    import xgrammar as xgr
+    from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(loaded_model.tokenizer, loaded_model.arch.vocab_size)
+
+    def accepts(spec: GrammarSpec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile(spec))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    unset = _pet_spec({"name": "pet", "schema": PET_SCHEMA})
+    assert accepts(unset, '{"name":"Rex","legs":4}')
+    assert not accepts(unset, '{"name":"Rex","color":"brown"}')
+    assert not accepts(unset, '{"name": "Rex"}')  # compact separators, as before
+    assert not accepts(
+        _pet_spec({"name": "pet", "schema": PET_SCHEMA, "strict": True}), '{"name":"Rex","x":1}'
+    )
+    # An explicit `strict: false` still opens the object; a schema that allows extra properties is obeyed.
+    assert accepts(_pet_spec({"name": "pet", "schema": PET_SCHEMA, "strict": False}), '{"name":"Rex","x":1}')
+    open_schema = {**PET_SCHEMA, "additionalProperties": True}
+    assert accepts(_pet_spec({"name": "pet", "schema": open_schema}), '{"name":"Rex","x":1}')
+
+
+def test_a_served_json_schema_without_strict_answers_only_declared_properties(oai):
+    resp = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a pet as JSON, with as many details as you like."}],
+        n=8,
+        seed=11,
+        temperature=1.0,
+        max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}},
+    )
+    finished = [json.loads(c.message.content) for c in resp.choices if c.finish_reason == "stop"]
+    assert finished, [c.message.content for c in resp.choices]
+    for pet in finished:
+        assert set(pet) <= {"name", "legs"} and "name" in pet, pet
