@@ -143,12 +143,12 @@ def _prompt(loaded, text: str) -> list[int]:
 def test_greedy_grammar_output_is_exact_with_ngram_speculation(loaded_model):
     prompt = _prompt(loaded_model, "List alpha and beta twelve times as a JSON array.")
     params = SamplingParams(temperature=0, max_tokens=80, structured_output=ARRAY_SPEC)
-    plain = LLM(loaded=loaded_model, num_blocks=64).generate([prompt], params)[0]
+    plain = LLM(loaded=loaded_model, num_blocks=64).generate([prompt], params)[0].outputs[0]
     config = RuntimeConfig(
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
     )
     spec_llm = LLM(config=config, loaded=loaded_model, num_blocks=64)
-    spec = spec_llm.generate([prompt], params)[0]
+    spec = spec_llm.generate([prompt], params)[0].outputs[0]
     assert spec.token_ids == plain.token_ids
     items = json.loads(spec.text)
     assert len(items) == 12 and set(items) <= {"alpha", "beta"}
@@ -168,10 +168,10 @@ def test_grammar_state_survives_batching_and_recompute_preemption(loaded_model):
         for i in range(4)
     ]
     single = LLM(loaded=loaded_model, num_blocks=64)
-    alone = [single.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    alone = [single.generate([p], q)[0].outputs[0] for p, q in zip(prompts, params, strict=True)]
     # Four sequences in a cache that cannot hold them all at once: the newest get preempted and recomputed.
     tight = LLM(loaded=loaded_model, num_blocks=12, block_size=16, enable_prefix_caching=False)
-    batched = tight.generate(prompts, params)
+    batched = [o.outputs[0] for o in tight.generate(prompts, params)]
     assert tight.engine.stats().num_preemptions > 0
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     for i in range(0, 4, 2):
