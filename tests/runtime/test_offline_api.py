@@ -106,3 +106,22 @@ def test_no_sampling_params_means_the_models_generation_config(llm):
     defaults = llm.get_default_sampling_params()
     # The built-in model's catalog entry: its card's settings, max_new_tokens as max_tokens.
     assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.2, 0.9, 512)
+
+
+def test_chat_renders_tools_with_the_models_template_and_defaults_come_from_generation_config(tmp_path):
+    from .server.tool_checkpoint import build_tool_checkpoint
+
+    path = build_tool_checkpoint(tmp_path, {"temperature": 0.0, "max_new_tokens": 5})
+    llm = LLM(model=str(path), num_blocks=32, dtype="float32")
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    conversation = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = llm.chat(conversation, tools=[tool], use_tqdm=False)[0]
+    plain = llm.chat(conversation, use_tqdm=False)[0]
+    assert '"name": "get_weather"' in with_tools.prompt and "get_weather" not in plain.prompt
+    # No SamplingParams: the checkpoint's generation_config.json (greedy, max_new_tokens 5 as max_tokens).
+    again = llm.chat(conversation, tools=[tool], use_tqdm=False)[0]
+    assert len(with_tools.outputs[0].token_ids) <= 5
+    assert again.outputs[0].token_ids == with_tools.outputs[0].token_ids
