@@ -125,3 +125,19 @@ def test_chat_renders_tools_with_the_models_template_and_defaults_come_from_gene
     again = llm.chat(conversation, tools=[tool], use_tqdm=False)[0]
     assert len(with_tools.outputs[0].token_ids) <= 5
     assert again.outputs[0].token_ids == with_tools.outputs[0].token_ids
+
+
+def test_structured_outputs_params_take_exactly_one_constraint():
+    from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
+    from tokenfleet.runtime.errors import InvalidRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    older = SamplingParams(guided_decoding=StructuredOutputsParams(json=schema))
+    assert older.structured_output == GrammarSpec.json_schema(schema)
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)).structured_output == (
+        GrammarSpec.json_object()
+    )
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+", choice=["b"]))
+    with pytest.raises(InvalidRequest, match="one structured output"):
+        SamplingParams(structured_output=GrammarSpec.regex("a+"), structured_outputs=GrammarSpec.regex("b+"))
