@@ -77,7 +77,7 @@ def measure(llm: LLM, batch: int, tokens: int) -> tuple[float, float]:
     # Prompts differ in their last token so no two requests are identical; the prefix cache may still serve
     # the shared part, which only shortens prefill (not measured).
     prompts = [[*prompt[:-1], prompt[-1] + i] for i in range(batch)]
-    llm.generate(prompts, params, on_step=on_step)
+    llm.generate(prompts, params, use_tqdm=False, on_step=on_step)
     # Steps in which every request emits one token are decode steps; the earlier ones are prefill.
     decode = [(t, n) for t, n in stamps if n == batch]
     if len(decode) < 3:

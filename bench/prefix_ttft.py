@@ -26,7 +26,8 @@ def ttft(llm: LLM, ids: list[int]) -> tuple[float, int]:
         if outputs and not first:
             first.append(time.perf_counter() - start)
 
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), on_step=on_step)[0]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.generate([ids], params, use_tqdm=False, on_step=on_step)[0]
     return first[0], out.num_cached_tokens
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
 from tokenfleet.runtime.engine.llm import LLM
-from tokenfleet.runtime.engine.outputs import RequestOutput
+from tokenfleet.runtime.engine.outputs import RequestDelta
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.model.loader import load_model
 
@@ -90,17 +90,17 @@ def parse_config(text: str) -> tuple[str, SpeculativeConfig]:
 def run(loaded, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int, batch: int):
     llm = LLM(config=RuntimeConfig(speculative=spec), loaded=loaded)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    llm.generate(prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     decode_time, decode_tokens, outputs = 0.0, 0, []
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
         first: list[float] = []
 
-        def on_step(outs: list[RequestOutput], first: list[float] = first) -> None:
+        def on_step(outs: list[RequestDelta], first: list[float] = first) -> None:
             if not first and outs:
                 first.append(time.perf_counter())
 
-        results = llm.generate(group, params, on_step=on_step)
+        results = [r.outputs[0] for r in llm.generate(group, params, use_tqdm=False, on_step=on_step)]
         decode_time += time.perf_counter() - first[0]
         decode_tokens += sum(len(r.token_ids) - 1 for r in results)
         outputs += [r.token_ids for r in results]

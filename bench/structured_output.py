@@ -125,7 +125,7 @@ def decode_rate(
         steps.append((time.perf_counter(), time.process_time(), sum(len(o.new_token_ids) for o in outputs)))
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_output=schema)
-    outs = llm.generate(prompts, params, on_step=on_step)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False, on_step=on_step)]
     assert all(len(o.token_ids) == max_tokens for o in outs), [len(o.token_ids) for o in outs]
     if schema is not None:  # the constraint held: every output is a prefix of the schema's JSON
         head = '{"field_00":"'

@@ -73,13 +73,13 @@ def run(model: str, tp: int, prompts: list[list[int]], max_tokens: int) -> tuple
     startup = time.perf_counter() - start
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
         start = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()
-    return startup, sum(len(o.token_ids) for o in outs) / elapsed
+    return startup, sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
 def main() -> None:

@@ -106,12 +106,12 @@ def workload(n: int, seed: int, tokenizer, min_in: int, max_in: int, min_out: in
 
 def bench_tokenfleet(loaded, reqs, args) -> float:
     llm = LLM(loaded=loaded, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    llm.generate([reqs[0][0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    llm.generate([reqs[0][0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in reqs]
     start = time.perf_counter()
-    outs = llm.generate([ids for ids, _ in reqs], params)
+    outs = llm.generate([ids for ids, _ in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outs] == [out for _, out in reqs]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [out for _, out in reqs]
     return elapsed
 
 

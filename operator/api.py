@@ -75,6 +75,10 @@ class ModelSpec(_Spec):
         "model.generation_config",
         "auto: requests that leave temperature/top-p/top-k unset use the checkpoint's generation defaults.",
     )
+    default_max_tokens: runtime_field(
+        "model.default_max_tokens",
+        "Bounds the output of requests that set no max_tokens (unset: up to the context, as OpenAI).",
+    )
 
 
 class Resources(_Spec):

@@ -63,6 +63,14 @@ class ModelConfig(_Strict):
         "repetition_penalty use the checkpoint's defaults (generation_config.json, GGUF general.sampling.*); "
         "none = OpenAI's neutral values.",
     )
+    default_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Bounds the output of requests that set no max_tokens (with the checkpoint's "
+        "max_new_tokens, the smaller wins; never more than the context left after the prompt). None = "
+        "OpenAI's behaviour: up to the context length, unless the checkpoint's generation config (with "
+        "generation_config auto) sets max_new_tokens; the built-in model's entry sets 512.",
+    )
 
     @property
     def name(self) -> str:

@@ -40,31 +40,32 @@ def main(argv: list[str]) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        prompts = [
-            llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
-            for p in args.prompt
-        ]
-        ids = [llm.tokenizer.encode(p, add_special_tokens=False) if args.chat else p for p in prompts]
-        single = len(prompts) == 1
+        single = len(args.prompt) == 1
         if single:
             sys.stdout.write(args.prompt[0] if not args.chat else "")
             sys.stdout.flush()
 
-        def show(outputs) -> None:
+        def show(deltas) -> None:
             if single:
-                for out in outputs:
-                    sys.stdout.write(out.new_text)
+                for delta in deltas:
+                    sys.stdout.write(delta.new_text)
                 sys.stdout.flush()
 
+        # One prompt streams its text; a batch shows a progress bar, then each answer.
+        options = {"use_tqdm": not single, "on_step": show}
         start = time.perf_counter()
-        results = llm.generate(ids, params, on_step=show)
+        if args.chat:
+            conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+            results = llm.chat(conversations, params, **options)
+        else:
+            results = llm.generate(args.prompt, params, **options)
         elapsed = time.perf_counter() - start
         if single:
             sys.stdout.write("\n")
         else:
             for prompt, res in zip(args.prompt, results, strict=True):
-                print(f"--- {prompt!r}\n{res.text}")
-        n = sum(len(r.token_ids) for r in results)
+                print(f"--- {prompt!r}\n{res.outputs[0].text}")
+        n = sum(len(c.token_ids) for r in results for c in r.outputs)
         print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
     except TokenfleetError as e:
         print(f"tokenfleet generate: {e}", file=sys.stderr)

@@ -1,10 +1,13 @@
-"""Dependencies point one way: an AST walk over every module of operator/, runtime/ and kernels/.
+"""Dependencies point one way: an AST walk over every module of operator/, runtime/, kernels/ and the
+top-level tokenfleet/ package.
 
     kernels <- runtime.model <- runtime.engine <- runtime.server
                                               <- runtime.router
     runtime.server and runtime.router share only runtime.openai and runtime.kv_wire;
     the operator imports from the runtime only the config schemas (and the torch-free modules they import);
-    a simulator (sim/, tokenfleet.sim) may import everything, and nothing imports it.
+    a simulator (sim/, tokenfleet.sim) may import everything, and nothing imports it;
+    the top-level package (tokenfleet/__init__.py, loaded by every import, the operator's too) imports
+    nothing of tokenfleet: it exposes the offline API by name, loaded on first use.
 
 Every import counts, also one inside a function or under TYPE_CHECKING: a lazy import is still a
 dependency. A violation names the file, the line and the import as written.
@@ -25,8 +28,9 @@ FOLDERS = {
     "runtime": "tokenfleet.runtime",
     "kernels": "tokenfleet.kernels",
     "sim": "tokenfleet.sim",
+    "tokenfleet": "tokenfleet",
 }
-SCANNED = ("operator", "runtime", "kernels")
+SCANNED = ("operator", "runtime", "kernels", "tokenfleet")
 
 SERVER, ROUTER = "tokenfleet.runtime.server", "tokenfleet.runtime.router"
 ONE_WAY = "kernels <- model <- engine <- server/router"
@@ -139,6 +143,13 @@ def violations(imports: list[Import]) -> list[str]:
                     found.append(
                         f"{imp.path}:{imp.line}: `{imp.text}` — {importer} must not import {target} ({why})"
                     )
+    for imp in imports:
+        # (torch and the like it may not import either: the operator check below reports that.)
+        if imp.importer == "tokenfleet" and _within(imp.target, "tokenfleet"):
+            found.append(
+                f"{imp.path}:{imp.line}: `{imp.text}` — the top-level package runs on every import of "
+                "tokenfleet (the operator's too): name the offline API in its lazy table, do not import it"
+            )
     allowed = _closure(imports, OPERATOR_SCHEMAS)
     for imp in imports:
         if (
@@ -184,6 +195,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
         ("runtime/engine/core.py", "def f():\n    from tokenfleet.sim import simulator", "tokenfleet.sim"),
         ("operator/builders.py", "from tokenfleet.kernels import moe", "the operator imports"),
         ("runtime/config.py", "import torch", "must not import torch"),
+        ("tokenfleet/__init__.py", "from tokenfleet.runtime.engine.llm import LLM", "lazy table"),
+        ("tokenfleet/__init__.py", "def f():\n    import torch", "must not import torch"),
     ],
 )
 def test_a_forbidden_import_is_reported_with_file_and_line(tmp_path, rel, statement, forbidden):
@@ -204,6 +217,7 @@ def test_a_forbidden_import_is_reported_with_file_and_line(tmp_path, rel, statem
             "operator/__init__.py": "",
             "operator/api.py": "from tokenfleet.runtime.config import RuntimeConfig\n",
             "sim/__init__.py": "from tokenfleet.runtime.server import app\n",  # sim may import anything
+            "tokenfleet/__init__.py": "import importlib\n",
         },
     )
     assert violations(collect_imports(tmp_path)) == []
@@ -216,3 +230,22 @@ def test_a_forbidden_import_is_reported_with_file_and_line(tmp_path, rel, statem
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{rel}:{line}: `{statement.splitlines()[-1].strip()}`")
     assert forbidden in problems[0]
+
+
+def test_the_offline_api_loads_on_first_use_and_never_with_the_operator():
+    """`import tokenfleet` (what the operator does) loads no torch; `tokenfleet.LLM` and the other lazy names
+    resolve to the engine's classes."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, tokenfleet, tokenfleet.operator.api\n"
+        "assert 'torch' not in sys.modules, 'torch loaded by importing tokenfleet'\n"
+        "from tokenfleet import LLM, SamplingParams, RequestOutput, CompletionOutput\n"
+        "from tokenfleet.runtime.engine.llm import LLM as engine_llm\n"
+        "assert LLM is engine_llm and 'torch' in sys.modules\n"
+        "assert set(tokenfleet.__all__) <= set(dir(tokenfleet))\n"
+        "assert all(getattr(tokenfleet, name) is not None for name in tokenfleet.__all__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.drain_rate import DrainRate
 from tokenfleet.runtime.engine.engine_core import EngineCore
-from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta
 from tokenfleet.runtime.engine.request import ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.errors import EngineDeadError, Overloaded
@@ -116,7 +116,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: ResumeFrom | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestDelta]:
         """Validate and enqueue now (errors raise here); iterate the result for the output deltas.
         `resume` continues a stream begun elsewhere (see ResumeFrom)."""
         if self._dead is not None:
@@ -140,7 +140,7 @@ class AsyncEngine:
         )
         return self._stream(request_id, q)
 
-    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestDelta]:
         finished = False
         try:
             while True:
@@ -220,7 +220,7 @@ class AsyncEngine:
                         commands.append(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
-                outputs: list[RequestOutput] = []
+                outputs: list[RequestDelta] = []
                 for cmd in commands:
                     if isinstance(cmd, _Stop):
                         self._fail_all(EngineDeadError("the engine is shutting down"))
@@ -242,7 +242,7 @@ class AsyncEngine:
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine loop has died: {e!r}"))
 
-    def _handle(self, cmd, outputs: list[RequestOutput]) -> None:
+    def _handle(self, cmd, outputs: list[RequestDelta]) -> None:
         core = self.core
         if isinstance(cmd, _Add):
             self._ingested += 1
@@ -270,11 +270,11 @@ class AsyncEngine:
             except Exception as e:
                 self._resolve(cmd.done, e, error=True)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestDelta]) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._deliver_on_loop, outputs)
 
-    def _deliver_on_loop(self, outputs: list[RequestOutput]) -> None:
+    def _deliver_on_loop(self, outputs: list[RequestDelta]) -> None:
         if num_finished := sum(out.finished for out in outputs):
             self._drain.record(time.monotonic(), num_finished)
         for out in outputs:

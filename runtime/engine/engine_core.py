@@ -22,7 +22,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
 from tokenfleet.runtime.engine.output_processor import OutputProcessor
-from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta
 from tokenfleet.runtime.engine.parallel.support import check_tensor_parallel_config
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers, rank_device, threads_per_rank
 from tokenfleet.runtime.engine.request import Request, RequestStatus, ResumeFrom
@@ -171,7 +171,7 @@ class EngineCore:
         self.outputs.add(request)
         self._prompt_tokens_total += len(prompt_token_ids)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
         """Abort in any state; frees its blocks at once. Returns the final output, None if unknown."""
         out = self.outputs.abort(request_id)
         if out is None:
@@ -186,7 +186,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.outputs)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

@@ -38,9 +38,13 @@ def compute_logprobs(
         top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
     # One device-to-host transfer per tensor; the Python objects are built from plain lists.
     sampled_list = sampled.tolist()
+    # 1 + tokens strictly more likely: the sampled token's rank, exact even when it is not among the top-k.
+    rank_list = ((logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1).tolist()
     token_list = token_ids.index_select(0, row_index).tolist()
     for j, row in enumerate(rows):
         k = min(num_logprobs[row] or 0, width)
         top = tuple(zip(top_ids_list[j][:k], top_values_list[j][:k], strict=True)) if k else ()
-        result[row] = TokenLogprobs(token_id=token_list[j], logprob=sampled_list[j], top=top)
+        result[row] = TokenLogprobs(
+            token_id=token_list[j], logprob=sampled_list[j], top=top, rank=rank_list[j]
+        )
     return result

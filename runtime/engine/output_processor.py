@@ -1,4 +1,4 @@
-"""OutputProcessor: a step's new tokens -> RequestOutput deltas (text, logprobs, finish, timings).
+"""OutputProcessor: a step's new tokens -> RequestDelta deltas (text, logprobs, finish, timings).
 
 It keeps, per live request, the Request and its incremental detokenizer. After the scheduler applied a
 step (`Scheduler.update`), `process` turns what each request appended into one delta: it detokenizes,
@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from tokenfleet.runtime.engine.detokenizer import IncrementalDetokenizer
-from tokenfleet.runtime.engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from tokenfleet.runtime.engine.outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from tokenfleet.runtime.engine.request import Request
 
 Clock = Callable[[], float]
@@ -49,7 +49,7 @@ class OutputProcessor:
             detokenizer.resume(request.output_token_ids, request.num_delivered_chars)
         self._tracked[request.request_id] = _Tracked(request, detokenizer, params.logprobs is not None)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestDelta | None:
         """Forget a request; its final (empty) delta, None if unknown."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
@@ -61,13 +61,13 @@ class OutputProcessor:
         num_before: Mapping[str, int],
         logprobs: Mapping[str, list[TokenLogprobs | None]],
         finished: set[str],
-    ) -> tuple[list[RequestOutput], Collection[str]]:
+    ) -> tuple[list[RequestDelta], Collection[str]]:
         """One delta per request in `num_before` (its output length before the step); the ids that ended.
 
         `finished` holds the ids the scheduler finished in the step; stop strings add to it.
         """
         now = self._clock()
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestDelta] = []
         for rid, before in num_before.items():
             tracked = self._tracked[rid]
             req = tracked.request
@@ -110,7 +110,7 @@ class OutputProcessor:
         *,
         finished: bool,
         reason: str | None,
-    ) -> RequestOutput:
+    ) -> RequestDelta:
         req = tracked.request
         metrics = None
         if finished:
@@ -120,7 +120,7 @@ class OutputProcessor:
                 first_token_time=req.first_token_time,
                 finished_time=self._clock(),
             )
-        return RequestOutput(
+        return RequestDelta(
             request_id=req.request_id,
             new_token_ids=list(new_ids),
             new_text=text,

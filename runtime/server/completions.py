@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from aiohttp import web
 from tokenfleet.runtime.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from tokenfleet.runtime.openai.translate import completion_params, parse_request
+from tokenfleet.runtime.openai.translate import completion_params, fit_default_max_tokens, parse_request
 from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.logprobs import completion_logprobs
 from tokenfleet.runtime.server.prompts import completion_prompt_list, dropped_headers, generation_defaults
@@ -28,6 +28,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     continued = wire.prompt(req.stream)
     if continued is not None:  # the prompt ids as the first pod's engine had them; the text for `echo`
         prompts, dropped = [replace(prompts[0], token_ids=continued[0].token_ids)], 0
+    params = fit_default_max_tokens(params, req, [len(p.token_ids) for p in prompts], engine.max_model_len)
     gen, response_id, created, why_not, renderer = await start_generation(
         request, ctx, wire, req, prompts, params, tools=False
     )

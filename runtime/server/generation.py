@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenfleet.runtime.engine.outputs import RequestOutput, TokenLogprobs
+from tokenfleet.runtime.engine.outputs import RequestDelta, TokenLogprobs
 from tokenfleet.runtime.engine.request import ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.openai.translate import Prompt, choice_params
@@ -59,7 +59,7 @@ class Generation:
         self._cache_salt = cache_salt
         self._resume = resume  # continue a stream begun on another pod (one choice only)
         self.choices: list[ChoiceState] = []
-        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._streams: list[AsyncIterator[RequestDelta]] = []
         self._pumps: list[asyncio.Task] = []
 
     @property
@@ -93,14 +93,14 @@ class Generation:
             await self.close()
             raise
 
-    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, RequestDelta]]:
         """Every choice's deltas as they come, after updating its ChoiceState and the metrics."""
         async for index, out in self._merged():
             state = self.choices[index]
             self._account(state, out)
             yield state, out
 
-    def _account(self, state: ChoiceState, out: RequestOutput) -> None:
+    def _account(self, state: ChoiceState, out: RequestDelta) -> None:
         now = time.monotonic()
         if out.new_token_ids and state.last_delta_time is not None:
             self._metrics.observe_token_gap(now - state.last_delta_time, len(out.new_token_ids))
@@ -118,7 +118,7 @@ class Generation:
             state.finish_reason = out.finish_reason
             self._metrics.observe_finished(out)
 
-    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         if len(self._streams) == 1:  # the common case: no tasks, no queue
             async for out in self._streams[0]:
                 yield 0, out
@@ -128,7 +128,7 @@ class Generation:
         q: asyncio.Queue = asyncio.Queue()
         _end = object()
 
-        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        async def pump(index: int, stream: AsyncIterator[RequestDelta]) -> None:
             try:
                 async for out in stream:
                     q.put_nowait((index, out))

@@ -12,7 +12,7 @@ Two namings (`metrics.naming` in RuntimeConfig, `spec.metrics.naming` on a Model
 
 Gauges and cumulative counters are read from `engine.stats()` at scrape time by a custom collector: the
 engine owns those numbers and copying them on every step would cost the hot loop. Latency histograms are
-observed by the server from each request's final `RequestOutput.metrics` and from the gaps between the
+observed by the server from each request's final `RequestDelta.metrics` and from the gaps between the
 deltas it receives.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
-from tokenfleet.runtime.engine.outputs import EngineStats, RequestOutput
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta
 
 PREFIX = "tokenfleet:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -344,7 +344,7 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self._itl.observe(seconds / num_tokens)
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, output: RequestDelta) -> None:
         self._success.labels(*self._success_labels, output.finish_reason or "unknown").inc()
         m = output.metrics
         if m is None:

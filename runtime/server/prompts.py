@@ -19,12 +19,19 @@ DROPPED_HEADER = "x-tokenfleet-prompt-tokens-dropped"
 
 
 def generation_defaults(state: ServerState, engine) -> dict[str, float]:
-    """The checkpoint's sampling defaults, unless `model.generation_config` is `none`."""
-    if state.config.model.generation_config == "none":
-        return {}
-    loaded = getattr(getattr(engine, "core", None), "loaded", None)
-    defaults = getattr(loaded, "generation_defaults", None)
-    return defaults.as_dict() if defaults is not None else {}
+    """The checkpoint's sampling defaults, unless `model.generation_config` is `none`, and the `max_tokens`
+    of a request that sets none: the smaller of the checkpoint's `max_new_tokens` and the server's
+    `model.default_max_tokens` (absent: up to the context, OpenAI's behaviour)."""
+    model = state.config.model
+    found: dict[str, float] = {}
+    if model.generation_config != "none":
+        loaded = getattr(getattr(engine, "core", None), "loaded", None)
+        defaults = getattr(loaded, "generation_defaults", None)
+        found = defaults.as_dict() if defaults is not None else {}
+    bounds = [b for b in (found.get("max_tokens"), model.default_max_tokens) if b is not None]
+    if bounds:
+        found["max_tokens"] = min(bounds)
+    return found
 
 
 def _truncating(state: ServerState) -> bool:

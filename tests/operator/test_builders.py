@@ -56,8 +56,13 @@ def test_runtime_config_from_spec_and_cache_policy():
 
 
 def test_context_policy_and_generation_defaults_reach_the_pod():
-    _, cfg = _runtime({"model": {"contextOverflow": "truncate", "generationConfig": "none"}})
+    _, cfg = _runtime(
+        {"model": {"contextOverflow": "truncate", "generationConfig": "none", "defaultMaxTokens": 256}}
+    )
     assert (cfg.model.context_overflow, cfg.model.generation_config) == ("truncate", "none")
+    assert cfg.model.default_max_tokens == 256
+    with pytest.raises(ConfigError, match="defaultMaxTokens"):
+        parse_model_deployment({"model": {"defaultMaxTokens": 0}})
     with pytest.raises(ConfigError, match="contextOverflow"):
         parse_model_deployment({"model": {"contextOverflow": "drop-the-middle"}})
 

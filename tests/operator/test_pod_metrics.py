@@ -11,7 +11,7 @@ from tokenfleet.operator.pod_metrics import (
     parse_metrics,
     pod_sample,
 )
-from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta, RequestMetrics
 from tokenfleet.runtime.server.metrics import ServerMetrics
 
 
@@ -29,7 +29,7 @@ class Pod:
             arrival_time=0.0, first_scheduled_time=0.0, first_token_time=ttft, finished_time=ttft
         )
         self.metrics.observe_finished(
-            RequestOutput(f"r{self._n}", [], "", None, True, "stop", 1, 1, 0, metrics=timing)
+            RequestDelta(f"r{self._n}", [], "", None, True, "stop", 1, 1, 0, metrics=timing)
         )
 
     def scrape(self):

@@ -191,9 +191,9 @@ def _run(loaded, prompts, config=None, **options):
     llm = LLM(config=config or RuntimeConfig(), loaded=loaded, dtype="float32", **options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ids = [llm.tokenizer.encode(p) for p in prompts]
-    outs = [o.token_ids for o in llm.generate(ids, params)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(ids, params)]
     for prompt in SHARED:  # one after the other: the second finds the first's system prompt cached
-        outs += [o.token_ids for o in llm.generate([llm.tokenizer.encode(prompt)], params)]
+        outs += [o.outputs[0].token_ids for o in llm.generate([llm.tokenizer.encode(prompt)], params)]
     km = llm.engine.kv_manager
     assert km.num_free_blocks == km.num_blocks, "KV blocks leaked"
     return llm, ids, outs

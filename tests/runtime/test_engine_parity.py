@@ -75,7 +75,9 @@ def run(loaded, reference, prompts, **options):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(ids, params)
     for i, out in zip(ids, outs, strict=True):
-        assert out.token_ids == reference[tuple(i)], f"mismatch for prompt {llm.tokenizer.decode(i)!r}"
+        assert out.outputs[0].token_ids == reference[tuple(i)], (
+            f"mismatch for prompt {llm.tokenizer.decode(i)!r}"
+        )
     km = llm.engine.kv_manager
     assert km.num_free_blocks == km.num_blocks, "KV blocks leaked"
     return llm, outs
@@ -100,7 +102,7 @@ def test_prefix_cache_hits_and_matches_hf(loaded, reference, tokenizer):
     second = llm.generate(ids, params)
     shared_blocks = len(tokenizer.encode(SYSTEM)) // 16
     for out, i in zip(second, ids, strict=True):
-        assert out.token_ids == reference[tuple(i)]
+        assert out.outputs[0].token_ids == reference[tuple(i)]
         assert out.num_cached_tokens >= shared_blocks * 16
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits >= 3 * shared_blocks * 16
@@ -115,5 +117,7 @@ def test_preemption_matches_hf(loaded, reference):
 
 def test_capital_of_france(loaded):
     llm = LLM(config=RuntimeConfig(), loaded=loaded)
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=3))[0]
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[
+        0
+    ]
     assert out.text.startswith(" Paris")

@@ -125,5 +125,7 @@ def test_fp8_accuracy_on_fixed_text(fp8_model, default_model):
 
 def test_fp8_serves_greedy_end_to_end(fp8_model):
     llm = LLM(config=RuntimeConfig(), loaded=fp8_model, dtype="float32", quantization="fp8", block_size=16)
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=3))[0]
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[
+        0
+    ]
     assert out.text.startswith(" Paris")

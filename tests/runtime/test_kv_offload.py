@@ -166,6 +166,6 @@ def test_greedy_output_after_a_host_round_trip_matches_no_offload_and_cold(defau
     _, recomputed = outs["none"]
     assert cold.num_cached_tokens == 0 and recomputed.num_cached_tokens == 0
     assert from_host.num_cached_tokens == 64  # 4 full blocks copied back, not recomputed
-    assert from_host.token_ids == cold.token_ids == recomputed.token_ids
+    assert from_host.outputs[0].token_ids == cold.outputs[0].token_ids == recomputed.outputs[0].token_ids
     m = with_host.engine.kv_manager.metrics()
     assert m.host_hit_blocks == 4 and m.loaded_blocks == 4 and m.offloaded_blocks >= 4

@@ -103,7 +103,7 @@ def generate(loaded, config: RuntimeConfig, prompts, params, **options):
     outs = llm.generate(prompts, params)
     km = llm.engine.kv_manager
     assert km.num_free_blocks == km.num_blocks, "KV blocks leaked"
-    return [o.token_ids for o in outs], llm.engine.stats()
+    return [o.outputs[0].token_ids for o in outs], llm.engine.stats()
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_stop_token_inside_accepted_proposals_ends_the_output(default_model, gre
         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
     ]
     llm = LLM(config=spec_config("ngram", k=6), loaded=default_model)
-    outs = llm.generate([PROMPTS[1], PROMPTS[1]], params)
+    outs = [o.outputs[0] for o in llm.generate([PROMPTS[1], PROMPTS[1]], params)]
     assert outs[0].token_ids == ref[:cut]
     assert outs[0].finish_reason == "stop"
     assert outs[1].token_ids == ref[:7]
@@ -211,8 +211,8 @@ def _next_token_probs(loaded, prompts: list[list[int]]) -> torch.Tensor:
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=TINY_VOCAB, ignore_eos=True)
     probs = torch.zeros(len(prompts), TINY_VOCAB, dtype=torch.float64)
     for row, out in enumerate(llm.generate(prompts, params)):
-        for token, logprob in out.logprobs[0].top:
-            probs[row, token] = float(torch.tensor(logprob, dtype=torch.float64).exp())
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            probs[row, token] = float(torch.tensor(logprob.logprob, dtype=torch.float64).exp())
     return probs
 
 
@@ -240,7 +240,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_target, method, extr
     assert expected_second.max() < 0.5, "the tiny model should not be near-deterministic"
     for position, expected in ((0, first), (1, expected_second)):
         counts = torch.bincount(
-            torch.tensor([o.token_ids[position] for o in outs]), minlength=TINY_VOCAB
+            torch.tensor([o.outputs[0].token_ids[position] for o in outs]), minlength=TINY_VOCAB
         ).double()
         assert chi2_pooled(counts, expected * num) < CHI2_CRIT_15, f"token {position + 1}"
 

@@ -90,7 +90,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def _run(llm: LLM, prompts: list[list[int]]):
     """Greedy outputs: the first prompt alone (its blocks get cached), then the rest in one batch."""
     outs = llm.generate([prompts[0]], GREEDY) + llm.generate(prompts[1:], GREEDY)
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+    return [
+        (o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        for o in (r.outputs[0] for r in outs)
+    ]
 
 
 def _assert_same(reference, sharded) -> None:

@@ -35,12 +35,13 @@ def _llm(tp: int, model_dir: str, **cache) -> LLM:
 
 def _round_trip(llm: LLM, doc_a: list[int], doc_b: list[int]):
     """doc_a cold, doc_b (needs every block: evicts doc_a's), doc_a again; outputs and doc_a's cached tokens."""
-    cold = llm.generate([doc_a], GREEDY)[0]
-    other = llm.generate([doc_b], GREEDY)[0]
-    again = llm.generate([doc_a], GREEDY)[0]
+    cold, other, again = (llm.generate([doc], GREEDY)[0] for doc in (doc_a, doc_b, doc_a))
     km = llm.engine.kv_manager
     assert km.num_free_blocks == km.num_blocks  # no leaked blocks
-    outs = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in (cold, other, again)]
+    outs = [
+        (o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        for o in (r.outputs[0] for r in (cold, other, again))
+    ]
     return outs, again.num_cached_tokens
 
 
@@ -111,14 +112,14 @@ def _fp8_run(model_dir: str, tp: int, weights: str, kv: str, max_tokens: int, lo
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     try:
-        return llm.generate(FP8_PROMPTS, params)
+        return [o.outputs[0] for o in llm.generate(FP8_PROMPTS, params)]
     finally:
         llm.shutdown()
 
 
 def _top(output) -> dict[int, float]:
     """The first generated position's top-20 logprobs (every run scores the same prompt there)."""
-    return dict(output.logprobs[0].top)
+    return {token: lp.logprob for token, lp in output.logprobs[0].items()}
 
 
 @pytest.mark.slow
@@ -128,7 +129,9 @@ def test_fp8_kv_cache_at_tp2_matches_one_process_exactly(checkpoints):  # noqa: 
     two = _fp8_run(checkpoints["llama"], 2, "none", "fp8_e4m3", 5, 1)
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
-        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+        assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs, strict=True)] == pytest.approx(
+            [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs, strict=True)], abs=1e-4
+        )
 
 
 @pytest.mark.slow
@@ -179,7 +182,11 @@ def test_triton_attention_backend_at_tp2_matches_torch_backend_in_one_process(ch
         )
         try:
             outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
-            return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs], outs[1].num_cached_tokens
+            sampled = [
+                (o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+                for o in (r.outputs[0] for r in outs)
+            ]
+            return sampled, outs[1].num_cached_tokens
         finally:
             llm.shutdown()
 
@@ -212,7 +219,7 @@ def test_structured_output_at_tp2_matches_one_process(checkpoints):  # noqa: F81
             )
         )
         try:
-            return [o.text for o in llm.generate([[5, 9, 17], [40, 41]], params)]
+            return [o.outputs[0].text for o in llm.generate([[5, 9, 17], [40, 41]], params)]
         finally:
             llm.shutdown()
 

@@ -8,8 +8,10 @@ two requests with the same schema written differently share one compiled grammar
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
+
+from tokenfleet.runtime.errors import InvalidRequest
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
@@ -51,3 +53,38 @@ class GrammarSpec:
 def canonical_json(value: Any) -> str:
     # Key order inside a JSON schema's `properties` is the order the output is generated in: keep it.
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's offline spelling of a constraint (`SamplingParams(structured_outputs=...)`): exactly one of
+    the fields, turned into the GrammarSpec the engine runs by `to_spec`."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (text or mapping)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+    def to_spec(self) -> GrammarSpec:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequest(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {given or 'none'}",
+                param="structured_outputs",
+            )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            return GrammarSpec.json_schema(json.loads(value) if isinstance(value, str) else value)
+        if kind == "regex":
+            return GrammarSpec.regex(value)
+        if kind == "choice":
+            return GrammarSpec.choice(value)
+        if kind == "grammar":
+            return GrammarSpec.grammar(value)
+        if kind == "json_object":
+            return GrammarSpec.json_object()
+        return GrammarSpec.structural_tag(json.loads(value) if isinstance(value, str) else value)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenfleet.runtime.config import RuntimeConfig
-from tokenfleet.runtime.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprobs
+from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta, RequestMetrics, TokenLogprobs
 from tokenfleet.runtime.errors import ContextLengthExceeded, EngineDeadError, InvalidRequest, Overloaded
 from tokenfleet.runtime.server.app import STATE_KEY, build_app
 from tokenfleet.runtime.server.main import serve
@@ -66,7 +66,7 @@ class FakeEngine:
         self.submitted.append((request_id, list(prompt_token_ids), params))
         return self._stream(request_id, list(prompt_token_ids), params)
 
-    async def _stream(self, rid: str, prompt: list[int], params) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, prompt: list[int], params) -> AsyncIterator[RequestDelta]:
         arrival = asyncio.get_running_loop().time()
         limit = min(params.max_tokens or self.max_model_len - len(prompt), self.max_model_len - len(prompt))
         finished = False
@@ -83,7 +83,7 @@ class FakeEngine:
                 now = asyncio.get_running_loop().time()
                 metrics = RequestMetrics(arrival, arrival, arrival + 0.001, now) if last else None
                 finished = last
-                yield RequestOutput(
+                yield RequestDelta(
                     rid,
                     [tok],
                     chr(tok),

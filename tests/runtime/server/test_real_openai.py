@@ -30,7 +30,7 @@ def offline(loaded_model) -> LLM:
 
 
 def greedy(offline: LLM, token_ids: list[int], max_tokens: int):
-    return offline.generate([token_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return offline.generate([token_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0].outputs[0]
 
 
 def wait_idle(server, timeout: float = 30.0) -> None:

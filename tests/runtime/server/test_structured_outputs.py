@@ -143,12 +143,12 @@ def _prompt(loaded, text: str) -> list[int]:
 def test_greedy_grammar_output_is_exact_with_ngram_speculation(loaded_model):
     prompt = _prompt(loaded_model, "List alpha and beta twelve times as a JSON array.")
     params = SamplingParams(temperature=0, max_tokens=80, structured_output=ARRAY_SPEC)
-    plain = LLM(loaded=loaded_model, num_blocks=64).generate([prompt], params)[0]
+    plain = LLM(loaded=loaded_model, num_blocks=64).generate([prompt], params)[0].outputs[0]
     config = RuntimeConfig(
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
     )
     spec_llm = LLM(config=config, loaded=loaded_model, num_blocks=64)
-    spec = spec_llm.generate([prompt], params)[0]
+    spec = spec_llm.generate([prompt], params)[0].outputs[0]
     assert spec.token_ids == plain.token_ids
     items = json.loads(spec.text)
     assert len(items) == 12 and set(items) <= {"alpha", "beta"}
@@ -168,10 +168,10 @@ def test_grammar_state_survives_batching_and_recompute_preemption(loaded_model):
         for i in range(4)
     ]
     single = LLM(loaded=loaded_model, num_blocks=64)
-    alone = [single.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    alone = [single.generate([p], q)[0].outputs[0] for p, q in zip(prompts, params, strict=True)]
     # Four sequences in a cache that cannot hold them all at once: the newest get preempted and recomputed.
     tight = LLM(loaded=loaded_model, num_blocks=12, block_size=16, enable_prefix_caching=False)
-    batched = tight.generate(prompts, params)
+    batched = [o.outputs[0] for o in tight.generate(prompts, params)]
     assert tight.engine.stats().num_preemptions > 0
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     for i in range(0, 4, 2):
@@ -204,3 +204,66 @@ def test_grammars_compile_once_per_spec_in_a_bounded_lru_over_our_tokenizer(load
     assert allowed[tok.encode("def", add_special_tokens=False)[0]]
     assert not allowed[tok.backend.token_to_id("<|im_start|>")]
     assert allowed[tok.encode('"', add_special_tokens=False)[0]]
+
+
+# --- an unset `strict` is strict (what instructor-style clients rely on) -----------------------------------
+
+# Optional properties and no `additionalProperties`: the shape pydantic / instructor send, without `strict`.
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+    "required": ["name"],
+}
+
+
+def _pet_spec(json_schema: dict) -> GrammarSpec:
+    from tokenfleet.runtime.openai.protocol import ChatCompletionRequest
+    from tokenfleet.runtime.openai.translate import chat_params
+
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "response_format": {"type": "json_schema", "json_schema": json_schema},
+    }
+    spec = chat_params(ChatCompletionRequest.model_validate(body)).structured_output
+    assert spec is not None
+    return spec
+
+
+def test_a_json_schema_without_strict_refuses_properties_the_schema_does_not_declare(loaded_model):
+    import xgrammar as xgr
+    from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(loaded_model.tokenizer, loaded_model.arch.vocab_size)
+
+    def accepts(spec: GrammarSpec, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile(spec))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    unset = _pet_spec({"name": "pet", "schema": PET_SCHEMA})
+    assert accepts(unset, '{"name":"Rex","legs":4}')
+    assert not accepts(unset, '{"name":"Rex","color":"brown"}')
+    assert not accepts(unset, '{"name": "Rex"}')  # compact separators, as before
+    assert not accepts(
+        _pet_spec({"name": "pet", "schema": PET_SCHEMA, "strict": True}), '{"name":"Rex","x":1}'
+    )
+    # An explicit `strict: false` still opens the object; a schema that allows extra properties is obeyed.
+    assert accepts(_pet_spec({"name": "pet", "schema": PET_SCHEMA, "strict": False}), '{"name":"Rex","x":1}')
+    open_schema = {**PET_SCHEMA, "additionalProperties": True}
+    assert accepts(_pet_spec({"name": "pet", "schema": open_schema}), '{"name":"Rex","x":1}')
+
+
+def test_a_served_json_schema_without_strict_answers_only_declared_properties(oai):
+    resp = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a pet as JSON, with as many details as you like."}],
+        n=8,
+        seed=11,
+        temperature=1.0,
+        max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}},
+    )
+    finished = [json.loads(c.message.content) for c in resp.choices if c.finish_reason == "stop"]
+    assert finished, [c.message.content for c in resp.choices]
+    for pet in finished:
+        assert set(pet) <= {"name", "legs"} and "name" in pet, pet
