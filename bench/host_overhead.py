@@ -116,7 +116,7 @@ class Offline:
         start = time.perf_counter()
         outs = self.llm.generate(batch, params, on_step=on_step)
         seconds = time.perf_counter() - start
-        assert all(len(o.token_ids) == tokens for o in outs)
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
         # Decode steps: every stream emits one token (the first steps are the prefill).
         times = [t for t, n in stamps if n == len(batch)]
         gaps = [b - a for a, b in itertools.pairwise(times)]

@@ -83,8 +83,9 @@ def _tp_llm(tp: int, model_dir: str, **cache) -> LLM:
     )
 
 
-def _ids_and_lps(out) -> tuple[list[int], list[float]]:
-    return out.token_ids, [lp.logprob for lp in out.logprobs]
+def _ids_and_lps(result) -> tuple[list[int], list[float]]:
+    out = result.outputs[0]
+    return out.token_ids, [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
 
 
 def _heads(payload: bytes, layout: KVLayout) -> torch.Tensor:
@@ -154,9 +155,9 @@ def test_blocks_gathered_from_one_tp2_engine_and_scattered_into_another_give_the
         assert kb.num_free_blocks == kb.num_blocks
     finally:
         b.shutdown()
-    assert warm.num_cached_tokens == 56 and warm.token_ids == cold.token_ids
+    assert warm.num_cached_tokens == 56 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert _ids_and_lps(warm)[1] == pytest.approx(_ids_and_lps(cold)[1], abs=1e-4)
     # The document came back from the host tier on every rank, with its own KV.
     assert m.host_hit_blocks == 2 and doc_again.num_cached_tokens == 16
-    assert doc_again.token_ids == doc_cold.token_ids
+    assert doc_again.outputs[0].token_ids == doc_cold.outputs[0].token_ids
     assert _ids_and_lps(doc_again)[1] == pytest.approx(_ids_and_lps(doc_cold)[1], abs=1e-4)

@@ -86,7 +86,10 @@ def _tp(tp: int, model: dict) -> RuntimeConfig:
 
 
 def _run(llm: LLM, prompts: list[list[int]]):
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, GREEDY)]
+    return [
+        (o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        for o in (r.outputs[0] for r in llm.generate(prompts, GREEDY))
+    ]
 
 
 @pytest.mark.slow
