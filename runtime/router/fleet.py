@@ -139,7 +139,14 @@ class Fleet:
                 )
             ]
             if d.kv_events:
-                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact, self._scheduled)
+                follower = KVEventFollower(
+                    self.session,
+                    ep.url,
+                    ep.id,
+                    self.exact,
+                    self._scheduled,
+                    on_error=lambda reason: self.metrics.kv_event_errors.labels(reason).inc(),
+                )
                 self._followers[ep.id] = follower
                 tasks.append(asyncio.create_task(follower.run()))
             self._tasks[ep.id] = tasks
