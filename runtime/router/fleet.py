@@ -82,7 +82,7 @@ class Fleet:
         """A pod started a request (from any router): its prefix is being computed there."""
         if hashes:
             self.scheduled.record(endpoint_id, hashes)
-        work = getattr(self.strategy, "work", None)
+        work = self.strategy.work
         if work is not None:
             work.observed(endpoint_id)
 
@@ -207,7 +207,7 @@ class Fleet:
 
     def release(self, ep: Endpoint) -> None:
         ep.in_flight -= 1
-        work = getattr(self.strategy, "work", None)
+        work = self.strategy.work
         if work is not None:
             work.settle(ep.id, ep.in_flight)
         if ep.id in self.endpoints.by_id:
