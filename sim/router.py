@@ -66,13 +66,8 @@ class SimRouter:
         self.block_size = block_size
         self.extra = hash_extra(model_name)
         self._extra_bytes = encode_extra(self.extra)
-        self.strategy = make_strategy(spec)
-        # The work bound's provisional entries expire on a clock: give it the simulation's. (Session
-        # affinity keeps its work bound in its prefix-affinity fallback.)
-        owner = getattr(self.strategy, "_fallback", self.strategy)
-        self.work: WorkBound | None = None
-        if isinstance(getattr(owner, "work", None), WorkBound):
-            self.work = owner.work = WorkBound(spec.balance.window, clock=clock)
+        # On the simulation's clock: the work bound's provisional entries expire on it.
+        self.strategy = make_strategy(spec, clock=clock)
         self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
         self.scheduled = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
@@ -82,6 +77,10 @@ class SimRouter:
         self.num_queued = 0
         self._order = 0
         self.decisions: dict[str, int] = {}
+
+    @property
+    def work(self) -> WorkBound | None:
+        return self.strategy.work
 
     # ---- membership and reports -----------------------------------------------------------------------
 

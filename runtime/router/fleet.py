@@ -82,7 +82,7 @@ class Fleet:
         """A pod started a request (from any router): its prefix is being computed there."""
         if hashes:
             self.scheduled.record(endpoint_id, hashes)
-        work = getattr(self.strategy, "work", None)
+        work = self.strategy.work
         if work is not None:
             work.observed(endpoint_id)
 
@@ -139,7 +139,14 @@ class Fleet:
                 )
             ]
             if d.kv_events:
-                follower = KVEventFollower(self.session, ep.url, ep.id, self.exact, self._scheduled)
+                follower = KVEventFollower(
+                    self.session,
+                    ep.url,
+                    ep.id,
+                    self.exact,
+                    self._scheduled,
+                    on_error=lambda reason: self.metrics.kv_event_errors.labels(reason).inc(),
+                )
                 self._followers[ep.id] = follower
                 tasks.append(asyncio.create_task(follower.run()))
             self._tasks[ep.id] = tasks
@@ -200,7 +207,7 @@ class Fleet:
 
     def release(self, ep: Endpoint) -> None:
         ep.in_flight -= 1
-        work = getattr(self.strategy, "work", None)
+        work = self.strategy.work
         if work is not None:
             work.settle(ep.id, ep.in_flight)
         if ep.id in self.endpoints.by_id:
@@ -295,30 +302,38 @@ class Fleet:
                     )
             return hash_cache[key]
 
+        # Endpoints are grouped by the hashes they are matched on, so each index is walked once per group
+        # for all its endpoints (O(prompt blocks)), not once per endpoint.
         backends = {b.name: b for b in self.config.backends}
-        matches: dict[str, int] = {}
         approx: dict[str, list[bytes]] = {}
-        num_blocks = 0
+        exact_groups: dict[tuple, list[str]] = {}  # (block size, extra, approx key) -> live endpoints
+        approx_groups: dict[tuple, list[str]] = {}  # approx key -> endpoints without a live stream
         for ep in eps:
             backend = backends.get(ep.backend)
             default_bs = backend.block_size if backend else 16
-            approx_h = (
-                hashes(default_bs, ("approx", ep.model)) if prompt.token_ids is not None else hashes(0, ())
-            )
-            approx[ep.id] = approx_h
+            approx_key = (default_bs, ("approx", ep.model)) if prompt.token_ids is not None else (0, ())
+            approx[ep.id] = hashes(*approx_key)
             follower = self._followers.get(ep.id)
             if prompt.token_ids is not None and follower is not None and follower.live and follower.position:
                 pos = follower.position
-                exact_h = hashes(pos.block_size, pos.hash_extra)
-                held = self.exact.match(exact_h, [ep.id])[ep.id]
-                held = max(held, self.scheduled.match(exact_h, [ep.id])[ep.id])
-                if pos.block_size == default_bs:  # same block units: add what is still being prefilled there
-                    held = max(held, self.recent.match(approx_h, [ep.id])[ep.id])
-                matches[ep.id] = held
-                num_blocks = max(num_blocks, len(exact_h))
+                exact_groups.setdefault((pos.block_size, pos.hash_extra, approx_key), []).append(ep.id)
             else:
-                matches[ep.id] = self.approx.match(approx_h, [ep.id])[ep.id]
-                num_blocks = max(num_blocks, len(approx_h))
+                approx_groups.setdefault(approx_key, []).append(ep.id)
+        matches: dict[str, int] = {}
+        num_blocks = 0
+        for (block_size, extra, approx_key), ids in exact_groups.items():
+            exact_h = hashes(block_size, extra)
+            held = self.exact.match(exact_h, ids)
+            scheduled = self.scheduled.match(exact_h, ids)
+            # Same block units: add what this router sent there that is still being prefilled.
+            recent = self.recent.match(hashes(*approx_key), ids) if block_size == approx_key[0] else {}
+            for e in ids:
+                matches[e] = max(held[e], scheduled[e], recent.get(e, 0))
+            num_blocks = max(num_blocks, len(exact_h))
+        for approx_key, ids in approx_groups.items():
+            approx_h = hashes(*approx_key)
+            matches |= self.approx.match(approx_h, ids)
+            num_blocks = max(num_blocks, len(approx_h))
         return matches, num_blocks, approx
 
     def record_route(self, pick: Pick) -> None:

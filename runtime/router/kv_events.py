@@ -4,6 +4,9 @@
 the pod's exact entries are dropped (they would go stale silently) and `live` turns False, so routing falls
 back to the approximate index for that pod until a resync succeeds. A new follower (a router that just
 started) gets the pod's whole cached set in its first reply, so its index is warm after one round trip.
+A reply that is malformed or does not follow on from the last one (another epoch without a resync, a seq
+going back) is rejected whole (`StreamError`), logged, counted per reason, and answered like a failed
+stream: the pod's entries are dropped and the next poll resyncs, so a bad reply never half-applies.
 `scheduled` events (a pod started a request; the hashes of its prompt's blocks) go to `on_scheduled`: the
 fleet keeps them in a short-lived index of their own ("being computed there", not "held there") and
 counts them as work the pod received.
@@ -31,21 +34,48 @@ class StreamPosition:
 
 
 OnScheduled = Callable[[str, list[bytes]], None]
+_KINDS = frozenset({"stored", "removed", "cleared", "scheduled"})
+
+
+class StreamError(ValueError):
+    """A reply the index must not take: `reason` is malformed (unparsable, unknown event type), epoch (the
+    pod restarted but the reply is not a resync) or order (its seq goes back, or repeats with new events).
+    Nothing of such a reply is applied; the follower drops the endpoint's entries and resyncs."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 def apply_reply(
-    index: ExactPrefixIndex, endpoint_id: str, reply: dict, on_scheduled: OnScheduled | None = None
+    index: ExactPrefixIndex,
+    endpoint_id: str,
+    reply: dict,
+    on_scheduled: OnScheduled | None = None,
+    previous: StreamPosition | None = None,
 ) -> StreamPosition:
-    """Apply one `/v1/kv-events` reply; raises ValueError on a malformed one (the caller resyncs)."""
+    """Apply one `/v1/kv-events` reply following `previous` (the position of the last one applied);
+    raises StreamError, having changed nothing, on a reply that is malformed or does not follow on."""
     try:
         events = reply["events"]
         position = StreamPosition(
             str(reply["epoch"]), int(reply["seq"]), int(reply["block_size"]), tuple(reply["hash_extra"])
         )
         decoded = [(e["type"], [bytes.fromhex(h) for h in e.get("block_hashes", ())]) for e in events]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed kv-events reply: {e}") from e
-    if reply.get("reset"):
+        reset = bool(reply.get("reset"))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StreamError("malformed", f"kv-events reply: {e!r}") from e
+    unknown = {kind for kind, _ in decoded} - _KINDS
+    if unknown:
+        raise StreamError("malformed", f"unknown kv event types {sorted(map(str, unknown))}")
+    if position.block_size < 1:
+        raise StreamError("malformed", f"block_size {position.block_size}")
+    if previous is not None and not reset:
+        if position.epoch != previous.epoch:
+            raise StreamError("epoch", f"epoch {position.epoch!r} after {previous.epoch!r} without a resync")
+        if position.seq < previous.seq or (position.seq == previous.seq and decoded):
+            raise StreamError("order", f"seq {position.seq} after {previous.seq}")
+    if reset:
         index.clear(endpoint_id)
     for kind, hashes in decoded:
         if kind == "stored":
@@ -54,11 +84,8 @@ def apply_reply(
             index.removed(endpoint_id, hashes)
         elif kind == "cleared":
             index.clear(endpoint_id)
-        elif kind == "scheduled":
-            if on_scheduled is not None:
-                on_scheduled(endpoint_id, hashes)
-        else:
-            raise ValueError(f"unknown kv event type {kind!r}")
+        elif on_scheduled is not None:
+            on_scheduled(endpoint_id, hashes)
     return position
 
 
@@ -72,6 +99,7 @@ class KVEventFollower:
         endpoint_id: str,
         index: ExactPrefixIndex,
         on_scheduled: OnScheduled | None = None,
+        on_error: Callable[[str], None] | None = None,
         wait_seconds: float = 2.0,
         retry_seconds: float = 1.0,
     ) -> None:
@@ -80,6 +108,8 @@ class KVEventFollower:
         self.endpoint_id = endpoint_id
         self._index = index
         self._on_scheduled = on_scheduled
+        self._on_error = on_error  # told each rejected reply's reason (the router's metric)
+        self.errors: dict[str, int] = {}  # rejected replies by StreamError reason
         self._wait = wait_seconds
         self._retry = retry_seconds
         self.position: StreamPosition | None = None
@@ -94,7 +124,16 @@ class KVEventFollower:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status)
             reply = await resp.json()
-        self.position = apply_reply(self._index, self.endpoint_id, reply, self._on_scheduled)
+        try:
+            self.position = apply_reply(
+                self._index, self.endpoint_id, reply, self._on_scheduled, self.position
+            )
+        except StreamError as e:
+            self.errors[e.reason] = self.errors.get(e.reason, 0) + 1
+            if self._on_error is not None:
+                self._on_error(e.reason)
+            log.warning("kv-events from %s rejected (%s); resyncing", self._url, e)
+            raise
         self.live = True
 
     def _drop(self) -> None:
@@ -108,7 +147,9 @@ class KVEventFollower:
                 try:
                     await self.poll_once()
                 except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                    if self.live:
+                    # Dropping the entries and the position makes the next poll a resync (the pod answers
+                    # a request without a position with its whole cached set).
+                    if self.live and not isinstance(e, StreamError):
                         log.warning(
                             "kv-events from %s unavailable (%s); approximate index stands in", self._url, e
                         )

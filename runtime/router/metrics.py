@@ -48,6 +48,12 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.kv_event_errors = Counter(
+            PREFIX + "kv_event_errors",
+            "KV-event replies rejected and resynced, by reason (malformed, epoch, order).",
+            ["reason"],
+            registry=r,
+        )
         self.retries = Counter(
             PREFIX + "retries", "Attempts retried on another endpoint.", ["reason"], registry=r
         )

@@ -2,7 +2,7 @@
 
 Block hashes are chained (h_i covers every token up to block i), so a pod can reuse block i only if it also
 holds blocks 0..i-1: a pod's usable prefix is the run of *leading* hashes it holds, and the walk stops at the
-first miss. Both indexes answer `match(hashes, endpoint_ids) -> {endpoint_id: num_leading_blocks}`.
+first miss. Every index answers `match(hashes, endpoint_ids) -> {endpoint_id: num_leading_blocks}`.
 
 - `ExactPrefixIndex`: the set of block hashes each pod reports cached (stored / removed / cleared events).
   It is as exact as the pod's own cache, with the lag of one event poll.
@@ -13,80 +13,162 @@ first miss. Both indexes answer `match(hashes, endpoint_ids) -> {endpoint_id: nu
   meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
   pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
   pod reports an eviction (from then on its events alone say what it holds).
+
+Representation (all three): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
+integer per endpoint, the lowest free one reused). A match is one pass over the prompt's blocks for all
+endpoints together, O(prompt blocks) and not O(blocks x endpoints): the running AND of the blocks' holder
+sets (C-level `map` + `accumulate`), whose value only ever loses bits and so only decreases; each endpoint's
+leading run ends where its bit leaves, found by bisection. The pass stops as soon as no queried endpoint is
+left, in chunks that grow 4x, so a prompt nobody holds costs one small chunk. A bitset is one int per block
+(small for up to ~60 endpoints) instead of a set of endpoint names per block, roughly halving the memory per
+(block, endpoint) (bench/router_pick.py prints it). Removal costs O(removed blocks): the reverse map
+endpoint -> own blocks makes `clear`/`forget` cost what that endpoint holds.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from functools import reduce
+from itertools import accumulate, repeat
+from operator import and_, neg, or_
 
-_NOBODY: frozenset[str] = frozenset()
+_FIRST_CHUNK = 64
 
 
-def _leading_matches(
-    hashes: Sequence[bytes], endpoint_ids: Iterable[str], holders: Mapping[bytes, AbstractSet[str]]
+class EndpointSlots:
+    """endpoint id <-> bit position in the holder bitsets; the lowest free slot is reused so bitsets stay small."""
+
+    def __init__(self) -> None:
+        self._slot: dict[str, int] = {}
+        self.bits: dict[str, int] = {}  # endpoint id -> 1 << slot, for a C-level mask of the asked endpoints
+        self._ids: list[str | None] = []
+        self._free: list[int] = []
+
+    def bit(self, endpoint_id: str) -> int:
+        """The endpoint's bit, allocating a slot for a new endpoint."""
+        slot = self._slot.get(endpoint_id)
+        if slot is None:
+            if self._free:
+                slot = heapq.heappop(self._free)
+                self._ids[slot] = endpoint_id
+            else:
+                slot = len(self._ids)
+                self._ids.append(endpoint_id)
+            self._slot[endpoint_id] = slot
+            self.bits[endpoint_id] = 1 << slot
+        return 1 << slot
+
+    def known_bit(self, endpoint_id: str) -> int:
+        slot = self._slot.get(endpoint_id)
+        return 0 if slot is None else 1 << slot
+
+    def release(self, endpoint_id: str) -> None:
+        """Only once no bitset carries the endpoint's bit any more (a reused slot must start empty)."""
+        slot = self._slot.pop(endpoint_id, None)
+        if slot is not None:
+            del self.bits[endpoint_id]
+            self._ids[slot] = None
+            heapq.heappush(self._free, slot)
+
+    def owner(self, slot: int) -> str | None:
+        return self._ids[slot]
+
+
+def leading_matches(
+    hashes: Sequence[bytes], endpoint_ids: Iterable[str], holders: Mapping[bytes, int], slots: EndpointSlots
 ) -> dict[str, int]:
-    """endpoint -> how many leading blocks of `hashes` it holds (`holders`: block hash -> endpoints).
-    Runs for every routed request, several times: an endpoint's count is written once, when its run
-    ends, a block every remaining endpoint holds (the usual case deep in a shared prefix) costs one
-    C-level subset test, and a block's holders are one C-level lookup, not a Python call."""
-    remaining = set(endpoint_ids)
-    result = dict.fromkeys(remaining, 0)
+    """endpoint -> how many leading blocks of `hashes` it holds (`holders`: block hash -> slot bitset)."""
+    ids = endpoint_ids if isinstance(endpoint_ids, list | tuple) else list(endpoint_ids)
+    result = dict.fromkeys(ids, 0)
+    if not holders:  # an empty generation of the recent routes: the usual case, answered for free
+        return result
+    remaining = reduce(or_, map(slots.bits.get, ids, repeat(0)), 0)
     get = holders.get
-    for i, h in enumerate(hashes):
-        have = get(h, _NOBODY)
-        if remaining <= have:
-            continue
-        for e in remaining - have:
-            result[e] = i
-        remaining &= have
-        if not remaining:
-            return result
     n = len(hashes)
-    for e in remaining:
-        result[e] = n
+    start, chunk = 0, _FIRST_CHUNK
+    while remaining and start < n:
+        part = hashes[start : start + chunk]
+        # acc[i] = the queried endpoints holding all of part[:i] (and everything before `part`).
+        acc = list(accumulate(map(get, part, repeat(0)), and_, initial=remaining))
+        last = acc[-1]
+        pos = 0
+        while acc[pos] != last:
+            v = acc[pos]
+            pos = bisect_right(acc, -v, lo=pos, key=neg)  # first i with acc[i] < v: a bit left there
+            _assign(result, v & ~acc[pos], start + pos - 1, slots)
+        remaining = last
+        start += len(part)
+        chunk *= 4
+    if remaining:
+        _assign(result, remaining, n, slots)
     return result
 
 
+def _assign(result: dict[str, int], bits: int, count: int, slots: EndpointSlots) -> None:
+    while bits:
+        low = bits & -bits
+        result[slots.owner(low.bit_length() - 1)] = count
+        bits ^= low
+
+
+def _drop_bit(holders: dict[bytes, int], hashes: Iterable[bytes], bit: int) -> None:
+    mask = ~bit
+    for h in hashes:
+        have = holders.get(h)
+        if have is not None:
+            have &= mask
+            if have:
+                holders[h] = have
+            else:
+                del holders[h]
+
+
 class ExactPrefixIndex:
-    """block hash -> endpoints holding it, plus the reverse map so a `cleared` or a resync is O(own blocks)."""
+    """block hash -> bitset of endpoints holding it, plus the reverse map so a `cleared` or a resync is
+    O(own blocks). Bounded by what the pods hold (the distinct blocks of their KV caches)."""
 
     def __init__(self, on_removal: Callable[[str], None] | None = None) -> None:
-        self._holders: dict[bytes, set[str]] = {}
+        self._holders: dict[bytes, int] = {}
         self._blocks: dict[str, set[bytes]] = {}
+        self._slots = EndpointSlots()
         # Told which endpoint lost blocks (RecentRoutes.forget: after an eviction only events count).
         self._on_removal = on_removal
 
     def stored(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
-        own = self._blocks.setdefault(endpoint_id, set())
-        for h in hashes:
-            own.add(h)
-            self._holders.setdefault(h, set()).add(endpoint_id)
+        hashes = hashes if isinstance(hashes, list | tuple) else list(hashes)
+        if not hashes:
+            return
+        bit = self._slots.bit(endpoint_id)
+        self._blocks.setdefault(endpoint_id, set()).update(hashes)
+        holders = self._holders
+        holders.update(zip(hashes, map(or_, map(holders.get, hashes, repeat(0)), repeat(bit)), strict=False))
 
     def removed(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
         own = self._blocks.get(endpoint_id)
         if own is None:
             return
         hashes = list(hashes)
+        if hashes and self._on_removal is not None:  # an eviction there, even of blocks not seen stored
+            self._on_removal(endpoint_id)
         own.difference_update(hashes)
-        self._drop_holder(endpoint_id, hashes)
+        _drop_bit(self._holders, hashes, self._slots.known_bit(endpoint_id))
+        if not own:
+            del self._blocks[endpoint_id]
+            self._slots.release(endpoint_id)
 
     def clear(self, endpoint_id: str) -> None:
         """Forget everything about an endpoint (its cache was cleared, it left, or its stream is stale)."""
-        self._drop_holder(endpoint_id, self._blocks.pop(endpoint_id, set()))
-
-    def _drop_holder(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
-        hashes = list(hashes)
-        if hashes and self._on_removal is not None:
+        own = self._blocks.pop(endpoint_id, None)
+        if own is None:
+            return
+        if own and self._on_removal is not None:
             self._on_removal(endpoint_id)
-        for h in hashes:
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(endpoint_id)
-                if not holders:
-                    del self._holders[h]
+        _drop_bit(self._holders, own, self._slots.known_bit(endpoint_id))
+        self._slots.release(endpoint_id)
 
     def replace(self, endpoint_id: str, hashes: Iterable[bytes]) -> None:
         """Resync: the endpoint's full set of cached blocks, replacing what was known."""
@@ -96,12 +178,21 @@ class ExactPrefixIndex:
     def num_blocks(self, endpoint_id: str) -> int:
         return len(self._blocks.get(endpoint_id, ()))
 
+    def blocks(self, endpoint_id: str) -> frozenset[bytes]:
+        """The block hashes the endpoint is known to hold (a copy)."""
+        return frozenset(self._blocks.get(endpoint_id, ()))
+
+    def __len__(self) -> int:
+        """Distinct blocks held by any endpoint."""
+        return len(self._holders)
+
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        return _leading_matches(hashes, endpoint_ids, self._holders)
+        return leading_matches(hashes, endpoint_ids, self._holders, self._slots)
 
 
 class ApproximatePrefixIndex:
-    """The router's own memory of routed prefixes: hash -> endpoints, least recently routed evicted first.
+    """The router's own memory of routed prefixes: hash -> endpoint bitset, least recently routed evicted
+    first (at most `capacity_blocks` hashes).
 
     Keeps the reverse map too: `forget` runs on every eviction a pod reports, and must cost what that pod
     has here, not a scan of the whole index."""
@@ -110,8 +201,9 @@ class ApproximatePrefixIndex:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self._capacity = capacity_blocks
-        self._entries: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._entries: OrderedDict[bytes, int] = OrderedDict()
         self._by_endpoint: dict[str, set[bytes]] = {}
+        self._slots = EndpointSlots()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -119,31 +211,31 @@ class ApproximatePrefixIndex:
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         """`endpoint_id` was sent this prompt: after it runs, the pod will have cached these blocks.
 
-        Runs for every routed request over all its blocks: the per-block work is two C calls."""
+        Runs for every routed request over all its blocks, so the per-block work is C-level: popping and
+        re-inserting an entry moves it to the most recent end. (A prompt's chained hashes are distinct.)"""
+        if not hashes:
+            return
+        bit = self._slots.bit(endpoint_id)
         entries = self._entries
-        get, move_to_end = entries.get, entries.move_to_end
-        for h in hashes:
-            holders = get(h)
-            if holders is None:
-                entries[h] = {endpoint_id}
-            else:
-                holders.add(endpoint_id)
-                move_to_end(h)
+        previous = list(map(entries.pop, hashes, repeat(0)))
+        entries.update(zip(hashes, map(or_, previous, repeat(bit)), strict=False))
         self._by_endpoint.setdefault(endpoint_id, set()).update(hashes)
-        while len(self._entries) > self._capacity:
-            h, holders = self._entries.popitem(last=False)
-            for e in holders:
-                self._by_endpoint[e].discard(h)
+        while len(entries) > self._capacity:
+            h, holders = entries.popitem(last=False)
+            while holders:
+                low = holders & -holders
+                self._by_endpoint[self._slots.owner(low.bit_length() - 1)].discard(h)
+                holders ^= low
 
     def forget(self, endpoint_id: str) -> None:
-        for h in self._by_endpoint.pop(endpoint_id, ()):
-            holders = self._entries[h]
-            holders.discard(endpoint_id)
-            if not holders:
-                del self._entries[h]
+        own = self._by_endpoint.pop(endpoint_id, None)
+        if own is None:
+            return
+        _drop_bit(self._entries, own, self._slots.known_bit(endpoint_id))
+        self._slots.release(endpoint_id)
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        return _leading_matches(hashes, endpoint_ids, self._entries)
+        return leading_matches(hashes, endpoint_ids, self._entries, self._slots)
 
 
 class RecentRoutes:
@@ -183,6 +275,8 @@ class RecentRoutes:
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
         self._rotate()
         ids = list(endpoint_ids)
+        if not len(self._previous):  # one generation in use: no merge to pay for
+            return self._current.match(hashes, ids)
         current = self._current.match(hashes, ids)
         previous = self._previous.match(hashes, ids)
         return {e: max(current[e], previous[e]) for e in ids}

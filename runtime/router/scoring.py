@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.runtime.router.config import Balance, RoutingSpec, Weights
@@ -91,10 +91,17 @@ def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
 
 
 class Strategy:
-    """Base: subclasses implement `_choose` over a non-empty candidate list."""
+    """Base: subclasses implement `_choose` over a non-empty candidate list.
 
-    def __init__(self, spec: RoutingSpec) -> None:
+    `clock` is what the strategy's history ages on (the work bound's provisional entries): the live
+    router's monotonic clock, or a simulation's virtual one. `work` is the work bound, where the strategy
+    keeps one (the caller feeds it the pods' announcements and settles it as requests end)."""
+
+    work: WorkBound | None = None
+
+    def __init__(self, spec: RoutingSpec, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
+        self.clock = clock
 
     def update(self, spec: RoutingSpec) -> None:
         """A live policy change of the same strategy: new weights and bounds, the history kept."""
@@ -110,8 +117,8 @@ class Strategy:
 
 
 class RoundRobin(Strategy):
-    def __init__(self, spec: RoutingSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: RoutingSpec, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(spec, clock)
         self._next = 0
 
     def _choose(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
@@ -200,14 +207,14 @@ class WeightedScore(Strategy):
 
     use_prefix = True
 
-    def __init__(self, spec: RoutingSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: RoutingSpec, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(spec, clock)
         self._ties = 0
-        self.work = WorkBound(spec.balance.window)
+        self.work = WorkBound(spec.balance.window, clock=clock)
 
     def update(self, spec: RoutingSpec) -> None:
         if spec.balance.window != self.spec.balance.window:
-            self.work = WorkBound(spec.balance.window)
+            self.work = WorkBound(spec.balance.window, clock=self.clock)
         super().update(spec)
 
     def _choose(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
@@ -263,10 +270,10 @@ class SessionAffinity(Strategy):
 
     epsilon = 0.25
 
-    def __init__(self, spec: RoutingSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: RoutingSpec, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(spec, clock)
         self._ring = BoundedLoadRing(())
-        self._fallback = PrefixAffinity(spec)
+        self._fallback = PrefixAffinity(spec, clock)
 
     @property
     def work(self) -> WorkBound:
@@ -296,10 +303,13 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(spec: RoutingSpec, current: Strategy | None = None) -> Strategy:
-    """The strategy `spec` names; `current` is updated in place when it is already that strategy."""
+def make_strategy(
+    spec: RoutingSpec, current: Strategy | None = None, clock: Callable[[], float] = time.monotonic
+) -> Strategy:
+    """The strategy `spec` names, on `clock`; `current` is updated in place when it is already that
+    strategy (keeping its history and its clock)."""
     cls = STRATEGIES[spec.strategy]
     if current is not None and type(current) is cls:
         current.update(spec)
         return current
-    return cls(spec)
+    return cls(spec, clock)

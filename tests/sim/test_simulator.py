@@ -277,7 +277,7 @@ def test_router_index_follows_the_pods_cache_through_evictions():
     assert computed > 2 * 2 * 400 * 16  # the pods computed far more KV than their caches hold: evictions
     for name, pod in sim.pods.items():
         cached = {b.block_hash for b in pod.replica.kv.pool.blocks if b.block_hash is not None}
-        assert sim.router.exact._blocks.get(name, set()) == cached
+        assert sim.router.exact.blocks(name) == cached
 
 
 def test_tensor_parallel_decode_pods_compute_the_prompt_themselves():

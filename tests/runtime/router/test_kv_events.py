@@ -136,3 +136,81 @@ def test_scheduled_prefills_reach_the_router_but_are_not_cached_blocks():
     snapshot = log.read(None, None)
     assert [e["type"] for e in snapshot["events"]] == ["cleared", "stored"]
     assert snapshot["events"][1]["block_hashes"] == []
+
+
+def _reply(epoch="e1", seq=1, events=(), reset=False, **over):
+    reply = {"epoch": epoch, "seq": seq, "reset": reset, "block_size": 16, "hash_extra": list(EXTRA)}
+    reply["events"] = [{"type": t, "block_hashes": [h.hex() for h in hs]} for t, hs in events]
+    return reply | over
+
+
+def test_replies_that_do_not_follow_on_or_do_not_parse_are_rejected_whole():
+    from tokenfleet.runtime.router.kv_events import StreamError
+
+    idx = ExactPrefixIndex()
+    pos = apply_reply(idx, "p", _reply(seq=1, reset=True, events=[("cleared", []), ("stored", H[:3])]))
+    bad = {
+        "epoch": _reply(epoch="e2", seq=2, events=[("stored", H)]),  # the pod restarted, no resync
+        "order": _reply(seq=0, events=[("removed", H[:1])]),  # goes back
+        "malformed": _reply(seq=2, events=[("stored", H), ("teleported", H)]),  # applies nothing, not H
+    }
+    also_malformed = [
+        _reply(seq=2, events=[("stored", H)]) | {"events": [{"type": "stored", "block_hashes": "abc"}]},
+        _reply(seq=2) | {"events": "nope"},
+        _reply(seq=2, block_size=0),
+        {"seq": 2},
+    ]
+    for reason, reply in [*bad.items(), *(("malformed", r) for r in also_malformed)]:
+        with pytest.raises(StreamError) as err:
+            apply_reply(idx, "p", reply, previous=pos)
+        assert err.value.reason == reason
+        assert idx.match(H, ["p"]) == {"p": 3} and idx.num_blocks("p") == 3  # untouched
+    same_seq_no_events = apply_reply(idx, "p", _reply(seq=1), previous=pos)  # a long poll that timed out
+    assert same_seq_no_events == pos
+    resync = apply_reply(
+        idx, "p", _reply(epoch="e2", seq=5, reset=True, events=[("stored", H[:1])]), None, pos
+    )
+    assert resync.epoch == "e2" and idx.match(H, ["p"]) == {"p": 1}
+
+
+async def test_follower_counts_bad_replies_drops_the_endpoint_and_resyncs(serve_app):
+    """A pod whose stream misbehaves (a new epoch without a resync, then garbage): the follower keeps
+    running, counts each rejection, never applies a bad reply, and ends on the pod's resync snapshot."""
+    from aiohttp import web
+
+    script = [
+        _reply(seq=1, reset=True, events=[("cleared", []), ("stored", H[:3])]),
+        _reply(epoch="e2", seq=2, events=[("stored", H)]),  # rejected: epoch
+        _reply(epoch="e2", seq=2, reset=True, events=[("cleared", []), ("stored", H[:2])]),
+        _reply(epoch="e2", seq=3, events=[("stored", H[2:])]) | {"events": [{"kind": "stored"}]},  # malformed
+        _reply(epoch="e2", seq=3, reset=True, events=[("cleared", []), ("stored", H[:1])]),
+    ]
+    asked: list[dict] = []
+
+    async def events(request: web.Request) -> web.Response:
+        asked.append(dict(request.query))
+        if len(asked) > len(script):
+            await asyncio.sleep(0.05)
+            return web.json_response(_reply(epoch="e2", seq=3))
+        return web.json_response(script[len(asked) - 1])
+
+    app = web.Application()
+    app.router.add_get("/v1/kv-events", events)
+    idx = ExactPrefixIndex()
+    rejected: list[str] = []
+    async with serve_app(app) as url, aiohttp.ClientSession() as session:
+        follower = KVEventFollower(
+            session, url, "p", idx, on_error=rejected.append, wait_seconds=0.05, retry_seconds=0.01
+        )
+        task = asyncio.create_task(follower.run())
+        for _ in range(200):
+            if len(asked) > len(script) + 1:
+                break
+            await asyncio.sleep(0.02)
+        assert not task.done()
+        assert follower.live and idx.match(H, ["p"]) == {"p": 1}
+        assert follower.errors == {"epoch": 1, "malformed": 1} and rejected == ["epoch", "malformed"]
+        # After each rejection the follower asked afresh (no position): that is what makes the pod resync.
+        assert "since" not in asked[2] and "since" not in asked[4] and asked[1]["since"] == "1"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

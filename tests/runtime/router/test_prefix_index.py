@@ -113,3 +113,77 @@ def test_match_counts_each_endpoints_leading_run_over_random_holdings():
         asked = rng.sample(endpoints, rng.randint(1, len(endpoints)))
         assert idx.match(hashes, asked) == {e: expected[e] for e in asked}
         assert idx.match([], asked) == dict.fromkeys(asked, 0)
+
+
+def _leading(hashes, held):
+    n = 0
+    while n < len(hashes) and hashes[n] in held:
+        n += 1
+    return n
+
+
+def test_match_stays_exact_across_many_endpoints_long_prompts_and_churn():
+    """More endpoints than a machine word, prompts crossing the match's chunk boundaries, and endpoints that
+    leave and come back (their slots reused): every answer agrees with the definition, and a departed
+    endpoint's blocks never show up under the endpoint that inherits its slot."""
+    import random
+
+    rng = random.Random(11)
+    hashes = block_hashes_for(list(range(16 * 700)), 16, EXTRA)
+    endpoints = [f"e{i}" for i in range(80)]
+    idx = ExactPrefixIndex()
+    held: dict[str, set[bytes]] = {e: set() for e in endpoints}
+    for step in range(120):
+        e = rng.choice(endpoints)
+        action = rng.random()
+        if action < 0.5:  # a leading run, sometimes with a hole
+            blocks = hashes[: rng.randint(0, len(hashes))]
+            if blocks and rng.random() < 0.3:
+                blocks = [h for h in blocks if h != rng.choice(blocks)]
+            idx.stored(e, blocks)
+            held[e].update(blocks)
+        elif action < 0.8:
+            gone = rng.sample(hashes, 30)
+            idx.removed(e, gone)
+            held[e].difference_update(gone)
+        else:
+            idx.clear(e)
+            held[e] = set()
+        asked = [*rng.sample(endpoints, rng.randint(1, len(endpoints))), "never-seen"]
+        expected = {a: _leading(hashes, held.get(a, set())) for a in asked}
+        assert idx.match(hashes, asked) == expected, step
+        assert all(idx.num_blocks(a) == len(held[a]) for a in endpoints)
+    for e in endpoints:
+        idx.clear(e)
+    assert len(idx) == 0  # nothing left behind once every endpoint is gone
+
+
+def test_approximate_index_agrees_with_an_lru_of_routes():
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(5)
+    prompts = [block_hashes_for([p] * 16 * 90, 16, EXTRA)[: rng.randint(1, 90)] for p in range(6)]
+    endpoints = [f"e{i}" for i in range(70)]
+    idx = ApproximatePrefixIndex(capacity_blocks=300)
+    lru: OrderedDict[bytes, set[str]] = OrderedDict()
+    for _ in range(150):
+        e = rng.choice(endpoints)
+        if rng.random() < 0.85:
+            blocks = rng.choice(prompts)
+            idx.record(e, blocks)
+            for h in blocks:
+                lru.setdefault(h, set()).add(e)
+                lru.move_to_end(h)
+            while len(lru) > 300:
+                lru.popitem(last=False)
+        else:
+            idx.forget(e)
+            for h in [h for h, s in lru.items() if e in s]:
+                lru[h].discard(e)
+                if not lru[h]:
+                    del lru[h]
+        assert len(idx) == len(lru)
+        target = rng.choice(prompts)
+        expected = {a: _leading(target, {h for h, s in lru.items() if a in s}) for a in endpoints}
+        assert idx.match(target, endpoints) == expected

@@ -194,3 +194,20 @@ def test_ties_go_to_the_same_pod_from_every_router():
     spread = {make_strategy(spec()).choose(RouteQuery(8, None, bytes([k]) * 16), cands).endpoint_id
               for k in range(32)}  # fmt: skip
     assert len(spread) == 4  # different prefixes still spread over the pods
+
+
+@pytest.mark.parametrize("name", ["prefix-affinity", "least-load", "session-affinity"])
+def test_a_strategy_ages_its_work_bound_on_the_clock_it_is_given(name):
+    """A simulation runs the router's strategies on a virtual clock: unannounced decisions stop counting
+    after the backstop on *that* clock, whatever the wall clock did (session affinity included, whose
+    requests without a session key go through its prefix-affinity fallback)."""
+    now = [0.0]
+    s = make_strategy(spec(strategy=name), clock=lambda: now[0])
+    assert s.work is not None
+    s.choose(RouteQuery(num_blocks=4), [Candidate("a", load=0, reports_work=True)])
+    assert s.work.count("a") == 1  # provisional: the pod has not announced it yet
+    now[0] = 299.0
+    assert s.work.count("a") == 1
+    now[0] = 301.0  # past the 300 s backstop on the given clock
+    assert s.work.count("a") == 0
+    assert make_strategy(spec(strategy="round-robin"), clock=lambda: now[0]).work is None
