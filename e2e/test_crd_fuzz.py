@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 
+import pytest
 from audit_log import read_calls
 from crd_fuzz import field_names, generate, spec_schemas
 from crd_fuzz_run import call_figures, run_fuzz
@@ -36,6 +37,7 @@ def handler_failures(log: str) -> list[str]:
     return [line for line in log.splitlines() if "failed with an exception" in line]
 
 
+@pytest.mark.slow
 def test_crd_fuzz(cluster, operator):
     pid, log_start = operator.proc.pid, len(operator.log())
     docs = generate(FUZZ_DOCS, FUZZ_SEED, BATCH)
