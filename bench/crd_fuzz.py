@@ -89,7 +89,10 @@ def main() -> int:
         plane.stop()
 
     results = Counter(o.result for o in outcomes)
-    problems = [(o, p) for o in outcomes for p in o.problems]
+    # Documents the operator never got to (a busy machine) last: the others say more.
+    problems = sorted(
+        ((o, p) for o in outcomes for p in o.problems), key=lambda op: op[0].result == "unsettled"
+    )
     per_reconcile = sorted(figures.per_reconcile().values())
     recs = figures.reconciles
     timer_peer = {n: figures.lifetime[n] / args.resync for n in recs}

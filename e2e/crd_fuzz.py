@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tokenfleet.operator.api import parse_cache_policy, parse_model_deployment, parse_routing_policy
+from tokenfleet.runtime.errors import ConfigError
 
 CRDS = Path(__file__).resolve().parent.parent / "crds"
 API_VERSION = "serving.tokenfleet.dev/v1alpha1"
@@ -62,6 +64,11 @@ ZERO_REPLICAS = {
     "CachePolicy": [],
 }  # fmt: skip
 NO_AUTOSCALING = {"autoscaling"}
+PARSERS = {
+    "ModelDeployment": parse_model_deployment,
+    "CachePolicy": parse_cache_policy,
+    "RoutingPolicy": parse_routing_policy,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +236,10 @@ class Generator:
     def document(self, kind: str, index: int, family: str) -> FuzzDoc:
         boundary = family == "boundary"
         spec = self.obj(self.schemas[kind], (), boundary)
+        # A malformed document starts from one the operator's own validators accept (the CEL rules say the
+        # same), so the one mutation is its only problem and the refusal has to name that field.
+        while family == "malformed" and not _accepted(kind, spec):
+            spec = self.obj(self.schemas[kind], (), boundary)
         name = self.name(index, boundary)
         mutation, field = "", None
         if family == "malformed":
@@ -378,6 +389,14 @@ def generate(count: int, seed: int, batch_size: int) -> list[FuzzDoc]:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+def _accepted(kind: str, spec: dict[str, Any]) -> bool:
+    try:
+        PARSERS[kind](copy.deepcopy(spec))
+    except ConfigError:
+        return False
+    return True
+
+
 def _leaves(schema: dict[str, Any], path: tuple[str, ...]):
     """(path, schema) of every scalar or list property (list items: index 0)."""
     for key, child in (schema.get("properties") or {}).items():

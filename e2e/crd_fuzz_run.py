@@ -212,7 +212,7 @@ async def run_fuzz(
     batch_size: int = 12,
     batches_at_once: int = 8,
     pool_size: int = 8,
-    settle_seconds: float = 60.0,
+    settle_seconds: float = 180.0,
 ) -> tuple[list[Outcome], BatchLog]:
     pool, lanes, log = asyncio.Semaphore(pool_size), asyncio.Semaphore(batches_at_once), BatchLog()
 
