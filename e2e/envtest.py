@@ -43,6 +43,16 @@ from tether import program, tethered
 
 OPERATOR_USER = "system:serviceaccount:tokenfleet-system:tokenfleet-operator"
 OPERATOR_GROUPS = "system:serviceaccounts,system:serviceaccounts:tokenfleet-system,system:authenticated"
+# Metadata only (verb, object, code; no bodies), once per request when it completes, for the operator's
+# identity alone: enough to count its calls per object, cheap enough to stay on for every session.
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+- level: Metadata
+  users: ["{OPERATOR_USER}"]
+- level: None
+"""
 
 
 def _asset(name: str) -> Path | None:
@@ -158,6 +168,9 @@ class ControlPlane:
                 # No kube-proxy: the `kubernetes` Service's ClusterIP routes nowhere, so the kubelet
                 # hands pods the API server's real address (KUBERNETES_SERVICE_HOST) instead.
                 "--endpoint-reconciler-type=none",
+                # Every request of the operator's identity, one JSON line each (audit_log.py counts them).
+                f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
+                f"--audit-log-path={self.audit_log}",
             ],
         )  # fmt: skip
         _wait_http(f"{self.server}/readyz", 60, token=self.admin_token, proc=self.procs[-1])
@@ -243,6 +256,7 @@ class ControlPlane:
         subprocess.run(
             ["openssl", "rsa", "-in", str(key), "-pubout", "-out", str(pub)], check=True, capture_output=True
         )
+        (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
         (self.dir / "tokens.csv").write_text(
             f'{self.admin_token},admin,admin-uid,"system:masters"\n'
             f'{self.operator_token},{OPERATOR_USER},operator-uid,"{OPERATOR_GROUPS}"\n'
@@ -252,6 +266,10 @@ class ControlPlane:
     @property
     def server(self) -> str:
         return f"https://{self.host}:{self.port}"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "audit.log"
 
     @property
     def ca_file(self) -> Path:

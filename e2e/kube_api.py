@@ -18,6 +18,7 @@ class ApiError(RuntimeError):
     def __init__(self, status: int, text: str):
         super().__init__(f"{status}: {text[:500]}")
         self.status = status
+        self.text = text
 
 
 class KubeApi:

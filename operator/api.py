@@ -623,6 +623,28 @@ def parse_routing_policy(spec: dict[str, Any] | None) -> RoutingSpec:
     return _parse(RoutingSpec, "RoutingPolicy", spec)
 
 
+# Children are named after their parent, and a Service's name must be a DNS-1035 label (at most 63
+# characters, a letter first, no dots) while a custom resource may be named by any DNS-1123 subdomain (253
+# characters, dots allowed): the longest name a parent's children take is `<name><suffix>`. A
+# ModelDeployment reserves the disaggregated role suffix, so switching modes never needs a rename.
+CHILD_NAME_SUFFIX = {"ModelDeployment": "-prefill", "RoutingPolicy": "-router"}
+_LABEL_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def check_name(kind: str, name: str) -> None:
+    """Raise ConfigError naming `metadata.name` when the children of `kind` `name` cannot be named after it."""
+    suffix = CHILD_NAME_SUFFIX.get(kind)
+    if suffix is None:
+        return
+    longest = 63 - len(suffix)
+    if len(name) > longest or not _LABEL_RE.fullmatch(name):
+        raise ConfigError(
+            f"invalid {kind} metadata.name {name[:80]!r}: its Services are named after it ({name[:20]}"
+            f"...{suffix}), so it must be at most {longest} characters of a-z, 0-9 and '-', starting with a "
+            "letter"
+        )
+
+
 def source_kind(source: str) -> Literal["builtin", "pvc", "hostpath", "hf"]:
     """Which of the four source forms `source` is (it already matched SOURCE_PATTERN)."""
     if not _SOURCE_RE.match(source):

@@ -24,6 +24,7 @@ from tokenfleet.operator.api import (
     DEFAULT_IMAGE,
     GROUP,
     ModelDeploymentSpec,
+    check_name,
     parse_cache_policy,
     parse_model_deployment,
     parse_routing_policy,
@@ -406,6 +407,7 @@ def _resolve(
 ) -> tuple[ReconcileOutcome, ModelDeploymentSpec | None, Any]:
     """Parse the spec and fetch the referenced policies; a problem becomes part of the outcome."""
     try:
+        check_name("ModelDeployment", name)
         spec = parse_model_deployment(body.get("spec"))
         source_kind(spec.model.source)
     except ConfigError as e:
@@ -509,6 +511,7 @@ def _reconcile_routing_policy(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     try:
+        check_name("RoutingPolicy", name)
         spec = parse_routing_policy(body.get("spec"))
     except ConfigError as e:
         _write_policy_status(ctx, "RoutingPolicy", body, [], None, str(e))
@@ -520,6 +523,7 @@ def _reconcile_routing_policy(
     for md_name in watched.users_of(namespace, "routingPolicyRef", name):
         used_by.append(md_name)
         try:
+            check_name("ModelDeployment", md_name)
             md_spec = parse_model_deployment(md_specs[md_name])
             cache_name = md_spec.cache_policy_ref
             cp_spec = watched.cache_policy_spec(namespace, cache_name) if cache_name else None

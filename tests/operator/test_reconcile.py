@@ -23,6 +23,7 @@ from tokenfleet.operator.reconcile import (
     reconcile_dependents,
     reconcile_model_deployment,
     reconcile_routers,
+    reconcile_routing_policy,
 )
 
 NS = "team"
@@ -252,6 +253,30 @@ def test_invalid_spec_fails_with_a_condition_and_a_warning(clock, events):
     assert {c["type"]: c["status"] for c in status["conditions"]}["ConfigValid"] == "False"
     assert events[-1][1] == "Warning"
     assert kube.names("Deployment") == []
+
+
+@pytest.mark.parametrize("name", ["m" * 56, "a.b", "9lives"])
+def test_a_name_its_services_cannot_take_is_reported_not_applied(clock, events, name):
+    """A custom resource may be named by any DNS-1123 subdomain, a Service only by a 63-character DNS-1035
+    label: the children cannot exist, so the status and an Event say so instead of a refused apply."""
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", name, {"routingPolicyRef": "front"})
+    kube.create("RoutingPolicy", "r" * 57, {})
+    kube.create("RoutingPolicy", "front", {})
+    with pytest.raises(kopf.PermanentError, match=r"metadata\.name"):
+        _reconcile(ctx, kube, name)
+    status = kube.obj("ModelDeployment", name)["status"]
+    assert status["phase"] == "Failed" and "metadata.name" in status["conditions"][0]["message"]
+    assert events[-1][:2] == (name, "Warning")
+    with pytest.raises(kopf.PermanentError, match=r"metadata\.name"):
+        reconcile_routing_policy(ctx, kube.watched(), NS, "r" * 57, LOG)
+    assert kube.obj("RoutingPolicy", "r" * 57)["status"]["conditions"][0]["status"] == "False"
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    # The router leaves the unnameable ModelDeployment out; nothing else was applied for either.
+    assert yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])["backends"] == []
+    assert kube.names("Deployment") == ["front-router"]
+    _reconcile(ctx, kube, "m" * 55)  # the longest name that fits: not even created, so nothing to do
 
 
 def test_missing_cache_policy_waits_then_its_creation_unblocks_the_dependent(clock, events):
