@@ -223,10 +223,14 @@ def test_blocks_inserted_over_cached_ones_send_the_evicted_kv_to_the_host_tier_i
 
     assert insert_prefix_blocks(kb, hashes, prompt[:64], None, fill) == 4
     warm_p = b.generate([prompt], LP)[0]
-    assert warm_p.num_cached_tokens == 64 and warm_p.token_ids == cold_p.token_ids
+    assert warm_p.num_cached_tokens == 64 and warm_p.outputs[0].token_ids == cold_p.outputs[0].token_ids
     again = b.generate([doc], LP)[0]
     m = kb.metrics()
     assert m.offloaded_blocks >= 2 and m.host_hit_blocks == 2
     assert again.num_cached_tokens == 32  # both blocks came back from the host tier ...
-    assert again.token_ids == cold_doc.token_ids  # ... holding the document's KV, not the prompt's
-    assert [lp.logprob for lp in again.logprobs] == pytest.approx([lp.logprob for lp in cold_doc.logprobs])
+    assert again.outputs[0].token_ids == cold_doc.outputs[0].token_ids  # ... holding the document's KV, not the prompt's
+    def sampled(out):  # the sampled token's logprob at each position
+        c = out.outputs[0]
+        return [position[t].logprob for position, t in zip(c.logprobs, c.token_ids, strict=True)]
+
+    assert sampled(again) == pytest.approx(sampled(cold_doc))

@@ -169,4 +169,7 @@ async def test_kv_events_stream_reports_new_cached_blocks(real_server):
         stored = [h for e in reply["events"] if e["type"] == "stored" for h in e["block_hashes"]]
         assert len(stored) >= 2
         load = await (await session.get(real_server.url + "/load")).json()
-        assert set(load) == {"num_running", "num_waiting", "kv_cache_usage"}
+        assert set(load) == {"num_running", "num_waiting", "kv_cache_usage", "tokenizer_digest", "access"}
+        assert load["tokenizer_digest"]  # the router re-fetches the tokenizer when this changes
+        # No key configured on this server: every endpoint is open, and /load says so.
+        assert load["access"]["/v1/completions"]["needs"] == "none"
