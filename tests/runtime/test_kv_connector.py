@@ -228,9 +228,12 @@ def test_blocks_inserted_over_cached_ones_send_the_evicted_kv_to_the_host_tier_i
     m = kb.metrics()
     assert m.offloaded_blocks >= 2 and m.host_hit_blocks == 2
     assert again.num_cached_tokens == 32  # both blocks came back from the host tier ...
-    assert again.outputs[0].token_ids == cold_doc.outputs[0].token_ids  # ... holding the document's KV, not the prompt's
+    # ... holding the document's KV, not the prompt's
+    assert again.outputs[0].token_ids == cold_doc.outputs[0].token_ids
+
     def sampled(out):  # the sampled token's logprob at each position
         c = out.outputs[0]
         return [position[t].logprob for position, t in zip(c.logprobs, c.token_ids, strict=True)]
 
-    assert sampled(again) == pytest.approx(sampled(cold_doc))
+    # A host hit computes the suffix alone, not in the cold prefill's batch: equal within float noise.
+    assert sampled(again) == pytest.approx(sampled(cold_doc), abs=1e-4)
