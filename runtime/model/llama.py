@@ -10,7 +10,6 @@ under HF names (`load_weights`); q/k/v and gate/up are concatenated into fused p
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -179,10 +178,12 @@ class LlamaModel(nn.Module):
         self.norm = (GemmaRMSNorm if arch.gemma_norms else RMSNorm)(arch.hidden_size, arch.rms_norm_eps)
 
 
-@functools.cache
-def _embed_scale(scale: float, dtype: torch.dtype) -> float:
-    """The scale rounded to the model dtype, as HF multiplies by it (sqrt(3584) is not a bf16 number)."""
-    return float(torch.tensor(scale, dtype=torch.float32).to(dtype))
+def _rounded_embed_scales(scale: float) -> dict[torch.dtype, float]:
+    """The scale rounded to each model dtype, as HF multiplies by it (sqrt(3584) is not a bf16 number).
+    A plain dict looked up by dtype: nothing for a compiled step to trace."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # device="cpu": the model may be built under torch.device("meta").
+    return {d: float(torch.tensor(scale, dtype=torch.float32, device="cpu").to(d)) for d in dtypes}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.embed_scales = None if arch.embed_scale is None else _rounded_embed_scales(arch.embed_scale)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -219,8 +221,8 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             x = self.model.embed_tokens(input_ids)
-        if self.arch.embed_scale is not None:
-            x = x * _embed_scale(self.arch.embed_scale, x.dtype)
+        if self.embed_scales is not None:
+            x = x * self.embed_scales[x.dtype]
         for layer, kv_cache in zip(
             self.model.layers[: num_layers or len(self.model.layers)], kv_caches, strict=False
         ):
