@@ -219,20 +219,41 @@ def gather_kv_ref(
     return rows * scale.float() if cache.dtype == FP8_DTYPE and scale is not None else rows
 
 
+def check_softcap_window(softcap: float | None, sliding_window: int | None) -> None:
+    """Optional attention modifiers: a positive logit cap, a window of at least one key (the query's own)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
+
+
 def causal_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, context_len: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    context_len: int,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference causal GQA attention in float32: query i sits at position context_len + i, keys at 0..L-1.
 
-    q [n, Hq, D]; k, v [L, Hkv, D]; returns [n, Hq, D] float32.
+    q [n, Hq, D]; k, v [L, Hkv, D]; returns [n, Hq, D] float32. `softcap`: scores become
+    softcap * tanh(scores / softcap) before masking; `sliding_window` W: a query at position p sees keys
+    p - W + 1 .. p (HF's `kv_idx > q_idx - sliding_window`).
     """
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = context_len + torch.arange(q.shape[0], device=q.device)
     k_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, None, :] > q_pos[None, :, None]
+    if sliding_window is not None:
+        hidden = hidden | (k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 

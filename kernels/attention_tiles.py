@@ -4,6 +4,7 @@
 - `paged_kv_offsets`: element offsets of a tile of keys of one sequence in the paged cache, through its
   block table. Physical block ids go int64 before the multiply: caches can exceed 2**31 elements.
 - `dequantize`: an fp8 tile times its per-tensor scale, in the compute dtype.
+- `soft_cap`: Gemma 2's attention logit soft-capping, cap * tanh(scores / cap), before the mask.
 - `online_softmax`: one update of the running row max and sum with a tile of scores (exp2 domain: the
   scores carry log2(e)). It returns the tile's weights and the rescale factor of the running accumulator,
   so a kernel can load V after the scores and apply them itself.
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are scaled by log2(e) so the softmax can use exp2
+TWO_LOG2E = tl.constexpr(2.8853900817779268)  # e^(-2|x|) = 2^(-2 log2(e) |x|), in soft_cap
 
 
 @triton.jit
@@ -55,3 +57,12 @@ def online_softmax(qk, m_i, l_i):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap). tanh from one exp2 of -2|x| (never overflows, whatever the sign)."""
+    x = scores / cap
+    t = tl.exp2(tl.abs(x) * -TWO_LOG2E)
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(x < 0.0, -th, th)

@@ -28,6 +28,8 @@ def triton_paged_decode(
     scale: float,
     k_scale: torch.Tensor | None,  # float32 [1] (fp8 cache only)
     v_scale: torch.Tensor | None,
+    softcap: float | None = None,  # Gemma 2: logit cap and this layer's window (None = off)
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_seqs = q.shape[0]
@@ -44,9 +46,25 @@ def triton_paged_decode(
         max_seq_len=block_tables.shape[1] * k_cache.shape[1],
         k_scale=k_scale,
         v_scale=v_scale,
+        softcap=softcap,
+        sliding_window=sliding_window,
     )
 
 
 @triton_paged_decode.register_fake
-def _triton_paged_decode_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, ks, vs):
+def _triton_paged_decode_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    scale,
+    ks,
+    vs,
+    softcap=None,
+    sliding_window=None,
+):
     return torch.empty_like(q)

@@ -9,6 +9,10 @@ normalised per split + log-sum-exp) a reduce kernel merges; softmax is in fp32 t
 
 The new tokens' K/V must already be in the cache (cache_ops.write_kv_cache runs first): query token i of a
 sequence with q_len queries and seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
+
+Optional (Gemma 2), each a compile-time switch so other models' kernels are unchanged: `softcap` caps the
+scores (softcap * tanh(s / softcap)) before the mask; `sliding_window` W hides keys more than W - 1 positions
+behind the query, and the key walk starts at the first tile any query of the sequence can see.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tokenfleet.kernels._utils import (
     causal_attention_ref,
     cdiv,
     check_paged_args,
+    check_softcap_window,
     check_tensor,
     check_tile,
     dot_precision,
@@ -36,6 +41,7 @@ from tokenfleet.kernels.attention_tiles import (
     online_softmax,
     paged_kv_offsets,
     served_sequence,
+    soft_cap,
 )
 from tokenfleet.kernels.fp8_format import FP8_DTYPE
 
@@ -58,6 +64,8 @@ def _paged_decode_kernel(
     part_out_ptr,  # [num_served * max_query_len, num_q_heads, NUM_SPLITS, head_dim] float32
     part_lse_ptr,  # [num_served * max_query_len, num_q_heads, NUM_SPLITS] float32
     scale,
+    softcap,  # logit cap (SOFTCAP only)
+    window,  # keys visible behind and including the query (SLIDING only)
     max_query_len,
     stride_qt,
     stride_qh,
@@ -76,6 +84,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_seq = tl.program_id(0)
@@ -100,9 +110,15 @@ def _paged_decode_kernel(
         other=0.0,
     )
 
-    # Each split covers a BLOCK_N-aligned key range; trailing splits of a short sequence get none.
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    key_start = split * keys_per_split
+    # Each split covers a BLOCK_N-aligned key range; trailing splits of a short sequence get none. With a
+    # window, keys before the earliest query's window are never read: the range starts at its tile.
+    if SLIDING:
+        first_key = (tl.maximum(context_len - window + 1, 0) // BLOCK_N) * BLOCK_N
+        keys_per_split = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        key_start = first_key + split * keys_per_split
+    else:
+        keys_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        key_start = split * keys_per_split
     key_end = tl.minimum(key_start + keys_per_split, seq_len)
 
     qk_scale = scale * LOG2E
@@ -123,8 +139,14 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [D, N]
         if FP8:
             k = dequantize(k, k_scale, q.dtype)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if SOFTCAP:  # noqa: SIM108 (a compile-time branch: the other side is never compiled)
+            qk = soft_cap(qk * scale, softcap) * LOG2E
+        else:
+            qk = qk * qk_scale
         visible = key_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         p, alpha, m_i, l_i = online_softmax(tl.where(visible, qk, float("-inf")), m_i, l_i)
         # V is loaded after the scores, so its [N, D] tile is not held in registers across the QK dot.
         v = tl.load(
@@ -222,13 +244,17 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache for the sequences in `seq_ids` (default: all).
 
     `max_query_len` / `max_seq_len` bound the served sequences (host ints: no device sync). Rows of `out`
     belonging to other sequences are left untouched, so a prefill kernel can fill them. Returns `out`.
+    `softcap` / `sliding_window`: Gemma 2's logit cap and window (see the module docstring); None = off.
     """
     q = check_tensor("q", q, ndim=3, dtypes=COMPUTE_DTYPES)
+    check_softcap_window(softcap, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
     if not (isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4):
         raise ValueError(
@@ -293,6 +319,8 @@ def paged_decode_attention(
         part_out,
         part_lse,
         scale,
+        float(softcap or 0.0),
+        int(sliding_window or 0),
         max_query_len,
         q.stride(0),
         q.stride(1),
@@ -311,6 +339,8 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         FP8=k_cache.dtype == FP8_DTYPE,
+        SOFTCAP=softcap is not None,
+        SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
@@ -345,6 +375,8 @@ def paged_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference: per sequence, gather all seq_len keys through the block table, attend causally."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -353,5 +385,7 @@ def paged_attention_ref(
         start, end = qsl[seq], qsl[seq + 1]
         k = gather_kv_ref(k_cache, block_tables[seq], seq_len, k_scale)
         v = gather_kv_ref(v_cache, block_tables[seq], seq_len, v_scale)
-        out[start:end] = causal_attention_ref(q[start:end], k, v, scale, seq_len - (end - start))
+        out[start:end] = causal_attention_ref(
+            q[start:end], k, v, scale, seq_len - (end - start), softcap, sliding_window
+        )
     return out.to(q.dtype)

@@ -9,6 +9,10 @@ and walks three key ranges with an fp32 online softmax:
   3. the diagonal tile(s), masked causally.
 New K/V are read from the step's tensors, not the cache: contiguous loads, and full precision even when the
 cache is FP8 — so this kernel does not depend on the cache write having run first.
+
+Optional (Gemma 2), compile-time switches that leave other models' kernels unchanged: `softcap` caps the
+scores (softcap * tanh(s / softcap)) before the mask; `sliding_window` W hides keys more than W - 1 positions
+behind the query: ranges 1 and 2 then start at the first tile the tile's first query can see, and are masked.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tokenfleet.kernels._utils import (
     causal_attention_ref,
     cdiv,
     check_paged_args,
+    check_softcap_window,
     check_tensor,
     check_tile,
     dot_precision,
@@ -34,16 +39,34 @@ from tokenfleet.kernels.attention_tiles import (
     online_softmax,
     paged_kv_offsets,
     served_sequence,
+    soft_cap,
 )
 from tokenfleet.kernels.fp8_format import FP8_DTYPE
 
 
 @triton.jit
 def _softmax_step(
-    acc, m_i, l_i, q, k, v, qk_scale, visible, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    qk_scale,
+    scale,
+    softcap,
+    visible,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax update of (acc, m_i, l_i) with a [D, N] key tile and a [N, D] value tile."""
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    """One online-softmax update of (acc, m_i, l_i) with a [D, N] key tile and a [N, D] value tile.
+    CAUSAL: apply the `visible` mask (any mask: causal and/or window)."""
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if SOFTCAP:  # noqa: SIM108 (a compile-time branch: the other side is never compiled)
+        qk = soft_cap(qk * scale, softcap) * LOG2E
+    else:
+        qk = qk * qk_scale
     if CAUSAL:
         qk = tl.where(visible, qk, float("-inf"))
     p, alpha, m_i, l_i = online_softmax(qk, m_i, l_i)
@@ -66,6 +89,8 @@ def _prefill_kernel(
     v_scale_ptr,  # [1] float32 (fp8 cache only)
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     scale,
+    softcap,  # logit cap (SOFTCAP only)
+    window,  # keys visible behind and including the query (SLIDING only)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -85,6 +110,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_seq = tl.program_id(0)
@@ -117,7 +144,12 @@ def _prefill_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     kv_head_off = kv_head.to(tl.int64) * stride_ch
-    for start_n in range(0, context_len, BLOCK_N):
+    if SLIDING:  # noqa: SIM108 (compile-time branch)
+        # The tile's first query (position context_len + m_start) sees the least far back.
+        prefix_start = (tl.maximum(context_len + m_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        prefix_start = 0
+    for start_n in range(prefix_start, context_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < context_len
         kv_off = paged_kv_offsets(
@@ -136,13 +168,33 @@ def _prefill_kernel(
         if FP8:
             k = dequantize(k, k_scale, q.dtype)
             v = dequantize(v, v_scale, q.dtype)
+        visible = key_valid[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > context_len + offs_m[:, None] - window)
         acc, m_i, l_i = _softmax_step(
-            acc, m_i, l_i, q, k, v, qk_scale, key_valid[None, :], CAUSAL=True, DOT_PRECISION=DOT_PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            qk_scale,
+            scale,
+            softcap,
+            visible,
+            CAUSAL=True,
+            SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
 
-    # 2./3. New keys: tiles wholly before this query tile need no mask; the rest are masked causally.
+    # 2./3. New keys: tiles wholly before this query tile need no causal mask (only the window's); the rest
+    # are masked causally.
     diag_start = (m_start // BLOCK_N) * BLOCK_N
-    for start_n in range(0, diag_start, BLOCK_N):
+    if SLIDING:  # noqa: SIM108 (compile-time branch)
+        new_start = (tl.maximum(m_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        new_start = 0
+    for start_n in range(new_start, diag_start, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_rows = (q_start + offs_n).to(tl.int64)
         k = tl.load(
@@ -153,8 +205,24 @@ def _prefill_kernel(
             v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
             mask=d_valid[None, :],
         )
+        if SLIDING:  # noqa: SIM108 (compile-time branch)
+            in_window = offs_n[None, :] > offs_m[:, None] - window
+        else:
+            in_window = None
         acc, m_i, l_i = _softmax_step(
-            acc, m_i, l_i, q, k, v, qk_scale, None, CAUSAL=False, DOT_PRECISION=DOT_PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            qk_scale,
+            scale,
+            softcap,
+            in_window,
+            CAUSAL=SLIDING,
+            SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
     new_end = tl.minimum(q_len, m_start + BLOCK_M)
     for start_n in range(diag_start, new_end, BLOCK_N):
@@ -172,8 +240,22 @@ def _prefill_kernel(
             other=0.0,
         )
         visible = key_valid[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
         acc, m_i, l_i = _softmax_step(
-            acc, m_i, l_i, q, k, v, qk_scale, visible, CAUSAL=True, DOT_PRECISION=DOT_PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            qk_scale,
+            scale,
+            softcap,
+            visible,
+            CAUSAL=True,
+            SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
 
     # Every valid row sees at least its own key, so l_i > 0 there; padded rows are not stored.
@@ -214,13 +296,17 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed q [T, Hq, D] over each sequence's cached prefix + its new k/v [T, Hkv, D].
 
     `max_query_len` bounds the served sequences' new tokens (a host int: no device sync). Rows of `out`
     belonging to sequences outside `seq_ids` are left untouched. Returns `out`.
+    `softcap` / `sliding_window`: Gemma 2's logit cap and window (see the module docstring); None = off.
     """
     q = check_tensor("q", q, ndim=3, dtypes=COMPUTE_DTYPES)
+    check_softcap_window(softcap, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
     k = check_tensor("k", k, ndim=3, dtypes=(q.dtype,), shape=(num_tokens, None, head_dim))
     num_kv_heads = k.shape[1]
@@ -264,6 +350,8 @@ def prefill_attention(
         args.v_scale,
         out,
         scale,
+        float(softcap or 0.0),
+        int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -283,6 +371,8 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         FP8=args.k_cache.dtype == FP8_DTYPE,
+        SOFTCAP=softcap is not None,
+        SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or d_warps,
         num_stages=num_stages or d_stages,
@@ -302,6 +392,8 @@ def prefill_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference: per sequence, keys = prefix gathered through the block table + new k/v."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -315,5 +407,7 @@ def prefill_attention_ref(
         values = torch.cat(
             [gather_kv_ref(v_cache, block_tables[seq], context_len, v_scale), v[start:end].float()]
         )
-        out[start:end] = causal_attention_ref(q[start:end], keys, values, scale, context_len)
+        out[start:end] = causal_attention_ref(
+            q[start:end], keys, values, scale, context_len, softcap, sliding_window
+        )
     return out.to(q.dtype)

@@ -1,4 +1,4 @@
-"""ModelArch: the shape of a Llama-family model, read from a HF config.json or GGUF metadata.
+"""ModelArch: the shape of a Llama-family (or Gemma 2) model, read from a HF config.json or GGUF metadata.
 
 One frozen description shared by the model, the KV-cache sizing and the engine (EOS ids, context length).
 """
@@ -13,7 +13,7 @@ from tokenfleet.runtime.errors import ConfigError
 
 # model_type values whose checkpoints this implementation reproduces exactly.
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 )
 # model_types whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
 FUSED_CHECKPOINT_TYPES = frozenset({"phi3"})
@@ -52,7 +52,9 @@ class ModelArch:
     qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets both this and o_bias
     o_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None  # we attend over the full context: max_model_len is capped to this
+    # A window this runtime does not apply (Mistral, Qwen2 with use_sliding_window): max_model_len is capped
+    # to it, where full attention equals windowed attention. Gemma 2's windows are applied: layer_windows.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (0 = dense MLP); the MoE layer reads these.
@@ -66,6 +68,14 @@ class ModelArch:
     qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections, before RoPE
     head_qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim wide), before RoPE
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-clip, clip]
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" | "gelu_pytorch_tanh" (Gemma 2)
+    # --- Gemma 2 ---
+    gemma_norms: bool = False  # RMSNorm scaled by (1 + weight); norms after attention and after the MLP too
+    embed_scale: float | None = None  # embeddings multiplied by this (sqrt(hidden_size)) in the model dtype
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 instead of head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcap: float | None = None  # the same on the LM head's logits
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window W (sees W keys) or None; () = none
     # Which shard of a tensor-parallel model this shape describes (tensor_parallel.shard_arch); the sizes
     # above are then the shard's (its heads, KV heads, vocabulary rows, intermediate slices).
     tp_rank: int = 0
@@ -76,6 +86,13 @@ class ModelArch:
             raise ConfigError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.num_experts > 0 and layer_idx not in self.dense_layers
@@ -151,7 +168,7 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         raise ConfigError(
             f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    if config.get("hidden_act", "silu") != "silu":
+    if model_type != "gemma2" and config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r} (Llama family uses silu)")
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -173,6 +190,9 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
             sliding_window = None
     if model_type in ("qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
         sliding_window = None
+    family = FAMILY_FIELDS.get(model_type, _no_family_fields)(config)
+    if "layer_windows" in family:
+        sliding_window = None  # applied per layer, not a cap on the context
     return ModelArch(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -186,16 +206,17 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         rope_theta=float(rope_theta),
         max_position_embeddings=_served_positions(config, rope_scaling),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type == "gemma2")),
         qkv_bias=qkv_bias,
         # Qwen3's attention_bias covers o_proj too (Qwen2's q/k/v bias never did).
-        o_bias=model_type in ("llama", "olmoe", "qwen3", "qwen3_moe") and attention_bias,
+        o_bias=model_type in ("llama", "olmoe", "qwen3", "qwen3_moe", "gemma2") and attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
         head_qk_norm=model_type in ("qwen3", "qwen3_moe"),
         **MOE_FIELDS.get(model_type, _no_moe)(config),
+        **family,
     )
 
 
@@ -204,6 +225,55 @@ def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | Non
     if rope_scaling is not None and rope_scaling.rope_type == "longrope":
         return min(positions, rope_scaling.original_max_position_embeddings or positions)
     return positions
+
+
+# --- Gemma 2: HF config -> its ModelArch fields (defaults are Gemma2Config's: saved configs omit them) ---
+
+GEMMA2_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
+
+
+def _no_family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _gemma2(config: Mapping[str, Any]) -> dict[str, Any]:
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA2_ACTIVATIONS:
+        raise ConfigError(f"unsupported gemma2 hidden_activation {act!r} (supported: gelu_pytorch_tanh)")
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError("gemma2 with use_bidirectional_attention is unsupported (causal attention only)")
+    num_layers = int(config["num_hidden_layers"])
+    # HF's default when the config lists no layer_types: even layers slide, odd layers attend fully.
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(
+            f"gemma2 layer_types must list sliding_attention / full_attention for each of the "
+            f"{num_layers} layers, got {layer_types!r}"
+        )
+    window = config.get("sliding_window", 4096)
+    if window is not None and int(window) < 1:
+        raise ConfigError(f"gemma2 sliding_window must be >= 1, got {window}")
+    return {
+        "hidden_act": act,
+        "gemma_norms": True,
+        "embed_scale": float(config["hidden_size"]) ** 0.5,
+        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcap": _optional_float(config.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcap": _optional_float(config.get("final_logit_softcapping", 30.0)),
+        "layer_windows": tuple(
+            int(window) if kind == "sliding_attention" and window is not None else None
+            for kind in layer_types
+        ),
+    }
+
+
+FAMILY_FIELDS = {"gemma2": _gemma2}
 
 
 # --- MoE architectures: HF config -> the ModelArch fields the MoE layer reads (keyed by model_type) ---

@@ -1,5 +1,7 @@
 """LlamaForCausalLM over a paged KV cache: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k
-norms), Phi-3 (checkpoints with q/k/v and gate/up already fused) and the MoE variants (moe.py).
+norms), Phi-3 (checkpoints with q/k/v and gate/up already fused), the MoE variants (moe.py) and Gemma 2's
+model-level differences (scaled embeddings, attention scale / soft-capping / per-layer windows, capped
+logits; its decoder layer is in gemma2.py).
 
 Inputs are flattened token batches (no padding): T = all new tokens of all sequences in the step, with their
 positions and an AttentionMetadata telling the backend where each sequence's context lives. Weights arrive
@@ -16,7 +18,7 @@ from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import tensor_parallel
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
-from tokenfleet.runtime.model.layers import GatedMLP, RMSNorm
+from tokenfleet.runtime.model.layers import GatedMLP, GemmaRMSNorm, RMSNorm
 from tokenfleet.runtime.model.rope import RotaryEmbedding
 from torch import nn
 
@@ -24,7 +26,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V: [num_blocks, block_size,
 
 
 def _dense_mlp(arch: ModelArch) -> nn.Module:
-    return GatedMLP(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias, all_reduce=arch.tp_size > 1)
+    return GatedMLP(
+        arch.hidden_size,
+        arch.intermediate_size,
+        bias=arch.mlp_bias,
+        all_reduce=arch.tp_size > 1,
+        activation=arch.hidden_act,
+    )
 
 
 # "dense" | "moe" -> builder. The MoE layer registers itself here with one entry.
@@ -81,11 +89,16 @@ def build_mlp(arch: ModelArch, layer_idx: int = 0) -> nn.Module:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, arch: ModelArch, rotary: RotaryEmbedding, backend: AttentionBackend, layer_idx: int = 0
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_scale
+        # Gemma 2: capped scores, and this layer's sliding window (None: full context).
+        self.softcap = arch.attn_logit_softcap
+        self.sliding_window = arch.layer_window(layer_idx)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.rotary = rotary  # shared by every layer: one cos/sin table
@@ -118,7 +131,12 @@ class LlamaAttention(nn.Module):
         if self.head_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.softcap is None and self.sliding_window is None:
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            out = self.backend.forward(
+                q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap, self.sliding_window
+            )
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return tensor_parallel.all_reduce(out) if self.all_reduce else out
 
@@ -129,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, rotary, backend)
+        self.self_attn = LlamaAttention(arch, rotary, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = build_mlp(arch, layer_idx)
 
@@ -140,16 +158,32 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# "llama" | "gemma2" -> decoder layer class. Gemma 2's layer registers itself (gemma2.py) with one entry.
+DECODER_LAYERS: dict[str, type[nn.Module]] = {"llama": LlamaDecoderLayer}
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         # One cos/sin table, shared by every layer's attention (non-persistent buffers: never in checkpoints).
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary, backend, i) for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        kind = "gemma2" if arch.gemma_norms else "llama"
+        layer_cls = DECODER_LAYERS.get(kind)
+        if layer_cls is None:
+            raise ConfigError(
+                f"no {kind} decoder layer is registered (import tokenfleet.runtime.model.gemma2)"
+            )
+        self.layers = nn.ModuleList(layer_cls(arch, self.rotary, backend, i) for i in range(arch.num_layers))
+        self.norm = (GemmaRMSNorm if arch.gemma_norms else RMSNorm)(arch.hidden_size, arch.rms_norm_eps)
+
+
+def _rounded_embed_scales(scale: float) -> dict[torch.dtype, float]:
+    """The scale rounded to each model dtype, as HF multiplies by it (sqrt(3584) is not a bf16 number).
+    A plain dict looked up by dtype: nothing for a compiled step to trace."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # device="cpu": the model may be built under torch.device("meta").
+    return {d: float(torch.tensor(scale, dtype=torch.float32, device="cpu").to(d)) for d in dtypes}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.embed_scales = None if arch.embed_scale is None else _rounded_embed_scales(arch.embed_scale)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -186,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             x = self.model.embed_tokens(input_ids)
+        if self.embed_scales is not None:
+            x = x * self.embed_scales[x.dtype]
         for layer, kv_cache in zip(
             self.model.layers[: num_layers or len(self.model.layers)], kv_caches, strict=False
         ):
@@ -196,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         if self.arch.tp_size > 1:  # each rank holds a slice of the vocabulary
             logits = tensor_parallel.all_gather_last_dim(logits, self.arch.tp_size)
+        cap = self.arch.final_logit_softcap
+        if cap is not None:  # Gemma 2; in fp32 (HF caps in the model dtype: identical in fp32, finer in bf16)
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     @torch.no_grad()

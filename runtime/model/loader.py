@@ -12,7 +12,10 @@ from pathlib import Path
 import torch
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
-from tokenfleet.runtime.model import moe  # noqa: F401 (registers MLP_BUILDERS["moe"])
+from tokenfleet.runtime.model import (
+    gemma2,  # noqa: F401 (registers DECODER_LAYERS["gemma2"])
+    moe,  # noqa: F401 (registers MLP_BUILDERS["moe"])
+)
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import get_attention_backend, resolve_backend_name
 from tokenfleet.runtime.model.checkpoint import Checkpoint

@@ -1,6 +1,8 @@
-"""Qwen3 (per-head q/k norms), Qwen3-MoE and Phi-3 (fused q/k/v and gate/up tensors): tiny random checkpoints
-built from each family's HF config in a tmp dir load through `load_model` and generate greedily exactly what
-HF transformers generates; checkpoints the runtime cannot reproduce are refused with a message that says why.
+"""Qwen3 (per-head q/k norms), Qwen3-MoE, Phi-3 (fused q/k/v and gate/up tensors) and Gemma 2 (sandwich
+norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers): tiny
+random checkpoints built from each family's HF config in a tmp dir load through `load_model` and generate
+greedily exactly what HF transformers generates; checkpoints the runtime cannot reproduce are refused with a
+message that says why.
 """
 
 from __future__ import annotations
@@ -97,7 +99,40 @@ def _phi3_longrope():
     )
 
 
+def _gemma2(**overrides):
+    from transformers import Gemma2Config
+
+    # Window 8 < the 10-token prompt: the sliding layers (HF default: even ones) drop keys from the start.
+    # query_pre_attn_scalar 24 != head_dim 16, and caps low enough that capping bends the scores / logits.
+    options = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        intermediate_size=48,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Gemma2Config(**{**options, **overrides})
+
+
+def _gemma2_layer_types():
+    # Explicit layer_types (not HF's alternation), and no caps: the uncapped paths with a window.
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    return _gemma2(layer_types=types, attn_logit_softcapping=None, final_logit_softcapping=None)
+
+
 CASES = {
+    "gemma2": _gemma2,
+    "gemma2_layer_types": _gemma2_layer_types,
     "qwen3": _qwen3,
     "qwen3_bias": _qwen3_bias,
     "qwen3_moe": _qwen3_moe,
@@ -143,7 +178,7 @@ def checkpoints(tmp_path_factory, tokenizer_json) -> dict[str, tuple[Path, torch
                 # HF's init leaves norms at 1 and biases at 0 (a missing norm or bias would go unnoticed)
                 # and makes logits nearly equal: perturb them so each part changes the greedy choice.
                 if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.3)
+                    param.normal_(1.0, 0.3)  # Gemma's zero-centred norms then scale by ~2
                 elif name.endswith(".bias"):
                     param.normal_(0.0, 0.2)
                 elif name.endswith("mlp.gate.weight"):
@@ -156,9 +191,11 @@ def checkpoints(tmp_path_factory, tokenizer_json) -> dict[str, tuple[Path, torch
     return saved
 
 
-def _caches(arch, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(arch, num_blocks: int, device=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+    return [
+        (torch.zeros(shape, device=device), torch.zeros(shape, device=device)) for _ in range(arch.num_layers)
+    ]
 
 
 @torch.inference_mode()
@@ -166,13 +203,15 @@ def _greedy(model, arch, prompt: list[int], num_new: int) -> tuple[list[int], to
     """Prefill, then one decode step per token through the paged KV cache: (new ids, every step's logits)."""
     total = len(prompt) + num_new
     blocks = list(range((total + BLOCK_SIZE - 1) // BLOCK_SIZE))[::-1]  # reversed: non-trivial block table
-    caches = _caches(arch, len(blocks))
+    device = model.lm_head.weight.device
+    caches = _caches(arch, len(blocks), device)
     tokens, step_logits, start = list(prompt), [], 0
     while len(tokens) < total:
         specs = [SeqSpec(start, len(tokens) - start, blocks)]
-        meta = build_attention_metadata(specs, BLOCK_SIZE)
-        hidden = model(torch.tensor(tokens[start:]), build_positions(specs), caches, meta)
-        logits = model.compute_logits(hidden)[-1]
+        meta = build_attention_metadata(specs, BLOCK_SIZE, device)
+        inputs = torch.tensor(tokens[start:], device=device)
+        hidden = model(inputs, build_positions(specs, device), caches, meta)
+        logits = model.compute_logits(hidden)[-1].cpu()
         step_logits.append(logits)
         start = len(tokens)
         tokens.append(int(logits.argmax()))
@@ -299,3 +338,81 @@ def test_tensor_parallel_accepts_qwen3_and_refuses_fused_phi3(checkpoints):
     phi3 = load_model(ModelConfig(model=str(checkpoints["phi3"][0]), dtype="float32"), "cpu").arch
     with pytest.raises(ConfigError, match="phi3 checkpoints"):
         check_tensor_parallel(phi3, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"sliding_window": 4096},  # every window wider than the context: full attention everywhere
+        {"layer_types": ["full_attention"] * 4},
+        {"attn_logit_softcapping": None},
+        {"final_logit_softcapping": None},
+        {"query_pre_attn_scalar": 16},  # head_dim's scale
+    ],
+)
+def test_each_gemma2_feature_changes_the_logits(checkpoints, tmp_path, overrides):
+    """Each option the parity test exercises is really applied: turning it off moves the logits."""
+    directory, _ = checkpoints["gemma2"]
+    changed_dir = _copy_with_config(directory, tmp_path, **overrides)
+    base = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    changed = load_model(ModelConfig(model=str(changed_dir), dtype="float32"), torch.device("cpu"))
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    _, a = _greedy(base.model, base.arch, prompt, 1)
+    _, b = _greedy(changed.model, changed.arch, prompt, 1)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_gemma2_arch_windows_and_context():
+    from tokenfleet.runtime.model.arch import arch_from_hf_config
+
+    arch = arch_from_hf_config(_gemma2().to_dict())
+    # HF: even layers slide; the window is applied per layer, so it does not cap the context.
+    assert arch.layer_windows == (8, None, 8, None) and arch.sliding_window is None
+    assert arch.tie_word_embeddings and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.attention_scale == 24**-0.5 and arch.embed_scale == 8.0
+    with pytest.raises(ConfigError, match="hidden_activation 'gelu'"):
+        arch_from_hf_config({**_gemma2().to_dict(), "hidden_activation": "gelu"})
+    with pytest.raises(ConfigError, match="layer_types"):
+        arch_from_hf_config({**_gemma2().to_dict(), "layer_types": ["sliding_attention"] * 3})
+
+
+def test_gemma2_through_the_engine_matches_transformers(checkpoints):
+    """Paged KV in 8-token blocks, prompts (13..30 tokens, all longer than the window) prefilled in chunks of
+    at most 7 tokens beside other requests' decodes, then a prefix-cache hit: HF's tokens, every one."""
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.llm import LLM
+    from tokenfleet.runtime.engine.sampling_params import SamplingParams
+
+    directory, hf_model = checkpoints["gemma2"]
+    loaded = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    assert loaded.max_model_len == 256  # not capped to the window
+    generator = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(3, loaded.arch.vocab_size, (n,), generator=generator).tolist() for n in (13, 21, 30)
+    ]
+    prompts.append(prompts[2][:24] + prompts[0][:5])  # shares three 8-token blocks with prompts[2]
+    expected = [_hf_greedy(hf_model, p, NEW_TOKENS)[0] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    llm = LLM(config=RuntimeConfig(), loaded=loaded, dtype="float32", block_size=8, max_num_batched_tokens=7)
+    outs = llm.generate(prompts[:3], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:3]
+    assert llm.engine.stats().num_steps > NEW_TOKENS + 3  # the prompts really went in chunks
+    hit = llm.generate(prompts[3:], params)[0]
+    assert hit.outputs[0].token_ids == expected[3]
+    assert hit.num_cached_tokens >= 16
+
+
+def test_gemma2_on_the_triton_kernels_matches_transformers(checkpoints):
+    """The same greedy parity with the Triton attention backend (the interpreter on CPU): the kernels'
+    softcap and window paths inside the real model, prefill then decode over the paged cache."""
+    directory, hf_model = checkpoints["gemma2"]
+    config = ModelConfig(model=str(directory), dtype="float32", attention_backend="triton")
+    loaded = load_model(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    assert loaded.attention_backend == "triton"
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, loaded.arch.vocab_size, (PROMPT_LEN,), generator=generator).tolist()
+    ours, our_logits = _greedy(loaded.model, loaded.arch, prompt, NEW_TOKENS)
+    ref, ref_logits = _hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert ours == ref
+    torch.testing.assert_close(our_logits, ref_logits, atol=1e-4, rtol=1e-4)

@@ -77,8 +77,13 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata | DecodeMetadata,
         scale: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D], dtype of q
-        """`DecodeMetadata` (a compiled decode step) must go through one traceable custom op."""
+        """`DecodeMetadata` (a compiled decode step) must go through one traceable custom op.
+
+        Gemma 2's per-layer options, None = off: `softcap` caps the scores (softcap * tanh(s / softcap))
+        before the mask; `sliding_window` W lets a query at position p see keys p - W + 1 .. p only."""
 
 
 # name -> "module:Class". Import paths rather than classes: a backend's module (Triton) may only import on

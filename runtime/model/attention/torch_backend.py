@@ -5,6 +5,10 @@ Math in fp32 whatever the model dtype: the softmax of a long context in bf16 los
 (one new token) of all sequences go through one batched gather + masked SDPA; sequences with several new
 tokens (prefill chunks, speculative verification) go one by one with a causal mask shifted by the context
 already in the cache.
+
+Gemma 2's options: `softcap` (scores -> softcap * tanh(scores / softcap) before the mask; SDPA has no such
+hook, so capped attention is computed explicitly) and `sliding_window` W (a query at position p sees keys
+p - W + 1 .. p: an extra mask). With neither, the SDPA calls are exactly what they were.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ def gather_context(
     return blocks.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :length].float()
 
 
+def _attend(
+    query: torch.Tensor,  # [..., q, D]
+    keys: torch.Tensor,  # [..., S, D]
+    values: torch.Tensor,  # [..., S, D]
+    visible: torch.Tensor,  # bool, broadcastable to [..., q, S]
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Masked attention in fp32; with `softcap`, the scores are capped before the mask (as HF's eager path)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    return torch.matmul(scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]: one query per sequence
     k_cache: torch.Tensor,
@@ -69,6 +89,8 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -76,10 +98,16 @@ def decode_attention(
     values = gather_context(v_cache, block_tables, max_seq_len, kv_scales[1]).transpose(1, 2)
     # GQA without copying K/V: the query heads sharing a KV head act as that head's query rows.
     grouped_q = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-    out = F.scaled_dot_product_attention(
-        grouped_q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
-    )
+    key_pos = torch.arange(max_seq_len, device=q.device)[None, :]
+    valid = key_pos < seq_lens[:, None]  # [B, S]
+    if sliding_window is not None:  # the query sits at seq_len - 1
+        valid = valid & (key_pos > seq_lens[:, None] - 1 - sliding_window)
+    if softcap is None and sliding_window is None:
+        out = F.scaled_dot_product_attention(
+            grouped_q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+        )
+    else:
+        out = _attend(grouped_q, keys, values, valid[:, None, None, :], scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -91,12 +119,23 @@ def sequence_attention(
     seq_len: int,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    q_len, num_heads, _ = q.shape
+    q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     keys = gather_context(k_cache, block_table[None], seq_len, kv_scales[0])[0].transpose(0, 1)  # [Hkv, S, D]
     values = gather_context(v_cache, block_table[None], seq_len, kv_scales[1])[0].transpose(0, 1)
     query = q.float().transpose(0, 1)  # [Hq, q_len, D]
+    if softcap is not None or sliding_window is not None:
+        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+        if sliding_window is not None:
+            # ... and no key more than W - 1 positions behind it.
+            visible &= ~torch.ones_like(visible).tril(seq_len - q_len - sliding_window)
+        # GQA: the query heads of a KV head are its rows ([Hkv, G, q_len, D] against [Hkv, 1, S, D]).
+        grouped = query.view(num_kv_heads, num_heads // num_kv_heads, q_len, head_dim)
+        out = _attend(grouped, keys[:, None], values[:, None], visible, scale, softcap)
+        return out.view(num_heads, q_len, head_dim).transpose(0, 1)
     if q_len == seq_len:
         # Nothing cached before this chunk: the plain causal mask, which SDPA handles without a mask tensor.
         out = F.scaled_dot_product_attention(
@@ -124,6 +163,8 @@ def torch_paged_decode(
     scale: float,
     k_scale: float,
     v_scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Cache write + decode attention of a static-shape decode step, as one op the compiler does not trace
     into: its one data-dependent figure (the longest context, which bounds the gather) is read inside."""
@@ -132,13 +173,36 @@ def torch_paged_decode(
     # (TorchAttentionBackend.decode_reads_host).
     max_seq_len = int(seq_lens.max())
     out = decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, (k_scale, v_scale)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        max_seq_len,
+        scale,
+        (k_scale, v_scale),
+        softcap,
+        sliding_window,
     )
     return out.to(q.dtype)
 
 
 @torch_paged_decode.register_fake
-def _torch_paged_decode_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, ks, vs):
+def _torch_paged_decode_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    scale,
+    ks,
+    vs,
+    softcap=None,
+    sliding_window=None,
+):
     return torch.empty_like(q)
 
 
@@ -165,6 +229,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata | DecodeMetadata,
         scale: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, DecodeMetadata):
             return torch.ops.tokenfleet.torch_paged_decode(
@@ -178,11 +244,22 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 *self.kv_scales,
+                softcap,
+                sliding_window,
             )
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *self.kv_scales)
         if meta.is_all_decode:
             out = decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, self.kv_scales
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.max_seq_len,
+                scale,
+                self.kv_scales,
+                softcap,
+                sliding_window,
             )
             return out.to(q.dtype)
 
@@ -204,6 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
                 max_len,
                 scale,
                 self.kv_scales,
+                softcap,
+                sliding_window,
             )
             out[rows] = decoded.to(q.dtype)
         for b, q_len in enumerate(meta.query_lens):
@@ -211,7 +290,15 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             rows = slice(starts[b], starts[b + 1])
             seq_out = sequence_attention(
-                q[rows], k_cache, v_cache, meta.block_tables[b], meta.seq_lens_list[b], scale, self.kv_scales
+                q[rows],
+                k_cache,
+                v_cache,
+                meta.block_tables[b],
+                meta.seq_lens_list[b],
+                scale,
+                self.kv_scales,
+                softcap,
+                sliding_window,
             )
             out[rows] = seq_out.to(q.dtype)
         return out

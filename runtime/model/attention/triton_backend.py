@@ -96,6 +96,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata | DecodeMetadata,
         scale: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         k_scale = v_scale = None
         if k_cache.dtype == torch.float8_e4m3fn:
@@ -113,6 +115,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 k_scale,
                 v_scale,
+                softcap,
+                sliding_window,
             )
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self._plan_for(meta, q.shape[1] // k.shape[1], q.device)
@@ -125,6 +129,8 @@ class TritonAttentionBackend(AttentionBackend):
             "k_scale": k_scale,
             "v_scale": v_scale,
             "out": out,
+            "softcap": softcap,
+            "sliding_window": sliding_window,
         }
         if plan.decode_ids is not None:
             paged_decode_attention(
