@@ -12,9 +12,11 @@ first miss. Every index answers `match(hashes, endpoint_ids) -> {endpoint_id: nu
   is computed, and a long prefill takes seconds (tens on CPU): requests sharing a prefix that arrive
   meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
   pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
-  pod reports an eviction (from then on its events alone say what it holds).
+  pod reports an eviction (from then on its events alone say what it holds). It runs on every routed
+  request, so it keeps each route by reference under its first block (O(1) to record) and matches by
+  bisection (see the class).
 
-Representation (all three): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
+Representation (exact and approximate): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
 integer per endpoint, the lowest free one reused). A match is one pass over the prompt's blocks for all
 endpoints together, O(prompt blocks) and not O(blocks x endpoints): the running AND of the blocks' holder
 sets (C-level `map` + `accumulate`), whose value only ever loses bits and so only decreases; each endpoint's
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
@@ -238,18 +240,102 @@ class ApproximatePrefixIndex:
         return leading_matches(hashes, endpoint_ids, self._entries, self._slots)
 
 
+# At most this many routes are kept per (first block, endpoint) in a generation: the newest. A route that
+# extends the newest one replaces it, one that the newest extends adds nothing, so conversations growing turn
+# by turn take one entry; only this many *diverging* prompts under one first block and one pod are kept.
+_ROUTES_PER_KEY = 16
+
+
+class _Generation:
+    """One generation of recent routes: first block hash -> endpoint -> the routes' hash sequences (held by
+    reference, never copied), newest last."""
+
+    __slots__ = ("blocks", "keys", "routes")
+
+    def __init__(self) -> None:
+        self.routes: dict[bytes, dict[str, list[Sequence[bytes]]]] = {}
+        self.keys: dict[str, set[bytes]] = {}  # endpoint -> its first blocks here, so `forget` is O(own)
+        self.blocks = 0  # blocks referenced (the capacity bound)
+
+    def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
+        first = hashes[0]
+        per_endpoint = self.routes.get(first)
+        if per_endpoint is None:
+            per_endpoint = self.routes[first] = {}
+        routes = per_endpoint.get(endpoint_id)
+        n = len(hashes)
+        if routes is None:
+            per_endpoint[endpoint_id] = [hashes]
+            self.keys.setdefault(endpoint_id, set()).add(first)
+            self.blocks += n
+            return
+        # Chained hashes: a sequence is a prefix of another iff their last common position agrees.
+        last = routes[-1]
+        m = len(last)
+        if m <= n and hashes[m - 1] == last[m - 1]:
+            routes[-1] = hashes  # extends the newest route (the next turn of a conversation)
+            self.blocks += n - m
+        elif n < m and last[n - 1] == hashes[n - 1]:
+            return  # a prefix of the newest route: already answered for
+        else:
+            routes.append(hashes)
+            self.blocks += n
+            if len(routes) > _ROUTES_PER_KEY:
+                self.blocks -= len(routes.pop(0))
+
+    def forget(self, endpoint_id: str) -> None:
+        for first in self.keys.pop(endpoint_id, ()):
+            per_endpoint = self.routes[first]
+            for r in per_endpoint.pop(endpoint_id, ()):
+                self.blocks -= len(r)
+            if not per_endpoint:
+                del self.routes[first]
+
+    def match_into(self, hashes: Sequence[bytes], result: dict[str, int]) -> None:
+        """Raise `result[e]` (for the endpoints in it) to the longest prefix of `hashes` routed to e here."""
+        per_endpoint = self.routes.get(hashes[0])
+        if not per_endpoint:
+            return
+        n = len(hashes)
+        for endpoint_id, routes in per_endpoint.items():
+            best = result.get(endpoint_id)
+            if best is None:
+                continue
+            for r in routes:
+                m = min(n, len(r))
+                if m <= best:
+                    continue
+                if r[m - 1] == hashes[m - 1]:
+                    best = m  # the whole shorter one is shared: one comparison
+                else:
+                    # Equal at i means equal at every j < i (chaining): bisect the first difference.
+                    best = max(
+                        best, bisect_left(range(m), True, lo=best, key=lambda i, r=r: r[i] != hashes[i])
+                    )
+            result[endpoint_id] = best
+
+
 class RecentRoutes:
-    """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations of an approximate index,
-    the older dropped whole at each rotation, so expiry costs nothing per entry."""
+    """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations, the older dropped whole at
+    each rotation, so expiry costs nothing per entry.
+
+    A route is kept by reference (the prompt's hash sequence; the caller must not change it afterwards) under
+    its first block hash and its endpoint, so recording one costs O(1) whatever the prompt's length. Block
+    hashes are chained, so a route shares a prompt's first i blocks iff their hashes at position i - 1 agree:
+    a match looks only at the routes under the prompt's first block and finds each one's shared run by
+    bisection, O(log prompt blocks) per route. `capacity_blocks` bounds the blocks a generation references: a
+    generation that reaches it rotates early."""
 
     def __init__(
         self, capacity_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
         self._capacity = capacity_blocks
         self._ttl_s = ttl_s
         self._clock = clock
-        self._current = ApproximatePrefixIndex(capacity_blocks)
-        self._previous = ApproximatePrefixIndex(capacity_blocks)
+        self._current = _Generation()
+        self._previous = _Generation()
         self._rotated_at = clock()
 
     def _rotate(self) -> None:
@@ -257,16 +343,19 @@ class RecentRoutes:
         elapsed = now - self._rotated_at
         if elapsed < self._ttl_s:
             return
-        fresh = ApproximatePrefixIndex(self._capacity)
-        self._previous = (
-            self._current if elapsed < 2 * self._ttl_s else ApproximatePrefixIndex(self._capacity)
-        )
-        self._current = fresh
+        self._previous = self._current if elapsed < 2 * self._ttl_s else _Generation()
+        self._current = _Generation()
         self._rotated_at = now
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
         self._rotate()
-        self._current.record(endpoint_id, hashes)
+        current = self._current
+        current.record(endpoint_id, hashes)
+        if current.blocks > self._capacity:
+            self._previous, self._current = current, _Generation()
+            self._rotated_at = self._clock()
 
     def forget(self, endpoint_id: str) -> None:
         self._current.forget(endpoint_id)
@@ -274,9 +363,8 @@ class RecentRoutes:
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
         self._rotate()
-        ids = list(endpoint_ids)
-        if not len(self._previous):  # one generation in use: no merge to pay for
-            return self._current.match(hashes, ids)
-        current = self._current.match(hashes, ids)
-        previous = self._previous.match(hashes, ids)
-        return {e: max(current[e], previous[e]) for e in ids}
+        result = dict.fromkeys(endpoint_ids, 0)
+        if hashes:
+            self._current.match_into(hashes, result)
+            self._previous.match_into(hashes, result)
+        return result
