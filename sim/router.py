@@ -180,18 +180,13 @@ class SimRouter:
             self.hash_prompt(sreq)
             hashes = sreq.block_hashes
             ids = [ep.name for ep in eps]
-            held = self.exact.match(hashes, ids)
-            scheduled = self.scheduled.match(hashes, ids)
-            recent = self.recent.match(hashes, ids)
+            matched = self.exact.match(hashes, ids)
+            self.scheduled.raise_matches(hashes, matched)
+            self.recent.raise_matches(hashes, matched)
             candidates = [
-                Candidate(
-                    ep.name,
-                    ep.load,
-                    ep.kv_usage,
-                    max(held[ep.name], scheduled[ep.name], recent[ep.name]),
-                    True,
-                )
-                for ep in eps
+                # ep.load, without a property call per endpoint
+                Candidate(name, max(ep.reported_load, ep.in_flight), ep.kv_usage, matched[name], True)
+                for ep, name in zip(eps, ids, strict=True)
             ]
             first = hashes[0] if hashes else b""
             decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)

@@ -47,7 +47,7 @@ class EndpointSlots:
     def __init__(self) -> None:
         self._slot: dict[str, int] = {}
         self.bits: dict[str, int] = {}  # endpoint id -> 1 << slot, for a C-level mask of the asked endpoints
-        self._ids: list[str | None] = []
+        self.owners: list[str | None] = []  # slot -> endpoint id
         self._free: list[int] = []
 
     def bit(self, endpoint_id: str) -> int:
@@ -56,10 +56,10 @@ class EndpointSlots:
         if slot is None:
             if self._free:
                 slot = heapq.heappop(self._free)
-                self._ids[slot] = endpoint_id
+                self.owners[slot] = endpoint_id
             else:
-                slot = len(self._ids)
-                self._ids.append(endpoint_id)
+                slot = len(self.owners)
+                self.owners.append(endpoint_id)
             self._slot[endpoint_id] = slot
             self.bits[endpoint_id] = 1 << slot
         return 1 << slot
@@ -73,11 +73,11 @@ class EndpointSlots:
         slot = self._slot.pop(endpoint_id, None)
         if slot is not None:
             del self.bits[endpoint_id]
-            self._ids[slot] = None
+            self.owners[slot] = None
             heapq.heappush(self._free, slot)
 
     def owner(self, slot: int) -> str | None:
-        return self._ids[slot]
+        return self.owners[slot]
 
 
 def leading_matches(
@@ -90,6 +90,7 @@ def leading_matches(
         return result
     remaining = reduce(or_, map(slots.bits.get, ids, repeat(0)), 0)
     get = holders.get
+    owner = slots.owners
     n = len(hashes)
     start, chunk = 0, _FIRST_CHUNK
     while remaining and start < n:
@@ -101,20 +102,20 @@ def leading_matches(
         while acc[pos] != last:
             v = acc[pos]
             pos = bisect_right(acc, -v, lo=pos, key=neg)  # first i with acc[i] < v: a bit left there
-            _assign(result, v & ~acc[pos], start + pos - 1, slots)
+            gone = v & ~acc[pos]
+            count = start + pos - 1
+            while gone:  # each endpoint whose bit left here (inline: once per endpoint per pick)
+                low = gone & -gone
+                result[owner[low.bit_length() - 1]] = count
+                gone ^= low
         remaining = last
         start += len(part)
         chunk *= 4
-    if remaining:
-        _assign(result, remaining, n, slots)
+    while remaining:
+        low = remaining & -remaining
+        result[owner[low.bit_length() - 1]] = n
+        remaining ^= low
     return result
-
-
-def _assign(result: dict[str, int], bits: int, count: int, slots: EndpointSlots) -> None:
-    while bits:
-        low = bits & -bits
-        result[slots.owner(low.bit_length() - 1)] = count
-        bits ^= low
 
 
 def _drop_bit(holders: dict[bytes, int], hashes: Iterable[bytes], bit: int) -> None:
@@ -362,9 +363,14 @@ class RecentRoutes:
         self._previous.forget(endpoint_id)
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        self._rotate()
         result = dict.fromkeys(endpoint_ids, 0)
-        if hashes:
-            self._current.match_into(hashes, result)
-            self._previous.match_into(hashes, result)
+        self.raise_matches(hashes, result)
         return result
+
+    def raise_matches(self, hashes: Sequence[bytes], matches: dict[str, int]) -> None:
+        """Raise each `matches[e]` to at least this index's match for e: the max with another index's answer
+        without building a second dict (the pick merges three indexes)."""
+        self._rotate()
+        if hashes:
+            self._current.match_into(hashes, matches)
+            self._previous.match_into(hashes, matches)
