@@ -184,8 +184,14 @@ class SimRouter:
             self.scheduled.raise_matches(hashes, matched)
             self.recent.raise_matches(hashes, matched)
             candidates = [
-                # ep.load, without a property call per endpoint
-                Candidate(name, max(ep.reported_load, ep.in_flight), ep.kv_usage, matched[name], True)
+                # ep.load inlined (no property or max() call per endpoint: this runs for every candidate)
+                Candidate(
+                    name,
+                    a if (a := ep.reported_load) >= (b := ep.in_flight) else b,
+                    ep.kv_usage,
+                    matched[name],
+                    True,
+                )
                 for ep, name in zip(eps, ids, strict=True)
             ]
             first = hashes[0] if hashes else b""

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import heapq
 import time
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
-from itertools import accumulate, repeat
-from operator import and_, neg, or_
+from itertools import accumulate, compress, islice, repeat
+from itertools import count as count_from
+from operator import and_, or_, xor
 
 _FIRST_CHUNK = 64
 
@@ -98,16 +99,15 @@ def leading_matches(
         # acc[i] = the queried endpoints holding all of part[:i] (and everything before `part`).
         acc = list(accumulate(map(get, part, repeat(0)), and_, initial=remaining))
         last = acc[-1]
-        pos = 0
-        while acc[pos] != last:
-            v = acc[pos]
-            pos = bisect_right(acc, -v, lo=pos, key=neg)  # first i with acc[i] < v: a bit left there
-            gone = v & ~acc[pos]
-            count = start + pos - 1
-            while gone:  # each endpoint whose bit left here (inline: once per endpoint per pick)
-                low = gone & -gone
-                result[owner[low.bit_length() - 1]] = count
-                gone ^= low
+        if acc[0] != last:
+            # The bits that leave between acc[i] and acc[i + 1]: those endpoints hold start + i blocks. Only
+            # the nonzero ones reach Python (C-level filter and compress), once per endpoint per pick.
+            drops = list(map(xor, acc, islice(acc, 1, None)))
+            for count, gone in zip(compress(count_from(start), drops), filter(None, drops), strict=True):
+                while gone:
+                    low = gone & -gone
+                    result[owner[low.bit_length() - 1]] = count
+                    gone ^= low
         remaining = last
         start += len(part)
         chunk *= 4

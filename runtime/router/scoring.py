@@ -172,7 +172,10 @@ class WorkBound:
     def record(self, endpoint_id: str, reported: bool = False) -> None:
         """This router sent a request there; `reported`: the pod's own events will count it."""
         if reported:
-            self._provisional.setdefault(endpoint_id, deque()).append(self._clock())
+            pending = self._provisional.get(endpoint_id)
+            if pending is None:
+                pending = self._provisional[endpoint_id] = deque()
+            pending.append(self._clock())
         else:
             self._push(endpoint_id)
 
