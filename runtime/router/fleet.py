@@ -256,6 +256,19 @@ class Fleet:
         session_key: str | None,
         exclude: frozenset[str],
     ) -> Pick | None:
+        started = time.perf_counter()
+        try:
+            return self._pick(targets, prompt, session_key, exclude)
+        finally:
+            self.metrics.pick_seconds.observe(time.perf_counter() - started)
+
+    def _pick(
+        self,
+        targets: Sequence[RouteTarget],
+        prompt: PromptKey,
+        session_key: str | None,
+        exclude: frozenset[str],
+    ) -> Pick | None:
         limit = self.config.routing.max_in_flight_per_endpoint
         for target in targets:
             eps = [
