@@ -78,7 +78,7 @@ class Fleet:
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
-    def _scheduled(self, endpoint_id: str, hashes: list[bytes]) -> None:
+    def _scheduled(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         """A pod started a request (from any router): its prefix is being computed there."""
         if hashes:
             self.scheduled.record(endpoint_id, hashes)
