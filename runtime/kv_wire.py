@@ -31,8 +31,9 @@ router appends a request's `cache_salt` with `block_hash.with_salt` exactly as t
 the same chained hashes from the same token ids.
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
-Both share only the types below: each writes with `to_json` and reads with `from_json`, which checks every
-field and raises `WireFormatError` naming the first thing wrong, so a reader never acts on half a message.
+Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
+whole reply with `KVEventsReply.from_json`, which checks every field and raises `WireFormatError` naming the
+first thing wrong, so a reader never acts on half a message.
 """
 
 from __future__ import annotations
