@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
 from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex
 
@@ -92,16 +93,20 @@ def test_an_eviction_reported_by_a_pod_ends_its_recent_routes():
     assert recent.match([b"r0"], ["pod-a", "pod-b"]) == {"pod-a": 0, "pod-b": 1}
 
 
-def test_match_counts_each_endpoints_leading_run_over_random_holdings():
+@pytest.mark.parametrize(
+    ("num_blocks", "num_endpoints", "keep"),
+    [(12, 6, 0.85), (300, 2, 0.995), (300, 40, 0.99)],  # short prompts, and long ones few or many hold
+)
+def test_match_counts_each_endpoints_leading_run_over_random_holdings(num_blocks, num_endpoints, keep):
     """Against the definition: endpoint e's count is the longest i such that it holds H[0..i-1]."""
     import random
 
     rng = random.Random(7)
-    hashes = block_hashes_for(list(range(16 * 12)), 16, EXTRA)
-    endpoints = [f"e{i}" for i in range(6)]
+    hashes = block_hashes_for(list(range(16 * num_blocks)), 16, EXTRA)
+    endpoints = [f"e{i}" for i in range(num_endpoints)]
     for _ in range(200):
         idx = ExactPrefixIndex()
-        held = {e: {h for h in hashes if rng.random() < 0.85} for e in endpoints}
+        held = {e: {h for h in hashes if rng.random() < keep} for e in endpoints}
         for e, blocks in held.items():
             idx.stored(e, blocks)
         expected = {}
