@@ -28,7 +28,6 @@ import hashlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from tokenfleet.runtime.router.config import Balance, RoutingSpec, Weights
@@ -52,8 +51,7 @@ class RouteQuery(NamedTuple):
     prefix_key: bytes = b""  # the prompt's first block hash: ties go where every router sends this prefix
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     endpoint_id: str
     reason: str  # prefix_hit | load | round_robin | session | hotspot_guard | work_bound
     prefix_blocks: int = 0
