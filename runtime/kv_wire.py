@@ -31,7 +31,9 @@ router appends a request's `cache_salt` with `block_hash.with_salt` exactly as t
 the same chained hashes from the same token ids.
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
-Both share only the dataclasses below.
+Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
+whole reply with `KVEventsReply.from_json`, which checks every field and raises `WireFormatError` naming the
+first thing wrong, so a reader never acts on half a message.
 """
 
 from __future__ import annotations
@@ -42,13 +44,107 @@ EVENT_TYPES = ("stored", "removed", "cleared", "scheduled")
 MAX_WAIT_SECONDS = 10.0
 
 
+class WireFormatError(ValueError):
+    """A message that does not follow this wire format; the text says which field and why."""
+
+
+def _field(obj: dict, name: str, kinds: type | tuple[type, ...], where: str):
+    if name not in obj:
+        raise WireFormatError(f"{where}: missing {name!r}")
+    value = obj[name]
+    # bool is an int subclass: a count or size given as true/false is malformed, not 1/0.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise WireFormatError(f"{where}: {name!r} must be {_names(kinds)}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _names(kinds: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in _as_tuple(kinds))
+
+
+def _object(obj: object, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise WireFormatError(f"{where} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 @dataclass(frozen=True, slots=True)
-class KVEvent:
+class KVWireEvent:
+    """One event as it travels (the engine's own event types are `engine.kv_cache.kv_events`)."""
+
     type: str  # stored | removed | cleared | scheduled
     block_hashes: tuple[bytes, ...] = ()
 
     def to_json(self) -> dict:
         return {"type": self.type, "block_hashes": [h.hex() for h in self.block_hashes]}
+
+    @classmethod
+    def from_json(cls, obj: object) -> KVWireEvent:
+        obj = _object(obj, "kv event")
+        kind = _field(obj, "type", str, "kv event")
+        if kind not in EVENT_TYPES:
+            raise WireFormatError(f"unknown kv event type {kind!r} (known: {', '.join(EVENT_TYPES)})")
+        raw = obj.get("block_hashes", [])
+        if not isinstance(raw, list):
+            raise WireFormatError(f"{kind} event: 'block_hashes' must be a list, got {type(raw).__name__}")
+        try:
+            hashes = tuple(map(bytes.fromhex, raw))  # C-level: a resync carries every block the pod holds
+        except (TypeError, ValueError) as e:
+            raise WireFormatError(f"{kind} event: 'block_hashes' must be hex strings ({e})") from e
+        return cls(kind, hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsReply:
+    """One `GET /v1/kv-events` reply: the events after the poll's `since`, or a resync (`reset`)."""
+
+    epoch: str
+    seq: int
+    block_size: int
+    hash_extra: tuple[str | int | None, ...]
+    events: tuple[KVWireEvent, ...] = ()
+    reset: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "reset": self.reset,
+            "block_size": self.block_size,
+            "hash_extra": list(self.hash_extra),
+            "events": [e.to_json() for e in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> KVEventsReply:
+        where = "kv-events reply"
+        obj = _object(obj, where)
+        epoch = _field(obj, "epoch", str, where)
+        seq = _field(obj, "seq", int, where)
+        if seq < 0:
+            raise WireFormatError(f"{where}: 'seq' must be >= 0, got {seq}")
+        block_size = _field(obj, "block_size", int, where)
+        if block_size < 1:
+            raise WireFormatError(f"{where}: 'block_size' must be >= 1, got {block_size}")
+        extra = _field(obj, "hash_extra", list, where)
+        for part in extra:
+            if part is not None and (not isinstance(part, str | int) or isinstance(part, bool)):
+                raise WireFormatError(f"{where}: 'hash_extra' items must be str, int or null, got {part!r}")
+        reset = obj.get("reset", False)
+        if not isinstance(reset, bool):
+            raise WireFormatError(f"{where}: 'reset' must be a bool, got {type(reset).__name__}")
+        raw_events = _field(obj, "events", list, where)
+        events = []
+        for i, e in enumerate(raw_events):
+            try:
+                events.append(KVWireEvent.from_json(e))
+            except WireFormatError as err:
+                raise WireFormatError(f"{where}: event {i}: {err}") from None
+        return cls(epoch, seq, block_size, tuple(extra), tuple(events), reset)
 
 
 @dataclass(frozen=True, slots=True)

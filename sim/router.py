@@ -180,18 +180,19 @@ class SimRouter:
             self.hash_prompt(sreq)
             hashes = sreq.block_hashes
             ids = [ep.name for ep in eps]
-            held = self.exact.match(hashes, ids)
-            scheduled = self.scheduled.match(hashes, ids)
-            recent = self.recent.match(hashes, ids)
+            matched = self.exact.match(hashes, ids)
+            self.scheduled.raise_matches(hashes, matched)
+            self.recent.raise_matches(hashes, matched)
             candidates = [
+                # ep.load inlined (no property or max() call per endpoint: this runs for every candidate)
                 Candidate(
-                    ep.name,
-                    ep.load,
+                    name,
+                    a if (a := ep.reported_load) >= (b := ep.in_flight) else b,
                     ep.kv_usage,
-                    max(held[ep.name], scheduled[ep.name], recent[ep.name]),
+                    matched[name],
                     True,
                 )
-                for ep in eps
+                for ep, name in zip(eps, ids, strict=True)
             ]
             first = hashes[0] if hashes else b""
             decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)

@@ -40,8 +40,8 @@ from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.pod_tokenizers import BackendTokenizer
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
-from tokenfleet.runtime.router.proxy import Outgoing, error_body, request_headers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
+from tokenfleet.runtime.router.upstream import Outgoing, error_body, request_headers
 
 log = logging.getLogger(__name__)
 

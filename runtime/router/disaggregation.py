@@ -39,8 +39,8 @@ from tokenfleet.runtime.router.config import Backend, Retries
 from tokenfleet.runtime.router.endpoints import Endpoint, role_ref
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
-from tokenfleet.runtime.router.proxy import Outcome, Outgoing
 from tokenfleet.runtime.router.proxy import forward as proxy_forward
+from tokenfleet.runtime.router.upstream import Outcome, Outgoing
 
 log = logging.getLogger(__name__)
 

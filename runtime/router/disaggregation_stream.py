@@ -36,8 +36,8 @@ from tokenfleet.runtime.openai.resume import (
 from tokenfleet.runtime.router.config import Retries
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
-from tokenfleet.runtime.router.proxy import Outcome, Outgoing, Retry, _response_headers, sse_error
 from tokenfleet.runtime.router.resume import Sink, Splice, annotated_headers, follow
+from tokenfleet.runtime.router.upstream import Outcome, Outgoing, Retry, response_headers, sse_error
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ async def stream(
             if upstream.status != 200 or upstream.content_type != "text/event-stream":
                 return None
             hold_id = upstream.headers.get(wire.HOLD_HEADER)
-            resp_headers = _response_headers(upstream, pick)
+            resp_headers = response_headers(upstream, pick)
             buf = b""
             while True:
                 chunk = await asyncio.wait_for(upstream.content.readany(), retries.idle_timeout_seconds)

@@ -78,7 +78,7 @@ class Fleet:
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
-    def _scheduled(self, endpoint_id: str, hashes: list[bytes]) -> None:
+    def _scheduled(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         """A pod started a request (from any router): its prefix is being computed there."""
         if hashes:
             self.scheduled.record(endpoint_id, hashes)
@@ -256,6 +256,19 @@ class Fleet:
         session_key: str | None,
         exclude: frozenset[str],
     ) -> Pick | None:
+        started = time.perf_counter()
+        try:
+            return self._pick(targets, prompt, session_key, exclude)
+        finally:
+            self.metrics.pick_seconds.observe(time.perf_counter() - started)
+
+    def _pick(
+        self,
+        targets: Sequence[RouteTarget],
+        prompt: PromptKey,
+        session_key: str | None,
+        exclude: frozenset[str],
+    ) -> Pick | None:
         limit = self.config.routing.max_in_flight_per_endpoint
         for target in targets:
             eps = [
@@ -269,9 +282,15 @@ class Fleet:
             if not eps:
                 continue
             matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
-            live = self.kv_events_live()
+            followers = self._followers  # only the candidates' (kv_events_live() would build all of them)
             candidates = [
-                Candidate(ep.id, ep.load, ep.kv_cache_usage, matches.get(ep.id, 0), live.get(ep.id, False))
+                Candidate(
+                    ep.id,
+                    ep.load,
+                    ep.kv_cache_usage,
+                    matches.get(ep.id, 0),
+                    (f := followers.get(ep.id)) is not None and f.live,
+                )
                 for ep in eps
             ]
             first = next((h[0] for h in approx.values() if h), b"")
@@ -324,11 +343,11 @@ class Fleet:
         for (block_size, extra, approx_key), ids in exact_groups.items():
             exact_h = hashes(block_size, extra)
             held = self.exact.match(exact_h, ids)
-            scheduled = self.scheduled.match(exact_h, ids)
+            self.scheduled.raise_matches(exact_h, held)
             # Same block units: add what this router sent there that is still being prefilled.
-            recent = self.recent.match(hashes(*approx_key), ids) if block_size == approx_key[0] else {}
-            for e in ids:
-                matches[e] = max(held[e], scheduled[e], recent.get(e, 0))
+            if block_size == approx_key[0]:
+                self.recent.raise_matches(hashes(*approx_key), held)
+            matches |= held
             num_blocks = max(num_blocks, len(exact_h))
         for approx_key, ids in approx_groups.items():
             approx_h = hashes(*approx_key)

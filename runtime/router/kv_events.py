@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from tokenfleet.runtime.kv_wire import KVEventsReply, WireFormatError
 from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,14 @@ class StreamPosition:
     hash_extra: tuple[str | int | None, ...]
 
 
-OnScheduled = Callable[[str, list[bytes]], None]
-_KINDS = frozenset({"stored", "removed", "cleared", "scheduled"})
+OnScheduled = Callable[[str, Sequence[bytes]], None]
 
 
 class StreamError(ValueError):
-    """A reply the index must not take: `reason` is malformed (unparsable, unknown event type), epoch (the
-    pod restarted but the reply is not a resync) or order (its seq goes back, or repeats with new events).
-    Nothing of such a reply is applied; the follower drops the endpoint's entries and resyncs."""
+    """A reply the index must not take: `reason` is malformed (not the wire format; `kv_wire.WireFormatError`
+    says what), epoch (the pod restarted but the reply is not a resync) or order (its seq goes back, or
+    repeats with new events). Nothing of such a reply is applied; the follower drops the endpoint's entries
+    and resyncs."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -50,42 +51,35 @@ class StreamError(ValueError):
 def apply_reply(
     index: ExactPrefixIndex,
     endpoint_id: str,
-    reply: dict,
+    reply: object,
     on_scheduled: OnScheduled | None = None,
     previous: StreamPosition | None = None,
 ) -> StreamPosition:
-    """Apply one `/v1/kv-events` reply following `previous` (the position of the last one applied);
-    raises StreamError, having changed nothing, on a reply that is malformed or does not follow on."""
+    """Apply one `/v1/kv-events` reply (the decoded JSON body) following `previous` (the position of the last
+    one applied); raises StreamError, having changed nothing, on a reply that is malformed or does not follow
+    on. The whole reply is parsed (`KVEventsReply.from_json`) before anything is applied."""
     try:
-        events = reply["events"]
-        position = StreamPosition(
-            str(reply["epoch"]), int(reply["seq"]), int(reply["block_size"]), tuple(reply["hash_extra"])
-        )
-        decoded = [(e["type"], [bytes.fromhex(h) for h in e.get("block_hashes", ())]) for e in events]
-        reset = bool(reply.get("reset"))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise StreamError("malformed", f"kv-events reply: {e!r}") from e
-    unknown = {kind for kind, _ in decoded} - _KINDS
-    if unknown:
-        raise StreamError("malformed", f"unknown kv event types {sorted(map(str, unknown))}")
-    if position.block_size < 1:
-        raise StreamError("malformed", f"block_size {position.block_size}")
-    if previous is not None and not reset:
+        parsed = KVEventsReply.from_json(reply)
+    except WireFormatError as e:
+        raise StreamError("malformed", str(e)) from e
+    position = StreamPosition(parsed.epoch, parsed.seq, parsed.block_size, parsed.hash_extra)
+    if previous is not None and not parsed.reset:
         if position.epoch != previous.epoch:
             raise StreamError("epoch", f"epoch {position.epoch!r} after {previous.epoch!r} without a resync")
-        if position.seq < previous.seq or (position.seq == previous.seq and decoded):
+        if position.seq < previous.seq or (position.seq == previous.seq and parsed.events):
             raise StreamError("order", f"seq {position.seq} after {previous.seq}")
-    if reset:
+    if parsed.reset:
         index.clear(endpoint_id)
-    for kind, hashes in decoded:
+    for event in parsed.events:
+        kind = event.type
         if kind == "stored":
-            index.stored(endpoint_id, hashes)
+            index.stored(endpoint_id, event.block_hashes)
         elif kind == "removed":
-            index.removed(endpoint_id, hashes)
+            index.removed(endpoint_id, event.block_hashes)
         elif kind == "cleared":
             index.clear(endpoint_id)
         elif on_scheduled is not None:
-            on_scheduled(endpoint_id, hashes)
+            on_scheduled(endpoint_id, event.block_hashes)
     return position
 
 

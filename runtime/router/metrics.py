@@ -36,6 +36,14 @@ class RouterMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
             registry=r,
         )
+        # The router's own cost per decision: hashing the prompt, the prefix matches, the strategy. Tens of
+        # microseconds for a short prompt, milliseconds for a prompt of 100k+ tokens (bench/router_pick.py).
+        self.pick_seconds = Histogram(
+            PREFIX + "pick_seconds",
+            "Time to pick an endpoint for a request (prompt hashing, prefix matches, strategy).",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1),
+            registry=r,
+        )
         self.in_flight = Gauge(
             PREFIX + "endpoint_in_flight", "Requests in flight per endpoint.", ["endpoint"], registry=r
         )

@@ -12,9 +12,11 @@ first miss. Every index answers `match(hashes, endpoint_ids) -> {endpoint_id: nu
   is computed, and a long prefill takes seconds (tens on CPU): requests sharing a prefix that arrive
   meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
   pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
-  pod reports an eviction (from then on its events alone say what it holds).
+  pod reports an eviction (from then on its events alone say what it holds). It runs on every routed
+  request, so it keeps each route by reference under its first block (O(1) to record) and matches by
+  bisection (see the class).
 
-Representation (all three): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
+Representation (exact and approximate): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
 integer per endpoint, the lowest free one reused). A match is one pass over the prompt's blocks for all
 endpoints together, O(prompt blocks) and not O(blocks x endpoints): the running AND of the blocks' holder
 sets (C-level `map` + `accumulate`), whose value only ever loses bits and so only decreases; each endpoint's
@@ -29,14 +31,18 @@ from __future__ import annotations
 
 import heapq
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
-from itertools import accumulate, repeat
-from operator import and_, neg, or_
+from itertools import accumulate, compress, islice, repeat
+from itertools import count as count_from
+from operator import and_, neg, or_, xor
 
 _FIRST_CHUNK = 64
+# A chunk's leaving bits are found by a full diff pass while it is at most this many blocks per endpoint
+# still matching, else by bisection (measured: the diff wins at 1k-token prompts, bisection at 240k).
+_DIFF_PER_BIT = 8
 
 
 class EndpointSlots:
@@ -45,7 +51,7 @@ class EndpointSlots:
     def __init__(self) -> None:
         self._slot: dict[str, int] = {}
         self.bits: dict[str, int] = {}  # endpoint id -> 1 << slot, for a C-level mask of the asked endpoints
-        self._ids: list[str | None] = []
+        self.owners: list[str | None] = []  # slot -> endpoint id
         self._free: list[int] = []
 
     def bit(self, endpoint_id: str) -> int:
@@ -54,10 +60,10 @@ class EndpointSlots:
         if slot is None:
             if self._free:
                 slot = heapq.heappop(self._free)
-                self._ids[slot] = endpoint_id
+                self.owners[slot] = endpoint_id
             else:
-                slot = len(self._ids)
-                self._ids.append(endpoint_id)
+                slot = len(self.owners)
+                self.owners.append(endpoint_id)
             self._slot[endpoint_id] = slot
             self.bits[endpoint_id] = 1 << slot
         return 1 << slot
@@ -71,11 +77,11 @@ class EndpointSlots:
         slot = self._slot.pop(endpoint_id, None)
         if slot is not None:
             del self.bits[endpoint_id]
-            self._ids[slot] = None
+            self.owners[slot] = None
             heapq.heappush(self._free, slot)
 
     def owner(self, slot: int) -> str | None:
-        return self._ids[slot]
+        return self.owners[slot]
 
 
 def leading_matches(
@@ -88,6 +94,7 @@ def leading_matches(
         return result
     remaining = reduce(or_, map(slots.bits.get, ids, repeat(0)), 0)
     get = holders.get
+    owner = slots.owners
     n = len(hashes)
     start, chunk = 0, _FIRST_CHUNK
     while remaining and start < n:
@@ -95,24 +102,37 @@ def leading_matches(
         # acc[i] = the queried endpoints holding all of part[:i] (and everything before `part`).
         acc = list(accumulate(map(get, part, repeat(0)), and_, initial=remaining))
         last = acc[-1]
-        pos = 0
-        while acc[pos] != last:
-            v = acc[pos]
-            pos = bisect_right(acc, -v, lo=pos, key=neg)  # first i with acc[i] < v: a bit left there
-            _assign(result, v & ~acc[pos], start + pos - 1, slots)
+        if acc[0] == last:
+            pass
+        elif len(part) <= _DIFF_PER_BIT * remaining.bit_count():
+            # Short chunk, many endpoints: the bits that leave between acc[i] and acc[i + 1] (those endpoints
+            # hold start + i blocks), three C-level passes; only the nonzero ones reach Python.
+            drops = list(map(xor, acc, islice(acc, 1, None)))
+            for count, gone in zip(compress(count_from(start), drops), filter(None, drops), strict=True):
+                while gone:
+                    low = gone & -gone
+                    result[owner[low.bit_length() - 1]] = count
+                    gone ^= low
+        else:
+            # Long chunk: bisect to each place a bit leaves (acc only decreases), O(log chunk) per place.
+            pos = 0
+            while acc[pos] != last:
+                v = acc[pos]
+                pos = bisect_right(acc, -v, lo=pos, key=neg)  # first i with acc[i] < v
+                gone = v & ~acc[pos]
+                count = start + pos - 1
+                while gone:
+                    low = gone & -gone
+                    result[owner[low.bit_length() - 1]] = count
+                    gone ^= low
         remaining = last
         start += len(part)
         chunk *= 4
-    if remaining:
-        _assign(result, remaining, n, slots)
+    while remaining:
+        low = remaining & -remaining
+        result[owner[low.bit_length() - 1]] = n
+        remaining ^= low
     return result
-
-
-def _assign(result: dict[str, int], bits: int, count: int, slots: EndpointSlots) -> None:
-    while bits:
-        low = bits & -bits
-        result[slots.owner(low.bit_length() - 1)] = count
-        bits ^= low
 
 
 def _drop_bit(holders: dict[bytes, int], hashes: Iterable[bytes], bit: int) -> None:
@@ -238,18 +258,102 @@ class ApproximatePrefixIndex:
         return leading_matches(hashes, endpoint_ids, self._entries, self._slots)
 
 
+# At most this many routes are kept per (first block, endpoint) in a generation: the newest. A route that
+# extends the newest one replaces it, one that the newest extends adds nothing, so conversations growing turn
+# by turn take one entry; only this many *diverging* prompts under one first block and one pod are kept.
+_ROUTES_PER_KEY = 16
+
+
+class _Generation:
+    """One generation of recent routes: first block hash -> endpoint -> the routes' hash sequences (held by
+    reference, never copied), newest last."""
+
+    __slots__ = ("blocks", "keys", "routes")
+
+    def __init__(self) -> None:
+        self.routes: dict[bytes, dict[str, list[Sequence[bytes]]]] = {}
+        self.keys: dict[str, set[bytes]] = {}  # endpoint -> its first blocks here, so `forget` is O(own)
+        self.blocks = 0  # blocks referenced (the capacity bound)
+
+    def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
+        first = hashes[0]
+        per_endpoint = self.routes.get(first)
+        if per_endpoint is None:
+            per_endpoint = self.routes[first] = {}
+        routes = per_endpoint.get(endpoint_id)
+        n = len(hashes)
+        if routes is None:
+            per_endpoint[endpoint_id] = [hashes]
+            self.keys.setdefault(endpoint_id, set()).add(first)
+            self.blocks += n
+            return
+        # Chained hashes: a sequence is a prefix of another iff their last common position agrees.
+        last = routes[-1]
+        m = len(last)
+        if m <= n and hashes[m - 1] == last[m - 1]:
+            routes[-1] = hashes  # extends the newest route (the next turn of a conversation)
+            self.blocks += n - m
+        elif n < m and last[n - 1] == hashes[n - 1]:
+            return  # a prefix of the newest route: already answered for
+        else:
+            routes.append(hashes)
+            self.blocks += n
+            if len(routes) > _ROUTES_PER_KEY:
+                self.blocks -= len(routes.pop(0))
+
+    def forget(self, endpoint_id: str) -> None:
+        for first in self.keys.pop(endpoint_id, ()):
+            per_endpoint = self.routes[first]
+            for r in per_endpoint.pop(endpoint_id, ()):
+                self.blocks -= len(r)
+            if not per_endpoint:
+                del self.routes[first]
+
+    def match_into(self, hashes: Sequence[bytes], result: dict[str, int]) -> None:
+        """Raise `result[e]` (for the endpoints in it) to the longest prefix of `hashes` routed to e here."""
+        per_endpoint = self.routes.get(hashes[0])
+        if not per_endpoint:
+            return
+        n = len(hashes)
+        for endpoint_id, routes in per_endpoint.items():
+            best = result.get(endpoint_id)
+            if best is None:
+                continue
+            for r in routes:
+                m = min(n, len(r))
+                if m <= best:
+                    continue
+                if r[m - 1] == hashes[m - 1]:
+                    best = m  # the whole shorter one is shared: one comparison
+                else:
+                    # Equal at i means equal at every j < i (chaining): bisect the first difference.
+                    best = max(
+                        best, bisect_left(range(m), True, lo=best, key=lambda i, r=r: r[i] != hashes[i])
+                    )
+            result[endpoint_id] = best
+
+
 class RecentRoutes:
-    """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations of an approximate index,
-    the older dropped whole at each rotation, so expiry costs nothing per entry."""
+    """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations, the older dropped whole at
+    each rotation, so expiry costs nothing per entry.
+
+    A route is kept by reference (the prompt's hash sequence; the caller must not change it afterwards) under
+    its first block hash and its endpoint, so recording one costs O(1) whatever the prompt's length. Block
+    hashes are chained, so a route shares a prompt's first i blocks iff their hashes at position i - 1 agree:
+    a match looks only at the routes under the prompt's first block and finds each one's shared run by
+    bisection, O(log prompt blocks) per route. `capacity_blocks` bounds the blocks a generation references: a
+    generation that reaches it rotates early."""
 
     def __init__(
         self, capacity_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
         self._capacity = capacity_blocks
         self._ttl_s = ttl_s
         self._clock = clock
-        self._current = ApproximatePrefixIndex(capacity_blocks)
-        self._previous = ApproximatePrefixIndex(capacity_blocks)
+        self._current = _Generation()
+        self._previous = _Generation()
         self._rotated_at = clock()
 
     def _rotate(self) -> None:
@@ -257,26 +361,33 @@ class RecentRoutes:
         elapsed = now - self._rotated_at
         if elapsed < self._ttl_s:
             return
-        fresh = ApproximatePrefixIndex(self._capacity)
-        self._previous = (
-            self._current if elapsed < 2 * self._ttl_s else ApproximatePrefixIndex(self._capacity)
-        )
-        self._current = fresh
+        self._previous = self._current if elapsed < 2 * self._ttl_s else _Generation()
+        self._current = _Generation()
         self._rotated_at = now
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
         self._rotate()
-        self._current.record(endpoint_id, hashes)
+        current = self._current
+        current.record(endpoint_id, hashes)
+        if current.blocks > self._capacity:
+            self._previous, self._current = current, _Generation()
+            self._rotated_at = self._clock()
 
     def forget(self, endpoint_id: str) -> None:
         self._current.forget(endpoint_id)
         self._previous.forget(endpoint_id)
 
     def match(self, hashes: Sequence[bytes], endpoint_ids: Iterable[str]) -> dict[str, int]:
+        result = dict.fromkeys(endpoint_ids, 0)
+        self.raise_matches(hashes, result)
+        return result
+
+    def raise_matches(self, hashes: Sequence[bytes], matches: dict[str, int]) -> None:
+        """Raise each `matches[e]` to at least this index's match for e: the max with another index's answer
+        without building a second dict (the pick merges three indexes)."""
         self._rotate()
-        ids = list(endpoint_ids)
-        if not len(self._previous):  # one generation in use: no merge to pay for
-            return self._current.match(hashes, ids)
-        current = self._current.match(hashes, ids)
-        previous = self._previous.match(hashes, ids)
-        return {e: max(current[e], previous[e]) for e in ids}
+        if hashes:
+            self._current.match_into(hashes, matches)
+            self._previous.match_into(hashes, matches)

@@ -8,7 +8,7 @@ whole before anything is sent (they are one JSON object), which keeps them retry
 Every wait has a bound: connect, first byte, and the silence between stream chunks.
 
 With `retries.maxResumes` > 0 a stream that breaks after its first byte is not ended with an error but
-continued on another endpoint (runtime/router/resume.py).
+continued on another endpoint (runtime/router/resume.py). What both send and return is in upstream.py.
 """
 
 from __future__ import annotations
@@ -16,99 +16,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from tokenfleet.runtime.openai.resume import CONTINUATION_FIELD, RESUME_HEADER, RESUME_STREAM, RESUME_WHOLE
+from tokenfleet.runtime.openai.resume import RESUME_HEADER, RESUME_STREAM, RESUME_WHOLE
+from tokenfleet.runtime.router import resume
 from tokenfleet.runtime.router.assemble import can_assemble
 from tokenfleet.runtime.router.config import Retries
-from tokenfleet.runtime.router.fleet import Fleet, Pick, PromptKey
-from tokenfleet.runtime.router.model_routes import RouteTarget
-
-log = logging.getLogger(__name__)
-
-# Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself on the way out.
-_DROP_RESPONSE = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "content-encoding",
-    "date",
-    "server",
-}
-_FORWARD_REQUEST = (
-    "authorization",
-    "content-type",
-    "accept",
-    "x-request-id",
-    "openai-organization",
-    "user-agent",
+from tokenfleet.runtime.router.fleet import Fleet, Pick
+from tokenfleet.runtime.router.upstream import (
+    Outcome,
+    Outgoing,
+    Retry,
+    body_for,
+    error_body,
+    response_headers,
+    sse_error,
 )
 
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    path: str
-    payload: dict
-    stream: bool
-    headers: dict[str, str]
-    targets: tuple[RouteTarget, ...]
-    prompt: PromptKey
-    session_key: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Retry:
-    """An attempt failed before anything reached the client: try elsewhere, or answer with this."""
-
-    status: int
-    body: bytes
-    reason: str  # connect | timeout | 5xx | overloaded | broken
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What the app needs after forwarding: for metrics and the token rate limit."""
-
-    status: int
-    completion_tokens: int = 0
-    endpoint: str | None = None
-
-
-def error_body(message: str, type_: str, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
-
-
-def sse_error(message: str) -> bytes:
-    body = error_body(message, "upstream_error", "stream_interrupted")
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-def request_headers(incoming, priority: int) -> dict[str, str]:
-    """Headers for the pod. `x-tokenfleet-priority` carries the request's priority number unchanged: it
-    means on the pod what it means here (lower = sooner, preempted later), and the pod uses it when the
-    body sets no `priority` of its own."""
-    headers = {k: incoming[k] for k in _FORWARD_REQUEST if k in incoming}
-    headers["x-tokenfleet-priority"] = str(priority)
-    return headers
-
-
-def _body_for(out: Outgoing, pick: Pick) -> bytes:
-    payload = out.payload
-    if CONTINUATION_FIELD in payload:  # only the router continues streams; a client cannot claim to
-        payload = {k: v for k, v in payload.items() if k != CONTINUATION_FIELD}
-    if payload.get("model") != pick.endpoint.model:
-        payload = {**payload, "model": pick.endpoint.model}  # a fallback or an alias: name the pod's model
-    return json.dumps(payload).encode()
-
-
-def _response_headers(upstream: aiohttp.ClientResponse, pick: Pick) -> dict[str, str]:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
-    headers["x-tokenfleet-endpoint"] = pick.endpoint.url
-    headers["x-tokenfleet-route"] = pick.decision.reason
-    return headers
+log = logging.getLogger(__name__)
 
 
 def _count_sse_tokens(chunk: bytes) -> int:
@@ -163,9 +89,7 @@ async def _attempt(
         headers = {**out.headers, RESUME_HEADER: RESUME_STREAM if resumable else RESUME_WHOLE}
     try:
         upstream = await asyncio.wait_for(
-            fleet.session.post(
-                ep.url + out.path, data=_body_for(out, pick), headers=headers, timeout=timeout
-            ),
+            fleet.session.post(ep.url + out.path, data=body_for(out, pick), headers=headers, timeout=timeout),
             retries.first_byte_timeout_seconds,
         )
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -188,8 +112,6 @@ async def _attempt(
         if (not out.stream and not assembling) or upstream.status != 200:
             return await _whole(fleet, pick, upstream, retries)
         if resumable or assembling:
-            from tokenfleet.runtime.router import resume  # it builds on this module's helpers
-
             return await resume.stream(request, fleet, out, pick, upstream, retries, assembling)
         return await _stream(request, fleet, pick, upstream, retries)
 
@@ -217,14 +139,14 @@ async def _whole(
             tokens = int(json.loads(body).get("usage", {}).get("completion_tokens", 0))
         except (ValueError, AttributeError, TypeError):
             tokens = 0
-    resp = web.Response(status=upstream.status, body=body, headers=_response_headers(upstream, pick))
+    resp = web.Response(status=upstream.status, body=body, headers=response_headers(upstream, pick))
     return resp, Outcome(upstream.status, tokens, pick.endpoint.id)
 
 
 async def _stream(
     request: web.Request, fleet: Fleet, pick: Pick, upstream: aiohttp.ClientResponse, retries: Retries
 ) -> tuple[web.StreamResponse, Outcome]:
-    resp = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream, pick))
+    resp = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, pick))
     await resp.prepare(request)
     outcome = Outcome(upstream.status, 0, pick.endpoint.id)
     ended = False

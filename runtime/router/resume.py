@@ -40,13 +40,13 @@ from tokenfleet.runtime.openai.resume import (
 from tokenfleet.runtime.router.assemble import Assembler
 from tokenfleet.runtime.router.config import Retries
 from tokenfleet.runtime.router.fleet import Fleet, Pick
-from tokenfleet.runtime.router.proxy import (
+from tokenfleet.runtime.router.upstream import (
     Outcome,
     Outgoing,
     Retry,
-    _body_for,
-    _response_headers,
+    body_for,
     error_body,
+    response_headers,
     sse_error,
 )
 
@@ -219,7 +219,7 @@ async def stream(
     """Relay `upstream` (a 200 stream from `pick`) to the client, resuming it on other pods when it breaks.
     With `assemble`, the client asked for one JSON object: the events are collected and answered whole.
     A `Retry` when it broke before the client got anything (the caller tries another endpoint)."""
-    headers = _response_headers(upstream, pick)
+    headers = response_headers(upstream, pick)
     sink: Sink | Assembler = (
         Assembler(out.path.endswith("/chat/completions")) if assemble else Sink(request, headers)
     )
@@ -341,7 +341,7 @@ async def _continue(
         fleet.metrics.resumes.inc()
         ep = pick.endpoint
         tried.add(ep.id)
-        payload = {**json.loads(_body_for(out, pick)), CONTINUATION_FIELD: continuation.model_dump()}
+        payload = {**json.loads(body_for(out, pick)), CONTINUATION_FIELD: continuation.model_dump()}
         payload["stream"] = True
         if not out.stream:  # an assembled whole response: its final event must carry the usage
             payload["stream_options"] = {"include_usage": True}

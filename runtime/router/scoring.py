@@ -28,14 +28,16 @@ import hashlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenfleet.runtime.router.config import Balance, RoutingSpec, Weights
 from tokenfleet.runtime.router.consistent_hash import BoundedLoadRing
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """One endpoint as the strategy sees it. A tuple, not a dataclass: one is built per endpoint per pick,
+    and a frozen dataclass costs several times as much to build."""
+
     endpoint_id: str
     load: int
     kv_usage: float = 0.0
@@ -43,15 +45,13 @@ class Candidate:
     reports_work: bool = False  # its KV-event stream is followed: it announces each request it starts
 
 
-@dataclass(frozen=True, slots=True)
-class RouteQuery:
+class RouteQuery(NamedTuple):
     num_blocks: int = 0
     session_key: str | None = None
     prefix_key: bytes = b""  # the prompt's first block hash: ties go where every router sends this prefix
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     endpoint_id: str
     reason: str  # prefix_hit | load | round_robin | session | hotspot_guard | work_bound
     prefix_blocks: int = 0
@@ -71,19 +71,28 @@ def queue_scores(loads: Sequence[int]) -> list[float]:
     return [(hi - x) / (hi - lo) for x in loads]
 
 
-def combined_scores(candidates: Sequence[Candidate], query: RouteQuery, weights: Weights) -> list[float]:
-    q = queue_scores([c.load for c in candidates])
+def combined_scores(
+    candidates: Sequence[Candidate], query: RouteQuery, weights: Weights, loads: Sequence[int] | None = None
+) -> list[float]:
+    """The weighted sum per candidate (`loads`: the candidates' loads, when the caller has them already)."""
+    q = queue_scores([c.load for c in candidates] if loads is None else loads)
     total = max(query.num_blocks, 1)
+    wp, wq, wkv = weights.prefix, weights.queue, weights.kv_usage
+    # min(x, 1.0) and min(max(u, 0.0), 1.0) as comparisons (the same values; no builtin call per candidate).
     return [
-        weights.prefix * min(c.prefix_blocks / total, 1.0)
-        + weights.queue * qs
-        + weights.kv_usage * (1.0 - min(max(c.kv_usage, 0.0), 1.0))
+        wp * (p if (p := c.prefix_blocks / total) <= 1.0 else 1.0)
+        + wq * qs
+        + wkv * (1.0 - (u if 0.0 <= (u := c.kv_usage) <= 1.0 else min(max(u, 0.0), 1.0)))
         for c, qs in zip(candidates, q, strict=True)
     ]
 
 
 def _rendezvous(key: bytes, endpoint_id: str) -> bytes:
     return hashlib.blake2b(key + endpoint_id.encode(), digest_size=8).digest()
+
+
+def _endpoint_id(c: Candidate) -> str:
+    return c.endpoint_id
 
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
@@ -161,7 +170,10 @@ class WorkBound:
     def record(self, endpoint_id: str, reported: bool = False) -> None:
         """This router sent a request there; `reported`: the pod's own events will count it."""
         if reported:
-            self._provisional.setdefault(endpoint_id, deque()).append(self._clock())
+            pending = self._provisional.get(endpoint_id)
+            if pending is None:
+                pending = self._provisional[endpoint_id] = deque()
+            pending.append(self._clock())
         else:
             self._push(endpoint_id)
 
@@ -188,12 +200,20 @@ class WorkBound:
                 pending.popleft()
         return self._counts[endpoint_id] + (len(pending) if pending else 0)
 
-    def eligible(self, candidates: Sequence[Candidate], max_ratio: float) -> list[Candidate]:
+    def eligible(self, candidates: Sequence[Candidate], max_ratio: float) -> Sequence[Candidate]:
         """Candidates whose count + 1 stays within max_ratio x (least count + 1); never empty (the
-        least-served candidate always is)."""
-        counts = {c.endpoint_id: self.count(c.endpoint_id) for c in candidates}
-        cap = max_ratio * (min(counts.values()) + 1)
-        return [c for c in candidates if counts[c.endpoint_id] + 1 <= cap]
+        least-served candidate always is). `candidates` itself when all are."""
+        count = self._counts.get
+        provisional = self._provisional
+        # `count` per candidate, inlined: this runs on every pick for every candidate.
+        ns = [
+            self.count(c.endpoint_id) if provisional.get(c.endpoint_id) else count(c.endpoint_id, 0)
+            for c in candidates
+        ]
+        cap = max_ratio * (min(ns) + 1)
+        if max(ns) + 1 <= cap:
+            return candidates
+        return [c for c, n in zip(candidates, ns, strict=True) if n + 1 <= cap]
 
 
 class WeightedScore(Strategy):
@@ -211,50 +231,57 @@ class WeightedScore(Strategy):
         super().__init__(spec, clock)
         self._ties = 0
         self.work = WorkBound(spec.balance.window, clock=clock)
+        self._weights = self._weights_of(spec)
+
+    def _weights_of(self, spec: RoutingSpec) -> Weights:
+        return spec.weights if self.use_prefix else spec.weights.model_copy(update={"prefix": 0.0})
 
     def update(self, spec: RoutingSpec) -> None:
         if spec.balance.window != self.spec.balance.window:
             self.work = WorkBound(spec.balance.window, clock=self.clock)
         super().update(spec)
+        self._weights = self._weights_of(spec)
 
     def _choose(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        decision = self._decide(query, candidates)
-        chosen = next(c for c in candidates if c.endpoint_id == decision.endpoint_id)
+        decision, chosen = self._decide(query, candidates)
         self.work.record(decision.endpoint_id, chosen.reports_work)
         return decision
 
-    def _decide(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        if is_imbalanced([c.load for c in candidates], self.spec.balance):
+    def _decide(self, query: RouteQuery, candidates: Sequence[Candidate]) -> tuple[Decision, Candidate]:
+        loads = [c.load for c in candidates]
+        if is_imbalanced(loads, self.spec.balance):
             c = least_loaded(candidates)
-            return Decision(c.endpoint_id, "hotspot_guard", c.prefix_blocks)
+            return Decision(c.endpoint_id, "hotspot_guard", c.prefix_blocks), c
         max_ratio = self.spec.balance.max_ratio
         if self.use_prefix and max_ratio is not None:
             eligible = self.work.eligible(candidates, max_ratio)
             if len(eligible) < len(candidates):
                 best_prefix = max(c.prefix_blocks for c in candidates)
-                decision = self._score(query, eligible)
+                decision, c = self._score(query, eligible)
                 if best_prefix > decision.prefix_blocks:  # the holder was over the bound
-                    return Decision(decision.endpoint_id, "work_bound", decision.prefix_blocks)
-                return decision
-        return self._score(query, candidates)
+                    return Decision(decision.endpoint_id, "work_bound", decision.prefix_blocks), c
+                return decision, c
+        return self._score(query, candidates, loads)
 
-    def _score(self, query: RouteQuery, candidates: Sequence[Candidate]) -> Decision:
-        weights = (
-            self.spec.weights if self.use_prefix else self.spec.weights.model_copy(update={"prefix": 0.0})
-        )
-        scores = combined_scores(candidates, query, weights)
+    def _score(
+        self, query: RouteQuery, candidates: Sequence[Candidate], loads: Sequence[int] | None = None
+    ) -> tuple[Decision, Candidate]:
+        weights = self._weights
+        scores = combined_scores(candidates, query, weights, loads)
         top = max(scores)
-        best = sorted(
-            (c for c, s in zip(candidates, scores, strict=True) if s >= top - 1e-9),
-            key=lambda c: c.endpoint_id,
-        )
-        if len(best) > 1 and query.prefix_key:
-            c = max(best, key=lambda c: _rendezvous(query.prefix_key, c.endpoint_id))
+        floor = top - 1e-9
+        best = [c for c, s in zip(candidates, scores, strict=True) if s >= floor]
+        if len(best) == 1:
+            c = best[0]
+        elif query.prefix_key:
+            key = query.prefix_key
+            c = max(sorted(best, key=_endpoint_id), key=lambda c: _rendezvous(key, c.endpoint_id))
         else:
+            best.sort(key=_endpoint_id)
             c = best[self._ties % len(best)]
-            self._ties += len(best) > 1
+            self._ties += 1
         reason = "prefix_hit" if self.use_prefix and c.prefix_blocks > 0 and weights.prefix > 0 else "load"
-        return Decision(c.endpoint_id, reason, c.prefix_blocks)
+        return Decision(c.endpoint_id, reason, c.prefix_blocks), c
 
 
 class LeastLoad(WeightedScore):

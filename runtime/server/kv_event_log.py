@@ -21,25 +21,25 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     BlockStored,
     PrefillScheduled,
 )
-from tokenfleet.runtime.kv_wire import EVENT_TYPES, MAX_WAIT_SECONDS, KVEvent, LoadReport
+from tokenfleet.runtime.kv_wire import EVENT_TYPES, MAX_WAIT_SECONDS, KVWireEvent, LoadReport
 
 
 def normalize_event(
-    event: KVEvent | BlockStored | BlockRemoved | AllBlocksCleared | PrefillScheduled,
-) -> KVEvent:
+    event: KVWireEvent | BlockStored | BlockRemoved | AllBlocksCleared | PrefillScheduled,
+) -> KVWireEvent:
     """The engine's events (the block pool's, and prefills being scheduled) as wire events."""
-    if isinstance(event, KVEvent):
+    if isinstance(event, KVWireEvent):
         if event.type not in EVENT_TYPES:
             raise ValueError(f"unknown KV event type {event.type!r}")
         return event
     if isinstance(event, BlockStored):
-        return KVEvent("stored", tuple(event.block_hashes))
+        return KVWireEvent("stored", tuple(event.block_hashes))
     if isinstance(event, BlockRemoved):
-        return KVEvent("removed", tuple(event.block_hashes))
+        return KVWireEvent("removed", tuple(event.block_hashes))
     if isinstance(event, AllBlocksCleared):
-        return KVEvent("cleared")
+        return KVWireEvent("cleared")
     if isinstance(event, PrefillScheduled):
-        return KVEvent("scheduled", tuple(event.block_hashes))
+        return KVWireEvent("scheduled", tuple(event.block_hashes))
     raise TypeError(f"not a KV event: {event!r}")
 
 
@@ -53,7 +53,7 @@ class KVEventLog:
         self.hash_extra = tuple(hash_extra)
         self.epoch = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._batches: deque[tuple[int, tuple[KVEvent, ...]]] = deque(maxlen=retain_batches)
+        self._batches: deque[tuple[int, tuple[KVWireEvent, ...]]] = deque(maxlen=retain_batches)
         self._seq = 0
         self._cached: set[bytes] = set()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -91,7 +91,7 @@ class KVEventLog:
                 events = [e.to_json() for seq, batch in self._batches if seq > since for e in batch]
                 reset = False
             else:
-                stored = KVEvent("stored", tuple(self._cached))
+                stored = KVWireEvent("stored", tuple(self._cached))
                 events = [{"type": "cleared", "block_hashes": []}, stored.to_json()]
                 reset = True
             return {

@@ -127,11 +127,11 @@ def test_scheduled_prefills_reach_the_router_but_are_not_cached_blocks():
     log = KVEventLog(16, EXTRA)
     hashes = tuple(block_hashes_for(list(range(48)), 16, EXTRA))
     log.publish([PrefillScheduled(hashes)])
-    seen: list[tuple[str, list[bytes]]] = []
+    seen: list[tuple[str, tuple[bytes, ...]]] = []
     index = ExactPrefixIndex()
     reply = log.read(0, log.epoch)
     apply_reply(index, "pod", reply, lambda ep, hs: seen.append((ep, hs)))
-    assert seen == [("pod", list(hashes))] and index.num_blocks("pod") == 0
+    assert seen == [("pod", hashes)] and index.num_blocks("pod") == 0
     # A new subscriber's snapshot holds only what is cached.
     snapshot = log.read(None, None)
     assert [e["type"] for e in snapshot["events"]] == ["cleared", "stored"]

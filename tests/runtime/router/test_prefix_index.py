@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
 from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex
 
@@ -92,16 +93,20 @@ def test_an_eviction_reported_by_a_pod_ends_its_recent_routes():
     assert recent.match([b"r0"], ["pod-a", "pod-b"]) == {"pod-a": 0, "pod-b": 1}
 
 
-def test_match_counts_each_endpoints_leading_run_over_random_holdings():
+@pytest.mark.parametrize(
+    ("num_blocks", "num_endpoints", "keep"),
+    [(12, 6, 0.85), (300, 2, 0.995), (300, 40, 0.99)],  # short prompts, and long ones few or many hold
+)
+def test_match_counts_each_endpoints_leading_run_over_random_holdings(num_blocks, num_endpoints, keep):
     """Against the definition: endpoint e's count is the longest i such that it holds H[0..i-1]."""
     import random
 
     rng = random.Random(7)
-    hashes = block_hashes_for(list(range(16 * 12)), 16, EXTRA)
-    endpoints = [f"e{i}" for i in range(6)]
+    hashes = block_hashes_for(list(range(16 * num_blocks)), 16, EXTRA)
+    endpoints = [f"e{i}" for i in range(num_endpoints)]
     for _ in range(200):
         idx = ExactPrefixIndex()
-        held = {e: {h for h in hashes if rng.random() < 0.85} for e in endpoints}
+        held = {e: {h for h in hashes if rng.random() < keep} for e in endpoints}
         for e, blocks in held.items():
             idx.stored(e, blocks)
         expected = {}
@@ -187,3 +192,116 @@ def test_approximate_index_agrees_with_an_lru_of_routes():
         target = rng.choice(prompts)
         expected = {a: _leading(target, {h for h, s in lru.items() if a in s}) for a in endpoints}
         assert idx.match(target, endpoints) == expected
+
+
+def _chained_prompts(rng, n: int) -> list[list[bytes]]:
+    """Prompts of chained hashes sharing prefixes at every depth: a few roots, each extended at random."""
+    roots = [[rng.randrange(50) for _ in range(16 * rng.randrange(1, 4))] for _ in range(3)]
+    prompts = []
+    for _ in range(n):
+        tokens = rng.choice(roots) + [rng.randrange(50) for _ in range(16 * rng.randrange(0, 6))]
+        prompts.append(block_hashes_for(tokens, 16, EXTRA))
+    return prompts
+
+
+def test_recent_routes_match_the_longest_shared_run_of_any_route_there():
+    """Against the definition: endpoint e's count is the longest leading run a prompt shares with one of the
+    routes recorded for e and not yet expired or forgotten (chained hashes: sharing block i means sharing
+    every block before it)."""
+    import random
+
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    rng = random.Random(11)
+    endpoints = ["a", "b", "c"]
+    for _ in range(40):
+        now = [0.0]
+        recent = RecentRoutes(capacity_blocks=10_000, ttl_s=10.0, clock=lambda now=now: now[0])
+        routes: list[tuple[float, str, list[bytes]]] = []  # what the definition remembers
+        forgotten_at: dict[str, float] = {}
+        rotations = [0.0]
+        for prompt in _chained_prompts(rng, 30):
+            now[0] += rng.choice([0.1, 0.5, 3.0])
+            if rng.random() < 0.05:
+                e = rng.choice(endpoints)
+                recent.forget(e)
+                forgotten_at[e] = now[0]
+            if rng.random() < 0.6:
+                e = rng.choice(endpoints)
+                recent.record(e, prompt)
+                if now[0] - rotations[-1] >= 10.0:
+                    rotations.append(now[0])
+                routes.append((now[0], e, prompt))
+            got = recent.match(prompt, endpoints)
+            if now[0] - rotations[-1] >= 10.0:
+                rotations.append(now[0])
+            # Alive: recorded in the current generation or the one before it, and after any forget.
+            alive_from = (
+                rotations[-2] if len(rotations) > 1 and now[0] - rotations[-1] < 10.0 else rotations[-1]
+            )
+            if len(rotations) > 1 and rotations[-1] - rotations[-2] >= 20.0:
+                alive_from = rotations[-1]
+            expected = dict.fromkeys(endpoints, 0)
+            for t, e, r in routes:
+                if t < alive_from or t < forgotten_at.get(e, -1.0):
+                    continue
+                n = 0
+                while n < min(len(r), len(prompt)) and r[n] == prompt[n]:
+                    n += 1
+                expected[e] = max(expected[e], n)
+            assert got == expected
+
+
+def test_recent_routes_keep_a_route_by_reference():
+    """Recording a long prompt costs its route, not a copy of its blocks: a 15k-block route (a 240k-token
+    prompt) takes well under a kilobyte, where one index entry per block took megabytes."""
+    import tracemalloc
+
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    recent = RecentRoutes(capacity_blocks=1_000_000, ttl_s=30.0)
+    long_prompt = [i.to_bytes(32, "little") for i in range(15_000)]
+    recent.record("a", long_prompt[:10])  # the first record of an endpoint allocates its containers
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    recent.record("b", long_prompt)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert used < 1024
+    assert recent.match(long_prompt, ["a", "b"]) == {"a": 10, "b": 15_000}
+    assert recent.match([*long_prompt[:7_001], b"x"], ["b"]) == {"b": 7_001}  # a bisected difference
+
+
+def test_recent_routes_extend_a_conversation_in_place_and_bound_diverging_ones():
+    from tokenfleet.runtime.router import prefix_index
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    recent = RecentRoutes(capacity_blocks=100_000, ttl_s=30.0)
+    turns = [block_hashes_for(list(range(16 * k)), 16, EXTRA) for k in range(1, 6)]
+    for t in turns:  # each turn extends the last: one route, the longest
+        recent.record("a", t)
+    recent.record("a", turns[1])  # a prefix of what is held: nothing new
+    assert recent._current.routes[turns[0][0]]["a"] == [turns[-1]]
+    assert recent.match(turns[-1], ["a"]) == {"a": 5}
+    # Diverging prompts under one first block and one pod: the newest _ROUTES_PER_KEY are kept.
+    cap = prefix_index._ROUTES_PER_KEY
+    branches = [block_hashes_for([0] * 16 + [k + 1] * 16, 16, EXTRA) for k in range(cap + 1)]
+    for b in branches:
+        recent.record("b", b)
+    assert recent.match(branches[0], ["b"]) == {"b": 1}  # the oldest branch went; its first block is shared
+    assert recent.match(branches[-1], ["b"]) == {"b": 2}
+
+
+def test_recent_routes_rotate_early_at_capacity():
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    now = [0.0]
+    recent = RecentRoutes(capacity_blocks=8, ttl_s=30.0, clock=lambda: now[0])
+    one, two, three, four = (block_hashes_for([k] * 16 * 5, 16, EXTRA) for k in range(4))
+    recent.record("a", one)
+    recent.record("a", two)  # 10 blocks > 8: this generation becomes the older one
+    assert recent.match(one, ["a"]) == {"a": 5} and recent.match(two, ["a"]) == {"a": 5}
+    recent.record("a", three)
+    recent.record("a", four)  # over again: the generation holding `one` and `two` is dropped
+    assert recent.match(one, ["a"]) == {"a": 0} and recent.match(two, ["a"]) == {"a": 0}
+    assert recent.match(three, ["a"]) == {"a": 5} and recent.match(four, ["a"]) == {"a": 5}

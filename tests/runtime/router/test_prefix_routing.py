@@ -56,6 +56,9 @@ async def test_shared_prefixes_land_on_the_pod_holding_them(serve_app, start_rou
                 text = await r.text()
             assert 'tokenfleet:router_decisions_total{reason="prefix_hit"} 12.0' in text
             assert "tokenfleet:router_prefix_match_blocks_count 15.0" in text
+            # Every request was picked once (no retries here), each pick timed.
+            assert "tokenfleet:router_pick_seconds_count 15.0" in text
+            assert 'tokenfleet:router_pick_seconds_bucket{le="+Inf"} 15.0' in text
 
 
 async def test_eviction_seen_through_events_stops_the_affinity(serve_app, start_router, make_pod, wait_until):

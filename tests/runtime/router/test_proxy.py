@@ -296,3 +296,21 @@ async def test_requests_sent_while_pods_load_are_all_served_once_they_are_ready(
         await wait_until(
             lambda: all(router.fleet.available(ep) for ep in router.fleet.endpoints.by_id.values())
         )
+
+
+async def test_each_pick_is_timed_in_the_pick_latency_histogram(serve_app, start_router, make_pod):
+    async with serve_app(make_pod().app()) as pod_url, start_router([backend("a", pod_url)]) as (url, _):
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            assert "tokenfleet:router_pick_seconds_count 0.0" in await r.text()
+        assert (await post(url, completion()))[0] == 200
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+    assert "tokenfleet:router_pick_seconds_count 1.0" in text
+    assert 'tokenfleet:router_pick_seconds_bucket{le="+Inf"} 1.0' in text
+    assert 'tokenfleet:router_pick_seconds_bucket{le="1e-05"}' in text  # microsecond buckets
+    (total,) = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tokenfleet:router_pick_seconds_sum")
+    ]
+    assert 0.0 < total < 1.0
