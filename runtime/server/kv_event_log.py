@@ -21,7 +21,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     BlockStored,
     PrefillScheduled,
 )
-from tokenfleet.runtime.kv_wire import EVENT_TYPES, MAX_WAIT_SECONDS, KVWireEvent, LoadReport
+from tokenfleet.runtime.kv_wire import EVENT_TYPES, MAX_WAIT_SECONDS, KVEventsReply, KVWireEvent, LoadReport
 
 
 def normalize_event(
@@ -88,20 +88,15 @@ class KVEventLog:
             oldest = self._batches[0][0] if self._batches else self._seq + 1
             in_window = since is not None and epoch == self.epoch and oldest - 1 <= since <= self._seq
             if in_window:
-                events = [e.to_json() for seq, batch in self._batches if seq > since for e in batch]
+                events = tuple(e for seq, batch in self._batches if seq > since for e in batch)
                 reset = False
             else:
-                stored = KVWireEvent("stored", tuple(self._cached))
-                events = [{"type": "cleared", "block_hashes": []}, stored.to_json()]
+                events = (KVWireEvent("cleared", ()), KVWireEvent("stored", tuple(self._cached)))
                 reset = True
-            return {
-                "epoch": self.epoch,
-                "seq": self._seq,
-                "reset": reset,
-                "block_size": self.block_size,
-                "hash_extra": list(self.hash_extra),
-                "events": events,
-            }
+            reply = KVEventsReply(
+                self.epoch, self._seq, self.block_size, tuple(self.hash_extra), events, reset
+            )
+            return reply.to_json()
 
     async def wait_after(self, since: int, timeout: float) -> None:
         ev = asyncio.Event()
