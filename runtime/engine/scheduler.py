@@ -342,6 +342,8 @@ class Scheduler:
                 continue
             prompt = request.prompt_token_ids
             done = len(request.prompt_logprobs)
+            # Hits are capped at what it scored (`_admit_waiting`): no position is ever skipped.
+            assert start <= done, f"request {rid!r} would skip prompt positions {done}..{start - 1}"
             first = max(start, done)
             end = min(start + len(token_ids), len(prompt) - 1)
             if first < end:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.config import RuntimeConfig, SpeculativeConfig
 from tokenfleet.runtime.engine.llm import LLM
 from tokenfleet.runtime.engine.logprobs import compute_prompt_logprobs
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk
 from tokenfleet.runtime.errors import InvalidRequest
+
+from .test_tensor_parallel import checkpoints  # noqa: F401 (the tiny random checkpoints, a fixture)
 
 TOL = 1e-4
 TOP = 5
@@ -165,6 +167,27 @@ def test_preemption_mid_prefill_scores_each_position_once(default_model, hf_orac
     assert max_abs_diff(outs[2].prompt_logprobs, ids, hf_logprobs(hf_oracle, ids), 1) < TOL
 
 
+def test_speculative_decoding_keeps_prompt_logprobs_and_tokens(default_model, hf_oracle, tokenizer):
+    """Scored rows come after the sample and verify rows of the same step; neither is disturbed."""
+    ids = [tokenizer.encode(p) for p in ("1, 2, 3, 4, 5, 6, 1, 2, 3,", SYSTEM + "Where is my parcel?")]
+    config = RuntimeConfig(
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=2, ngram_max=4)
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = LLM(config=RuntimeConfig(), loaded=default_model, dtype="float32").generate(
+        ids, plain, use_tqdm=False
+    )
+    llm = LLM(config=config, loaded=default_model, dtype="float32", max_num_batched_tokens=16)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
+    ]
+    outs = llm.generate(ids, params, use_tqdm=False)
+    assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference]
+    assert max_abs_diff(outs[1].prompt_logprobs, ids[1], hf_logprobs(hf_oracle, ids[1]), 2) < TOL
+
+
 def test_range_is_checked():
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
@@ -207,3 +230,32 @@ def test_compute_prompt_logprobs_splits_rows_by_chunk():
     for row, entry in enumerate(out["a"] + out["b"]):
         assert abs(entry.logprob - float(ref[row, entry.token_id])) < 1e-6
     assert all(len(e.top) == 2 for e in out["a"]) and all(e.top == () for e in out["b"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_scores_like_one_process(checkpoints):  # noqa: F811
+    """Every rank computes the scored rows' logits (the vocabulary is gathered across ranks)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    prompt = [5, 9, 17, 40, 41, 3, 8, 60, 2, 11, 19, 23]
+
+    def run(tp: int):
+        llm = LLM(
+            config=RuntimeConfig.model_validate(
+                {
+                    "model": {"model": checkpoints["llama"], "dtype": "float32"},
+                    "cache": {"block_size": 8, "num_blocks": 16},
+                    "scheduler": {"max_num_batched_tokens": 5},
+                    "parallel": {"tensor_parallel_size": tp},
+                }
+            )
+        )
+        try:
+            return llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+        finally:
+            llm.shutdown()
+
+    one, two = run(1), run(2)
+    assert len(two) == len(prompt) and two[0] is None
+    for a, b in zip(one[1:], two[1:], strict=True):
+        assert list(a) == list(b)
+        assert all(abs(a[t].logprob - b[t].logprob) < TOL for t in a)
