@@ -87,6 +87,27 @@ def test_echo_with_max_tokens_zero_returns_only_the_prompt(http, tokenizer, hf_o
     assert lps["text_offset"][-1] + len(lps["tokens"][-1]) == len(TEXT)
 
 
+def test_streamed_echo_with_max_tokens_zero_sends_only_the_prompt(http):
+    body = {
+        "prompt": TEXT,
+        "echo": True,
+        "max_tokens": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        http + COMPL, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        lines = [line.decode().strip() for line in resp if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == TEXT
+    assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+
+
 def test_echo_with_n_gives_every_choice_the_prompt_scores(http, tokenizer):
     ids = tokenizer.encode(TEXT)
     body = post(
