@@ -167,6 +167,9 @@ class EngineCore:
         if resume is not None:
             request.output_token_ids = list(resume.output_token_ids)
             request.num_delivered_chars = resume.num_delivered_chars
+        elif params.prompt_logprobs is not None:
+            # Scored as its prefill runs; a continuation's prompt was scored where the stream began.
+            request.prompt_logprobs = []
         self.scheduler.add_request(request)
         self.outputs.add(request)
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -202,6 +205,8 @@ class EngineCore:
         if announced and self.kv_event_sink is not None:
             self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
         result = self.runner.execute(sched, requests)
+        for rid, scored in result.prompt_logprobs.items():
+            requests[rid].prompt_logprobs.extend(scored)
         num_before = {rid: requests[rid].num_output_tokens for rid in result.sampled}
         finished = {r.request_id for r in self.scheduler.update(sched, result.sampled)}
         if self.spec_decoder is not None:

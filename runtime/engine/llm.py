@@ -14,7 +14,12 @@ from typing import Any
 
 from tokenfleet.runtime.config import CacheConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig
 from tokenfleet.runtime.engine.engine_core import EngineCore
-from tokenfleet.runtime.engine.offline_outputs import CompletionOutput, RequestOutput, sample_logprobs
+from tokenfleet.runtime.engine.offline_outputs import (
+    CompletionOutput,
+    RequestOutput,
+    prompt_logprobs,
+    sample_logprobs,
+)
 from tokenfleet.runtime.engine.outputs import RequestDelta, TokenLogprobs
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.model.loader import LoadedModel
@@ -177,6 +182,8 @@ class LLM:
                 sub.n = 1
                 if p.seed is not None:
                     sub.seed = p.seed + i
+                if i:  # the n completions share the prompt: the first one scores it
+                    sub.prompt_logprobs = None
                 self.engine.add_request(engine_id, ids, sub)
             submitted.append(_Submitted(rid, text, ids, engine_ids))
 
@@ -184,6 +191,7 @@ class LLM:
         texts: dict[str, list[str]] = {e: [] for e in tokens}
         logprobs: dict[str, list[TokenLogprobs]] = {e: [] for e in tokens}
         final: dict[str, RequestDelta] = {}
+        scored: dict[str, list[TokenLogprobs]] = {}  # prompt logprobs, by engine id
         owner = {e: s for s in submitted for e in s.engine_ids}
         remaining = {s.request_id: len(s.engine_ids) for s in submitted}
         bar = _progress_bar(use_tqdm, len(submitted))
@@ -197,6 +205,8 @@ class LLM:
                     texts[out.request_id].append(out.new_text)
                     if out.new_logprobs:
                         logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.prompt_logprobs is not None:
+                        scored[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         final[out.request_id] = out
                         rid = owner[out.request_id].request_id
@@ -228,6 +238,11 @@ class LLM:
                 prompt_token_ids=s.token_ids,
                 outputs=[completion(i, e) for i, e in enumerate(s.engine_ids)],
                 finished=True,
+                prompt_logprobs=(
+                    prompt_logprobs(scored[s.engine_ids[0]], self._decode_one)
+                    if s.engine_ids[0] in scored
+                    else None
+                ),
                 num_cached_tokens=final[s.engine_ids[0]].num_cached_tokens,
             )
             for s in submitted

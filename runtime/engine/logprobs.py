@@ -11,6 +11,11 @@ from collections.abc import Sequence
 
 import torch
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
+from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk
+
+# Prompt rows scored per log_softmax: bounds the fp32 temporaries of a long prefill chunk to
+# rows x vocabulary (256 x 49k x 4 B = 48 MiB) whatever the chunk's length.
+PROMPT_ROWS_PER_PASS = 256
 
 
 def compute_logprobs(
@@ -48,3 +53,23 @@ def compute_logprobs(
             token_id=token_list[j], logprob=sampled_list[j], top=top, rank=rank_list[j]
         )
     return result
+
+
+def compute_prompt_logprobs(
+    raw_logits: torch.Tensor, chunks: Sequence[PromptLogprobsChunk]
+) -> dict[str, list[TokenLogprobs]]:
+    """Logprobs of prompt tokens, per request: raw_logits [R, V] holds one row per scored position, the
+    chunks' positions in order; row i scores the chunk's target token i (the prompt token after it)."""
+    targets = [t for chunk in chunks for t in chunk.target_token_ids]
+    want = [chunk.num_logprobs for chunk in chunks for _ in chunk.target_token_ids]
+    target_t = torch.tensor(targets, dtype=torch.int64, device=raw_logits.device)
+    scored: list[TokenLogprobs | None] = []
+    for lo in range(0, len(targets), PROMPT_ROWS_PER_PASS):
+        hi = min(lo + PROMPT_ROWS_PER_PASS, len(targets))
+        part = want[lo:hi]
+        scored += compute_logprobs(raw_logits[lo:hi], target_t[lo:hi], part, max(part))
+    out: dict[str, list[TokenLogprobs]] = {}
+    rows = iter(scored)
+    for chunk in chunks:
+        out.setdefault(chunk.request_id, []).extend(next(rows) for _ in chunk.target_token_ids)  # type: ignore[misc]
+    return out

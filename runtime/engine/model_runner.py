@@ -31,12 +31,12 @@ from tokenfleet.runtime.engine.compiled_decode import (
     decode_buckets,
     should_compile,
 )
-from tokenfleet.runtime.engine.logprobs import compute_logprobs
+from tokenfleet.runtime.engine.logprobs import compute_logprobs, compute_prompt_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata, advance_generator
-from tokenfleet.runtime.engine.scheduler_output import SchedulerOutput
+from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, SchedulerOutput
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
@@ -107,12 +107,17 @@ class StepInputs:
     sample_ids: tuple[str, ...]  # one row each, first in logit_rows
     verify_ids: tuple[str, ...]  # k + 1 rows each, after the sample rows
     verify_drafts: tuple[tuple[int, ...], ...]
+    # Prompt positions to score, one row each, last in logit_rows (empty unless a request asks for them).
+    prompt_chunks: tuple[PromptLogprobsChunk, ...] = ()
+    num_prompt_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs | None]]
+    # Per request scoring its prompt in the step: its scored positions' logprobs, in position order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -213,13 +218,18 @@ class ModelRunner:
             raise
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs | None]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if inputs.num_prompt_rows:
+            num_rows = logits.shape[0] - inputs.num_prompt_rows
+            prompt_logprobs = compute_prompt_logprobs(logits[num_rows:], inputs.prompt_chunks)
+            logits = logits[:num_rows]
         num_sample = len(inputs.sample_ids)
         if num_sample:
             self.sample(logits[:num_sample], [requests[rid] for rid in inputs.sample_ids], sampled, logprobs)
         if inputs.verify_ids:
             verify_reqs = [requests[rid] for rid in inputs.verify_ids]
             self.verify(logits[num_sample:], verify_reqs, inputs.verify_drafts, sampled, logprobs)
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
         """Token ids, positions and paged-attention metadata of one step, from the scheduler's output only
@@ -256,12 +266,13 @@ class ModelRunner:
             else:
                 sample_rows.append(last)
                 sample_ids.append(rid)
+        prompt_rows = _prompt_rows(output) if output.prompt_logprobs else []
         meta, positions = build_step_metadata(starts, query_lens, tables, self.block_size)
         ids_t, positions, rows_t, slot_mapping, query_start_loc, seq_lens, block_tables = to_device(
             (
                 torch.tensor(input_ids, dtype=torch.long),
                 positions,
-                torch.tensor(sample_rows + verify_rows, dtype=torch.long),
+                torch.tensor(sample_rows + verify_rows + prompt_rows, dtype=torch.long),
                 meta.slot_mapping,
                 meta.query_start_loc,
                 meta.seq_lens,
@@ -283,6 +294,8 @@ class ModelRunner:
             sample_ids=tuple(sample_ids),
             verify_ids=tuple(verify_ids),
             verify_drafts=tuple(verify_drafts),
+            prompt_chunks=output.prompt_logprobs,
+            num_prompt_rows=len(prompt_rows),
         )
 
     @torch.inference_mode()
@@ -375,3 +388,18 @@ class ModelRunner:
         except RuntimeError:  # a collective failed: name the worker that died, if one did
             self.workers.check()
             raise
+
+
+def _prompt_rows(output: SchedulerOutput) -> list[int]:
+    """Rows of the step's tokens at the prompt positions to score, in the order of the chunks."""
+    first_row: dict[str, tuple[int, int]] = {}  # request id -> (its first row, the position there)
+    row = 0
+    for entry in output.scheduled:
+        first_row[entry.request_id] = (row, entry.start_pos)
+        row += entry.num_tokens
+    rows: list[int] = []
+    for chunk in output.prompt_logprobs:
+        base, start_pos = first_row[chunk.request_id]
+        first = base + chunk.first_position - start_pos
+        rows.extend(range(first, first + len(chunk.target_token_ids)))
+    return rows

@@ -1,5 +1,6 @@
 """What `LLM.generate` / `LLM.chat` return, in vLLM's shapes: one `RequestOutput` per prompt holding its n
-`CompletionOutput`s, logprobs as one {token id: Logprob} mapping per generated token.
+`CompletionOutput`s, logprobs as one {token id: Logprob} mapping per generated token, prompt logprobs as
+None (the first prompt token: nothing before it to condition on) then one such mapping per prompt token.
 
 Code written against vLLM's offline API reads these fields unchanged. The engine's own per-step message is
 `outputs.RequestDelta`; these are assembled from its deltas once a request has finished.
@@ -25,6 +26,8 @@ class Logprob:
 
 # One mapping per generated token: the sampled token and the requested top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# vLLM's PromptLogprobs: None for the first prompt token, then one mapping per prompt token.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +55,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
-    prompt_logprobs: None = None  # not computed (vLLM's prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the first completion's)
 
 
@@ -64,10 +67,20 @@ def sample_logprobs(
     out: SampleLogprobs = []
     total = 0.0
     for entry in entries:
-        position = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-            if token_id not in position:
-                position[token_id] = Logprob(logprob, rank, decode(token_id))
-        out.append(position)
+        out.append(position_logprobs(entry, decode))
         total += entry.logprob
     return out, total
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs], decode: Callable[[int], str]) -> PromptLogprobs:
+    """vLLM's prompt logprobs from the engine's entries (prompt positions 1..): None first."""
+    return [None, *(position_logprobs(entry, decode) for entry in entries)]
+
+
+def position_logprobs(entry: TokenLogprobs, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position's mapping: its token first, then the top-k alternatives by rank."""
+    position = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+    for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+        if token_id not in position:
+            position[token_id] = Logprob(logprob, rank, decode(token_id))
+    return position

@@ -23,6 +23,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     want_logprobs: bool
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -87,6 +88,11 @@ class OutputProcessor:
             if rid in finished:
                 delta += tracked.detokenizer.flush()
             lps = logprobs.get(rid, [])[: len(new_ids)] if tracked.want_logprobs else None
+            prompt_lps = None
+            if req.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
+                # The step that samples the first token ran the prompt's last chunk: it is all scored.
+                prompt_lps = list(req.prompt_logprobs)
+                tracked.prompt_logprobs_sent = True
             outputs.append(
                 self._output(
                     tracked,
@@ -95,6 +101,7 @@ class OutputProcessor:
                     [lp for lp in lps if lp is not None] if lps else None,
                     finished=rid in finished,
                     reason=req.status.finish_reason,
+                    prompt_logprobs=prompt_lps,
                 )
             )
         for rid in finished:
@@ -110,6 +117,7 @@ class OutputProcessor:
         *,
         finished: bool,
         reason: str | None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestDelta:
         req = tracked.request
         metrics = None
@@ -132,4 +140,5 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=req.stop_reason if finished else None,
             metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -44,6 +44,9 @@ class RequestDelta:
     num_cached_tokens: int
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # only on the final output
+    # With `prompt_logprobs`: on the request's first delta, one entry per prompt token after the first
+    # (its logprob given the tokens before it), in prompt order.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,9 @@ class Request:
     grammar: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # With `prompt_logprobs`: outputs.TokenLogprobs of prompt positions 1.., filled by the engine as prefill
+    # chunks run (its length is how far the scoring got; a preempted request resumes scoring there).
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

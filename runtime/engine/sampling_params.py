@@ -26,6 +26,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = sampled token's logprob + top-k alternatives
+    # vLLM's prompt_logprobs: None = off; k = each prompt token's logprob (given the tokens before it) +
+    # the top-k alternatives at its position. Such a request recomputes its whole prompt: it does not read
+    # the prefix cache, whose hits would skip the positions to score.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Constrained decoding (JSON schema, regex, choice, grammar, tool calls); None = free text.
     structured_output: GrammarSpec | None = None
@@ -81,6 +85,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be at most 16 non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

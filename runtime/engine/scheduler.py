@@ -36,7 +36,7 @@ from tokenfleet.runtime.engine.admission import AdmissionLimits
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request, RequestStatus
-from tokenfleet.runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, ScheduledRequest, SchedulerOutput
 from tokenfleet.runtime.engine.waiting_queue import WaitingQueue
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
@@ -79,6 +79,9 @@ class Scheduler:
         self._aborted_ids: list[str] = []
         self._finished_ids: list[str] = []
         self.num_preemptions_total = 0
+        # Requests whose prompt is still being scored (prompt logprobs): only while one is here does a step
+        # look for prompt positions to score.
+        self._scoring: dict[str, Request] = {}
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -131,6 +134,11 @@ class Scheduler:
         )
         order = self._order[rid] = next(self._counter)
         self.waiting.push(request, order)
+        if (
+            request.prompt_logprobs is not None
+            and len(request.prompt_logprobs) < request.num_prompt_tokens - 1
+        ):
+            self._scoring[rid] = request
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request in any state (stop string found, abort); frees its blocks. None if unknown."""
@@ -181,6 +189,7 @@ class Scheduler:
             preempted_ids=tuple(preempted),
             aborted_ids=tuple(self._aborted_ids),
             finished_ids=tuple(self._finished_ids),
+            prompt_logprobs=self._prompt_positions(entries) if self._scoring else (),
         )
         self._aborted_ids.clear()
         self._finished_ids.clear()
@@ -281,7 +290,14 @@ class Scheduler:
             request = waiting.peek()
             if request is None:
                 break
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            rid = request.request_id
+            # A request scoring its prompt computes every position it has not scored yet: a hit would
+            # skip them (vLLM likewise skips the prefix cache for prompt logprobs). Only a resumed one,
+            # preempted part-way, may hit what it scored before.
+            scoring = self._scoring.get(rid)
+            hits, num_hit_tokens = self.kv.get_computed_blocks(
+                request, None if scoring is None else len(scoring.prompt_logprobs)
+            )
             num_tokens = request.num_tokens
             num_new = num_tokens - num_hit_tokens
             if num_new > budget:
@@ -296,7 +312,6 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_slots, hits) is None:
                 break
             waiting.pop()
-            rid = request.request_id
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -313,6 +328,36 @@ class Scheduler:
             )
             budget -= num_new
         return budget
+
+    def _prompt_positions(self, entries: list[ScheduledRequest]) -> tuple[PromptLogprobsChunk, ...]:
+        """The prompt positions the step's chunks score, for the requests still scoring their prompt.
+
+        Position p scores prompt token p + 1, so positions 0 .. num_prompt - 2 are scored; those before
+        `len(request.prompt_logprobs)` were scored before a preemption and are not scored again.
+        """
+        chunks = []
+        for rid, token_ids, start, _, _, _ in entries:
+            request = self._scoring.get(rid)
+            if request is None:
+                continue
+            prompt = request.prompt_token_ids
+            done = len(request.prompt_logprobs)
+            # Hits are capped at what it scored (`_admit_waiting`): no position is ever skipped.
+            assert start <= done, f"request {rid!r} would skip prompt positions {done}..{start - 1}"
+            first = max(start, done)
+            end = min(start + len(token_ids), len(prompt) - 1)
+            if first < end:
+                chunks.append(
+                    PromptLogprobsChunk(
+                        rid,
+                        first,
+                        tuple(prompt[first + 1 : end + 1]),
+                        request.sampling_params.prompt_logprobs,
+                    )
+                )
+            if end == len(prompt) - 1:  # its last positions are scored in this step
+                del self._scoring[rid]
+        return tuple(chunks)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Apply a step's results; the requests that finished in it (their blocks are freed).
@@ -432,6 +477,7 @@ class Scheduler:
         del self._requests[rid]
         del self._order[rid]
         del self._stop_info[rid]
+        self._scoring.pop(rid, None)
         if request.status is RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(rid)
         else:

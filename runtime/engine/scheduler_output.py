@@ -32,6 +32,19 @@ class ScheduledRequest(NamedTuple):
         return len(self.token_ids) + len(self.spec_token_ids)
 
 
+class PromptLogprobsChunk(NamedTuple):
+    """Prompt positions of one scheduled chunk to score (a request asking for prompt logprobs).
+
+    The rows at positions `first_position ...` of the request's chunk each score the next prompt token:
+    `target_token_ids[i]` is the prompt token at `first_position + i + 1`. `num_logprobs` alternatives each.
+    """
+
+    request_id: str
+    first_position: int
+    target_token_ids: tuple[int, ...]
+    num_logprobs: int
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
@@ -39,6 +52,9 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()  # preempted in this step: their KV is gone (recomputed on resume)
     aborted_ids: tuple[str, ...] = ()  # aborted since the previous step: drop any per-request state
     finished_ids: tuple[str, ...] = ()  # finished (not aborted) since the previous step: likewise
+    # Prompt positions to score in this step; empty unless a scheduled request asks for prompt logprobs
+    # (then, and only then, the runner computes logits beyond the sampling rows).
+    prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -78,11 +78,13 @@ class SamplingFields(_Request):
     # Constrained output: OpenAI's response_format, and vLLM's `structured_outputs` extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM extension: each prompt token's logprob (+ this many alternatives), returned as `prompt_logprobs`.
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt alone comes back (scored, with logprobs)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -168,19 +170,45 @@ class Usage(_Response):
 
 
 class CompletionLogprobs(_Response):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with `echo`, the prompt's tokens
+    first; its first token has no logprob, null, as nothing precedes it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class PromptLogprob(_Response):
+    """vLLM's Logprob as its server writes it in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: PromptLogprob} per prompt token
+# (the token itself and the top alternatives).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class _OmitsNoPromptLogprobs(_Response):
+    """`prompt_logprobs` (a vLLM extension) appears only when asked for."""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_prompt_logprobs(self, handler):
+        data = handler(self)
+        if data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
+
+
+class CompletionChoice(_OmitsNoPromptLogprobs):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -245,7 +273,7 @@ class ChatChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_OmitsNoPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -253,6 +281,8 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    # One prompt for all the choices: vLLM puts its logprobs beside them.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(_Response):

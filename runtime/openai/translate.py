@@ -115,9 +115,13 @@ def _base_params(
     logprobs: int | None,
     defaults: Mapping[str, float],
     grammar: GrammarSpec | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+    if req.prompt_logprobs is not None and req.stream:
+        # As vLLM: the prompt's logprobs belong to the whole response, not to a stream of deltas.
+        raise InvalidRequest("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if max_tokens is None:
         # The model's / server's bound (`max_tokens` in the defaults, see `server/prompts.py`);
@@ -142,6 +146,7 @@ def _base_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         structured_output=grammar,
     )
@@ -152,9 +157,24 @@ def completion_params(req: CompletionRequest, defaults: Mapping[str, float] | No
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of different from n is not supported", param="best_of")
+    max_tokens = req.max_tokens
+    if max_tokens == 0:
+        if not req.echo:
+            raise InvalidRequest("max_tokens must be >= 1 (0 only with echo=true)", param="max_tokens")
+        # Echo without generation (scoring a text): the engine samples one token, which the response drops
+        # (as vLLM does); its prompt is what comes back.
+        max_tokens = 1
+    prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        raise InvalidRequest("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    return _base_params(req, req.max_tokens, req.logprobs, defaults or {}, structured_output_spec(req))
+        if req.stream:
+            raise InvalidRequest(
+                "echo with logprobs (the prompt's logprobs) is not supported with stream=true", param="echo"
+            )
+        # The echoed prompt's tokens carry logprobs too: score the prompt with as many alternatives.
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    return _base_params(
+        req, max_tokens, req.logprobs, defaults or {}, structured_output_spec(req), prompt_logprobs
+    )
 
 
 def chat_params(
@@ -173,7 +193,9 @@ def chat_params(
             "a forced tool call cannot be combined with response_format / structured_outputs",
             param="tool_choice",
         )
-    return _base_params(req, max_tokens, logprobs, defaults or {}, grammar or tool_constraint)
+    return _base_params(
+        req, max_tokens, logprobs, defaults or {}, grammar or tool_constraint, req.prompt_logprobs
+    )
 
 
 def requested_max_tokens(req: SamplingFields) -> int | None:
@@ -197,8 +219,11 @@ def fit_default_max_tokens(
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """Parameters of engine request `choice` of an n-way request: n=1, and seed+i so choices differ."""
+    """Parameters of engine request `choice` of an n-way request: n=1, and seed+i so choices differ. The
+    choices share their prompt: only the first scores it (prompt logprobs)."""
     seed = None if params.seed is None else params.seed + choice
+    if choice:
+        return replace(params, n=1, seed=seed, prompt_logprobs=None)
     return replace(params, n=1, seed=seed)
 
 

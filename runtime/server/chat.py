@@ -21,7 +21,7 @@ from tokenfleet.runtime.openai.tools import ToolPlan, plan_tools, tool_call_delt
 from tokenfleet.runtime.openai.translate import chat_params, fit_default_max_tokens, parse_request
 from tokenfleet.runtime.server import sse
 from tokenfleet.runtime.server.generation import ChoiceState
-from tokenfleet.runtime.server.logprobs import chat_logprobs
+from tokenfleet.runtime.server.logprobs import chat_logprobs, prompt_logprobs_out
 from tokenfleet.runtime.server.prompts import chat_prompt, dropped_headers, generation_defaults
 from tokenfleet.runtime.server.request_context import RequestContext, usage_of
 from tokenfleet.runtime.server.respond import respond
@@ -75,12 +75,14 @@ async def handle(request: web.Request) -> web.StreamResponse:
             lps = chat_logprobs(renderer, st.logprobs) if req.logprobs else None
             reason = _finish_reason(st.finish_reason, made_calls)
             choices.append(ChatChoice(index=st.index, message=msg, logprobs=lps, finish_reason=reason))
+        scored = gen.prompt_logprobs(0) if req.prompt_logprobs is not None else None
         return ChatCompletionResponse(
             id=response_id,
             created=created,
             model=state.model_name,
             choices=choices,
             usage=usage_of(gen.choices),
+            prompt_logprobs=None if scored is None else prompt_logprobs_out(renderer, scored),
         )
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:

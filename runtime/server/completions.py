@@ -8,7 +8,12 @@ from aiohttp import web
 from tokenfleet.runtime.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from tokenfleet.runtime.openai.translate import completion_params, fit_default_max_tokens, parse_request
 from tokenfleet.runtime.server import sse
-from tokenfleet.runtime.server.logprobs import completion_logprobs
+from tokenfleet.runtime.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_out,
+    with_top,
+)
 from tokenfleet.runtime.server.prompts import completion_prompt_list, dropped_headers, generation_defaults
 from tokenfleet.runtime.server.request_context import RequestContext, usage_of
 from tokenfleet.runtime.server.respond import respond
@@ -38,19 +43,42 @@ async def handle(request: web.Request) -> web.StreamResponse:
             id=response_id, created=created, model=state.model_name, choices=choices, usage=usage
         )
 
+    # Echo without generation (max_tokens 0): the engine sampled one token; it is not part of the answer.
+    echo_only = req.max_tokens == 0
+
     def body() -> CompletionResponse:
         choices = []
         for st in gen.choices:
-            echo = prompts[st.prompt_index].text if req.echo else ""
+            prompt = prompts[st.prompt_index]
+            scored = gen.prompt_logprobs(st.prompt_index)
+            echo = prompt.text if req.echo else ""
             lps = None
             if req.logprobs is not None:
-                lps = completion_logprobs(renderer, st.logprobs, len(echo))
+                lps = completion_logprobs(renderer, [] if echo_only else st.logprobs, len(echo))
+                if req.echo and scored is not None:
+                    prompt_part = echo_logprobs(renderer, prompt.token_ids, with_top(scored, req.logprobs))
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(prompt_part, name).extend(getattr(lps, name))
+                    lps = prompt_part
+            prompt_lps = None
+            if req.prompt_logprobs is not None and scored is not None:
+                prompt_lps = prompt_logprobs_out(renderer, with_top(scored, req.prompt_logprobs))
             choices.append(
                 CompletionChoice(
-                    index=st.index, text=echo + "".join(st.text), logprobs=lps, finish_reason=st.finish_reason
+                    index=st.index,
+                    text=echo + ("" if echo_only else "".join(st.text)),
+                    logprobs=lps,
+                    finish_reason="length" if echo_only else st.finish_reason,
+                    prompt_logprobs=prompt_lps,
                 )
             )
-        return response(choices, usage_of(gen.choices))
+        return response(choices, usage())
+
+    def usage() -> Usage:
+        counted = usage_of(gen.choices)
+        if echo_only:  # nothing generated reached the client
+            return counted.model_copy(update={"completion_tokens": 0, "total_tokens": counted.prompt_tokens})
+        return counted
 
     async def events():
         offsets = [0] * len(gen.choices)  # running character offsets, for logprobs' text_offset
@@ -67,6 +95,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
             yield wire.alone(start)
         async for st, out in gen.deltas():
             progress = wire.progress(out.new_token_ids, out.new_text, out.num_cached_tokens)
+            if echo_only:  # the echo went out first; the token sampled after it is not part of the answer
+                if out.finished:
+                    choice = CompletionChoice(index=st.index, text="", finish_reason="length")
+                    yield progress + sse.event(response([choice]))
+                elif progress:
+                    yield wire.alone(progress)
+                continue
             if not out.new_text and not out.finished and not out.new_logprobs:
                 if progress:  # the router still learns the token ids
                     yield wire.alone(progress)
@@ -80,7 +115,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             yield progress + sse.event(response([choice]))
         ctx.record(gen.choices)
         if req.stream_options and req.stream_options.include_usage:
-            yield sse.event(response([], usage_of(gen.choices)))
+            yield sse.event(response([], usage()))
 
     events = wire.handed_off(request, events)
     return await respond(request, ctx, gen, req.stream, events, body, dropped_headers(dropped))

@@ -36,6 +36,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     finished: bool = False
     last_delta_time: float | None = None
+    # With prompt logprobs: the prompt's scored positions (on the first choice of each prompt only).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Generation:
@@ -65,6 +67,13 @@ class Generation:
     @property
     def prompts(self) -> list[Prompt]:
         return self._prompts
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprobs] | None:
+        """Prompt `prompt_index`'s scored positions (its first choice scored them for all its choices)."""
+        for state in self.choices:
+            if state.prompt_index == prompt_index and state.prompt_logprobs is not None:
+                return state.prompt_logprobs
+        return None
 
     def engine_id(self, index: int) -> str:
         return f"{self._base_id}-{index}"
@@ -109,6 +118,8 @@ class Generation:
         state.text.append(out.new_text)
         if out.new_logprobs:
             state.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         state.num_prompt_tokens = out.num_prompt_tokens
         state.num_output_tokens = out.num_output_tokens
         # Cached tokens are a part of the prompt (a continuation also finds its generated tokens cached).

@@ -8,10 +8,20 @@ vocabularies we fall back to the UTF-8 of the decoded text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 
+from tokenfleet.runtime.engine.offline_outputs import position_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
-from tokenfleet.runtime.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from tokenfleet.runtime.openai.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with a large negative number.
 _FLOOR = -9999.0
@@ -88,6 +98,40 @@ def completion_logprobs(
         out.top_logprobs.append({renderer.text(tid): _lp(v) for tid, v in lp.top})
         out.text_offset.append(offset)
         offset += len(tok)
+    return out
+
+
+def with_top(scored: Sequence[TokenLogprobs], k: int) -> list[TokenLogprobs]:
+    """The entries with at most `k` alternatives each (a prompt scored once for echo and prompt_logprobs
+    holds the larger of the two)."""
+    return [e if len(e.top) <= k else dataclasses.replace(e, top=e.top[:k]) for e in scored]
+
+
+def echo_logprobs(
+    renderer: TokenRenderer, prompt_token_ids: Sequence[int], scored: Sequence[TokenLogprobs]
+) -> CompletionLogprobs:
+    """The echoed prompt's tokens in the legacy shape: the first has no logprob (null, as in OpenAI's and
+    vLLM's echo), each later one its logprob given the tokens before it. `text_offset` starts at 0."""
+    out = completion_logprobs(renderer, list(scored), len(renderer.text(prompt_token_ids[0])))
+    out.tokens.insert(0, renderer.text(prompt_token_ids[0]))
+    out.token_logprobs.insert(0, None)
+    out.top_logprobs.insert(0, None)
+    out.text_offset.insert(0, 0)
+    return out
+
+
+def prompt_logprobs_out(renderer: TokenRenderer, scored: Sequence[TokenLogprobs]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: logprob, rank,
+    decoded_token} for the token itself and its top alternatives."""
+    out: PromptLogprobs = [None]
+    for entry in scored:
+        position = position_logprobs(entry, renderer.text)
+        out.append(
+            {
+                str(tid): PromptLogprob(logprob=_lp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+                for tid, lp in position.items()
+            }
+        )
     return out
 
 

@@ -185,11 +185,15 @@ class KVCacheManager:
 
     # ---- lookup and allocation -----------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(
+        self, request: Request, max_tokens: int | None = None
+    ) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of a request that holds no blocks yet: (blocks, number of tokens).
 
         Stops at the first miss, and never covers the last token: it must be computed to get logits.
-        The blocks are not referenced yet; pass them to `allocate_slots` in the same step.
+        The blocks are not referenced yet; pass them to `allocate_slots` in the same step. `max_tokens`
+        caps the hit for a request that must compute the positions after it (one scoring its prompt);
+        its blocks are hashed all the same, so others hit them once computed.
         """
         if not self.enable_caching:
             return [], 0
@@ -198,6 +202,8 @@ class KVCacheManager:
         self._update_hashes(request)
         hashes = request.block_hashes
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        if max_tokens is not None:
+            max_blocks = min(max_blocks, max_tokens // self.block_size)
         hits: list[KVBlock] = []
         for i in range(max_blocks):
             block = self.pool.get_cached_block(hashes[i])
