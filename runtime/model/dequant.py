@@ -6,12 +6,15 @@ times faster than gguf's numpy path on small CPUs; every other format goes throu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
+from tokenfleet.runtime import startup_timing
 
 
 def _blocks(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
@@ -28,29 +31,36 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=1).float()
 
 
-def _q8_0(raw: np.ndarray) -> torch.Tensor:
-    blocks = _blocks(raw, 34)  # f16 scale, 32 x int8
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # f16 scale, 32 x int8
     return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()
 
 
-def _q4_0(raw: np.ndarray) -> torch.Tensor:
-    blocks = _blocks(raw, 18)  # f16 scale, 16 bytes of nibbles (offset 8)
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # f16 scale, 16 bytes of nibbles (offset 8)
     return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]) - 8.0)
 
 
-def _q4_1(raw: np.ndarray) -> torch.Tensor:
-    blocks = _blocks(raw, 20)  # f16 scale, f16 min, 16 bytes of nibbles
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # f16 scale, f16 min, 16 bytes of nibbles
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:]) + _f16(blocks, 2)
 
 
-_FAST: dict[Q, Callable[[np.ndarray], torch.Tensor]] = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1}
+_FAST: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1}
 
 
 def dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 tensor of `shape` (row-major) from the tensor's bytes (or typed values for F32/F16)."""
     fast = _FAST.get(qtype)
     if fast is not None:
-        return fast(raw).reshape(shape)
-    values = gguf_dequantize(np.asarray(raw), qtype)
-    # np.array copies: the source is a read-only memmap and torch wants writable memory.
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        start = time.perf_counter()
+        blocks = _blocks(raw, GGML_QUANT_SIZES[qtype][1])
+        read = time.perf_counter()
+        out = fast(blocks).reshape(shape)
+        startup_timing.add("weight_read", read - start)
+        startup_timing.add("dequant", time.perf_counter() - read)
+        return out
+    with startup_timing.timed("dequant"):  # the file's pages are read inside gguf's own conversion
+        values = gguf_dequantize(np.asarray(raw), qtype)
+        # np.array copies: the source is a read-only memmap and torch wants writable memory.
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import moe  # noqa: F401 (registers MLP_BUILDERS["moe"])
@@ -105,8 +106,11 @@ def load_model(
     """The model (with `tp_size` > 1: shard `tp_rank` of it, read slice by slice from the checkpoint;
     `LoadedModel.arch` stays the whole model's shape, `model.arch` is the shard's)."""
     device = torch.device(device)
+    startup_timing.mark("engine_init")
     source = resolve_source(model_config.model)
+    startup_timing.mark("model_resolve")
     checkpoint = CHECKPOINT_LOADERS[source.kind](source.path)
+    startup_timing.mark("checkpoint_open")
     arch = checkpoint.arch
     shard = shard_arch(arch, tp_rank, tp_size)  # raises ConfigError when the model cannot be split so
     select = None if tp_size == 1 else functools.partial(shard_slice, full=arch, rank=tp_rank, size=tp_size)
@@ -124,7 +128,10 @@ def load_model(
     model.to_empty(device=device)
     model.tie_weights()  # to_empty unties shared parameters
     model.model.rotary.build_tables()
+    startup_timing.mark("model_build")
+    # The checkpoint's reader counts its own parts (weight_read, dequant); the rest is the copy in.
     model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
+    startup_timing.mark("weight_copy")
     if tp_size > 1:
         keep_row_parallel_biases_on_rank_0(model, tp_rank)
     model.eval().requires_grad_(False)
@@ -136,6 +143,7 @@ def load_model(
         "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d",
         model_config.model, arch.model_type, arch.num_layers, device, dtype, backend_name, max_model_len,
     )  # fmt: skip
+    startup_timing.mark("model_finish")
     return LoadedModel(
         model=model,
         arch=arch,
