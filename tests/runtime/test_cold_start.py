@@ -146,3 +146,28 @@ def test_process_start_origin_precedes_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, age = out.stdout.split()
     assert before == "True" and 0.0 <= float(age) < 60.0
+
+
+def test_model_load_skips_meta_init_imports_and_restores_threads():
+    # Building on the meta device runs no initialisers and no meta-tensor references: those import
+    # torch._dynamo and sympy, seconds of a cold start. The load's thread setting does not leak.
+    code = (
+        "import sys, torch\n"
+        "from tokenfleet.runtime.config import ModelConfig\n"
+        "from tokenfleet.runtime.model import load_model\n"
+        "torch.set_num_threads(2)\n"
+        "loaded = load_model(ModelConfig(), torch.device('cpu'))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules), torch.get_num_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "[] 2", out.stdout + out.stderr
+
+
+def test_meta_build_skips_initialisers_but_not_real_tensors():
+    from tokenfleet.runtime.model.loader import _SkipInitOnMeta
+
+    with torch.device("meta"), _SkipInitOnMeta():
+        emb = torch.nn.Embedding(8, 4)
+        real = torch.nn.init.constant_(torch.empty(3, device="cpu"), 2.0)  # not on meta: runs
+    assert emb.weight.is_meta
+    assert real.tolist() == [2.0, 2.0, 2.0]
