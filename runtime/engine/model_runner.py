@@ -31,6 +31,7 @@ from tokenfleet.runtime.engine.compiled_decode import (
     decode_buckets,
     should_compile,
 )
+from tokenfleet.runtime.engine.kv_cache.kv_tensors import allocate_kv_caches
 from tokenfleet.runtime.engine.logprobs import compute_logprobs, compute_prompt_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
@@ -145,10 +146,7 @@ class ModelRunner:
         # A compiled decode step pads its batch; padding rows write their K/V into one spare block past the
         # scheduler's blocks.
         shape = (num_blocks + int(compiled), self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(arch.num_layers, shape, dtype, device)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.proposer = proposer

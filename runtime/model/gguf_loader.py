@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.arch import ModelArch, RopeScaling
 from tokenfleet.runtime.model.checkpoint import Checkpoint, Selector
@@ -146,7 +147,8 @@ def gguf_weights(
         # llama.cpp permutes rows within each head; a shard holds whole heads, so undo it per shard.
         head_rows = weight.shape[0] // arch.head_dim
         if arch.model_type == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            weight = unpermute_rope_rows(weight, head_rows)
+            with startup_timing.timed("dequant"):
+                weight = unpermute_rope_rows(weight, head_rows)
         yield hf_name, weight
 
 
@@ -155,6 +157,7 @@ def load_gguf(path: Path) -> Checkpoint:
     md = gguf.metadata
     arch = gguf_arch(md, gguf.tensors)
     tokens = md["tokenizer.ggml.tokens"]
+    startup_timing.mark("gguf_header")
 
     def token(key: str) -> str | None:
         token_id = md.get(f"tokenizer.ggml.{key}")
@@ -167,6 +170,7 @@ def load_gguf(path: Path) -> Checkpoint:
         eos_token=token("eos_token_id"),
         chat_template=md.get("tokenizer.chat_template"),
     )
+    startup_timing.mark("tokenizer_build")
     return Checkpoint(
         arch=arch,
         tokenizer=tokenizer,

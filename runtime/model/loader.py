@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import (
@@ -31,6 +33,7 @@ from tokenfleet.runtime.model.tensor_parallel import (
     shard_slice,
 )
 from tokenfleet.runtime.model.tokenizer import Tokenizer
+from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,54 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+# In-place initialisers modules run in their constructors: torch.nn.init's functions (what nn layers call)
+# and the tensor methods behind them.
+_INIT_METHODS = frozenset(
+    {
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.zero_,
+        torch.Tensor.fill_,
+        torch.Tensor.random_,
+    }
+)
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Skip parameter initialisers while building on the meta device, where they compute nothing.
+
+    They are not free there: a meta `normal_` (nn.Embedding's init) runs torch's Python reference, whose
+    first call imports torch._dynamo — ~1 s of cold start on 2 cores, for values that do not exist.
+    Thread-local, like the meta device context it sits in.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INIT_METHODS or getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if getattr(tensor, "is_meta", False):
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _load_threads() -> Iterator[None]:
+    """Half the process's cores (at least one) for torch while the weights are converted and copied in.
+
+    That work is elementwise and memory-bound: half the cores already take the memory bandwidth, and the
+    rest stay free for the event loop answering probes and for whatever shares the machine. On a busy
+    2-core machine the difference is large (OpenMP threads spin at each op's barrier while a preempted
+    peer is off-core): the built-in model's dequantisation took 4.3 s with 2 threads, 0.6 s with 1.
+    """
+    previous = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, min(previous, cores // 2)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _tracked(weights: Iterator[tuple[str, torch.Tensor]], total: int, progress: ProgressFn | None):
     for done, item in enumerate(weights, 1):
         yield item
@@ -108,8 +159,11 @@ def load_model(
     """The model (with `tp_size` > 1: shard `tp_rank` of it, read slice by slice from the checkpoint;
     `LoadedModel.arch` stays the whole model's shape, `model.arch` is the shard's)."""
     device = torch.device(device)
+    startup_timing.mark("engine_init")
     source = resolve_source(model_config.model)
+    startup_timing.mark("model_resolve")
     checkpoint = CHECKPOINT_LOADERS[source.kind](source.path)
+    startup_timing.mark("checkpoint_open")
     arch = checkpoint.arch
     shard = shard_arch(arch, tp_rank, tp_size)  # raises ConfigError when the model cannot be split so
     select = None if tp_size == 1 else functools.partial(shard_slice, full=arch, rank=tp_rank, size=tp_size)
@@ -122,12 +176,18 @@ def load_model(
     # uninitialised memory on the device in the target dtype. load_weights refuses a checkpoint that leaves
     # any parameter unwritten, so no garbage survives; the RoPE tables (explicitly fp32) are recomputed.
     max_positions = max(max_model_len, arch.max_position_embeddings)
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), _default_dtype(dtype), _SkipInitOnMeta():
         model = LlamaForCausalLM(shard, backend, max_positions=max_positions)
-    model.to_empty(device=device)
+    # Module.to_empty, minus its empty_like of meta tensors: that runs torch's Python reference, whose first
+    # call imports sympy (~0.7 s on 2 cores). Same result: uninitialised memory of each tensor's layout.
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty unties shared parameters
     model.model.rotary.build_tables()
-    model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
+    startup_timing.mark("model_build")
+    # The checkpoint's reader counts its own parts (weight_read, dequant); the rest is the copy in.
+    with _load_threads():
+        model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
+    startup_timing.mark("weight_copy")
     if tp_size > 1:
         keep_row_parallel_biases_on_rank_0(model, tp_rank)
     model.eval().requires_grad_(False)
@@ -139,6 +199,7 @@ def load_model(
         "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d",
         model_config.model, arch.model_type, arch.num_layers, device, dtype, backend_name, max_model_len,
     )  # fmt: skip
+    startup_timing.mark("model_finish")
     return LoadedModel(
         model=model,
         arch=arch,

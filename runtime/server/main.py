@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from aiohttp import web
+from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.long_lived_heap import settle_heap
 from tokenfleet.runtime.errors import ConfigError
@@ -104,6 +105,7 @@ async def serve(
         from tokenfleet.runtime.engine.async_engine import AsyncEngine  # torch: imported only to serve
 
         engine_factory = AsyncEngine.from_config
+    startup_timing.mark("imports")
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     signals = 0
@@ -133,10 +135,12 @@ async def serve(
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     announce(f"tokenfleet: listening on {url}; loading model {config.model.model!r} ...")
+    startup_timing.mark("listen")
     engine = None
     try:
         try:
             engine = await loop.run_in_executor(None, engine_factory, config)
+            startup_timing.mark("engine_build")
             await engine.start()
         except Exception as e:
             state.load_error = f"{type(e).__name__}: {e}"
@@ -145,8 +149,10 @@ async def serve(
         if freeze_heap:
             settle_heap()
         state.engine = engine
+        startup_timing.mark("engine_start")
         # Serialising a large vocabulary takes a while: once, off the loop, before routers ask for it.
         state.tokenizer = await loop.run_in_executor(None, served_tokenizer, state)
+        startup_timing.mark("tokenizer_json")
         state.kv_events = KVEventPump(engine)
         await state.kv_events.start()
         if config_path is not None:
@@ -155,6 +161,8 @@ async def serve(
 
             state.watcher = ConfigWatcher(config_path, on_change_for(state), initial=config)
             state.watcher.start()
+        startup_timing.mark("ready")
+        startup_timing.report()
         announce(f"tokenfleet: serving {state.model_name!r} at {url}  (max_model_len {engine.max_model_len})")
         announce("try:\n  " + curl_example(url, state.model_name, keys.enabled))
         if started is not None:
@@ -200,6 +208,7 @@ def _setup_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup_timing.mark("imports")
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
     try:
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tokenfleet serve: {e}", file=sys.stderr)
         return 2
+    startup_timing.mark("config")
 
     import uvloop
 

@@ -17,15 +17,24 @@ tokens equal to them — accepting what is new, rolling back what diverged. That
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar (and the transformers it imports, ~0.6 s) is imported where a grammar is first used, not with
+# this module: the sampler imports it on every server's start-up path, and most servers never see a
+# constrained request. A GrammarState exists only after the compiler imported it.
 
 
 class GrammarState:
     __slots__ = ("_matcher", "accepted", "vocab_size")
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
+        import xgrammar as xgr
+
         # max_rollback_tokens=-1: unlimited, so any number of rejected drafts can be taken back.
         self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
         self.accepted: list[int] = []
@@ -89,6 +98,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 
     xgrammar's kernels: C++ on the CPU, Triton on CUDA (measured on the CPU: ~100x faster than unpacking
     the bits with torch ops)."""
+    import xgrammar as xgr
+
     out = logits.clone()
     xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=logits.shape[-1], indices=list(rows))
     return out

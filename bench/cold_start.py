@@ -1,0 +1,154 @@
+"""Cold start of `tokenfleet serve`: process start -> first token, part by part.
+
+Each run starts the real CLI (`python -m tokenfleet.runtime.cli serve`, what the `tokenfleet` console
+script runs) as a fresh process on a free loopback port, polls /ready, sends a streaming chat request the
+moment it answers 200 and times the first content chunk. The server's own `startup: {...}` log line
+(runtime/startup_timing.py) gives the parts inside the process; first token is measured from here.
+Prints the median of each part over --runs, with the load average (this machine's speed drifts).
+
+    python bench/cold_start.py --runs 3 [--model smollm2-135m-instruct] [--env KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from tokenfleet.runtime.startup_timing import parse_line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status(port: int, path: str) -> int | None:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", path)
+        status = conn.getresponse().status
+        conn.close()
+        return status
+    except OSError:
+        return None
+
+
+def first_token_s(port: int, model: str) -> float:
+    """Seconds from sending a streaming chat request to its first content chunk."""
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+        }
+    )
+    start = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"first request: HTTP {resp.status}: {resp.read()[:300]!r}")
+    try:
+        while True:
+            line = resp.readline()
+            if not line:
+                raise RuntimeError("stream ended without a token")
+            if line.startswith(b"data: {"):
+                delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                if delta.get("content"):
+                    return time.monotonic() - start
+    finally:
+        conn.close()
+
+
+def one_run(model: str, env: dict[str, str], timeout: float) -> dict[str, float]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--model", model, "--port", str(port)]
+    lines: list[str] = []
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env},
+        cwd="/tmp",  # never the repo root: import the installed package, as a deployment does
+    )
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        listening = ready = None
+        while ready is None:
+            if proc.poll() is not None or time.monotonic() - t0 > timeout:
+                raise RuntimeError("server exited or timed out before ready:\n" + "".join(lines[-30:]))
+            status = _status(port, "/ready")
+            now = time.monotonic() - t0
+            if status is not None and listening is None:
+                listening = now
+            if status == 200:
+                ready = now
+            else:
+                time.sleep(0.005)
+        ttft = first_token_s(port, model)
+        first_token = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+    record = next((r for r in map(parse_line, lines) if r is not None), None)
+    if record is None:
+        raise RuntimeError("no startup line in the server's log:\n" + "".join(lines[-30:]))
+    parts = {f"  {k}": v for k, v in record["phases"].items()}
+    return {
+        **parts,
+        "server: process start -> ready (log)": record["total_s"],
+        "bench: spawn -> /ready answers": listening,
+        "bench: spawn -> /ready 200": ready,
+        "bench: first request -> first token": ttft,
+        "bench: spawn -> first token": first_token,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server process")
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args()
+    env = dict(kv.split("=", 1) for kv in args.env)
+    runs = []
+    load_before = os.getloadavg()
+    for i in range(args.runs):
+        run = one_run(args.model, env, args.timeout)
+        runs.append(run)
+        print(f"run {i + 1}: spawn -> first token {run['bench: spawn -> first token']:.2f} s", flush=True)
+    load_after = os.getloadavg()
+    keys = list(dict.fromkeys(k for run in runs for k in run))
+    print(f"\ncold start of `tokenfleet serve --model {args.model}`, median of {args.runs} run(s), seconds")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
+    width = max(map(len, keys))
+    for k in keys:
+        values = [run.get(k, 0.0) for run in runs]
+        spread = f"  [{min(values):.3f} .. {max(values):.3f}]" if len(values) > 1 else ""
+        print(f"{k:<{width}}  {statistics.median(values):7.3f}{spread}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
