@@ -231,13 +231,3 @@ class ConfigWatcher:
                 await self.check_once()
             except Exception:  # never let one bad poll end live reload for the pod's lifetime
                 logger.exception("config watch poll failed")
-
-
-async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
-    """The engine's share of a live change: cache policy on the engine thread, queue limit on the engine.
-
-    `engine` is an AsyncEngine; `core.apply_cache_policy` runs between steps (TTL, eviction, pins, host
-    tier); `max_waiting` is read by `AsyncEngine.add_request` from its config.
-    """
-    await engine.call(lambda core: core.apply_cache_policy(new.cache))
-    engine.config = new

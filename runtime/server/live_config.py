@@ -12,9 +12,18 @@ from typing import Any
 
 from aiohttp import web
 from tokenfleet.runtime.config import RuntimeConfig
-from tokenfleet.runtime.config_watch import apply_to_engine
 from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.state import STATE_KEY, ServerState
+
+
+async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
+    """The engine's share of a live change: cache policy on the engine thread, queue limit on the engine.
+
+    `engine` is an AsyncEngine; `core.apply_cache_policy` runs between steps (TTL, eviction, pins, host
+    tier); `max_waiting` is read by `AsyncEngine.add_request` from its config.
+    """
+    await engine.call(lambda core: core.apply_cache_policy(new.cache))
+    engine.config = new
 
 
 def on_change_for(state: ServerState):
