@@ -13,7 +13,7 @@ import torch
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import (
-    gemma2,  # noqa: F401 (registers DECODER_LAYERS["gemma2"])
+    gemma2,  # noqa: F401 (registers DECODER_LAYERS["gemma2"], Gemma 2's and 3's layer)
     moe,  # noqa: F401 (registers MLP_BUILDERS["moe"])
 )
 from tokenfleet.runtime.model.arch import ModelArch
@@ -23,6 +23,7 @@ from tokenfleet.runtime.model.fp8 import quantize_model_fp8
 from tokenfleet.runtime.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
+from tokenfleet.runtime.model.rope import RotaryEmbedding
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
 from tokenfleet.runtime.model.source import resolve_source
 from tokenfleet.runtime.model.tensor_parallel import (
@@ -126,7 +127,9 @@ def load_model(
         model = LlamaForCausalLM(shard, backend, max_positions=max_positions)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty unties shared parameters
-    model.model.rotary.build_tables()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # every RoPE table (Gemma 3 has two)
+            module.build_tables()
     model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
     if tp_size > 1:
         keep_row_parallel_biases_on_rank_0(model, tp_rank)
