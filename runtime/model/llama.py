@@ -20,6 +20,7 @@ from tokenfleet.runtime.model import tensor_parallel
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from tokenfleet.runtime.model.layers import GatedMLP, GemmaRMSNorm, RMSNorm
+from tokenfleet.runtime.model.multimodal_names import text_weight_name
 from tokenfleet.runtime.model.rope import RotaryEmbedding
 from torch import nn
 
@@ -41,19 +42,6 @@ MLP_BUILDERS: dict[str, Callable[[ModelArch], nn.Module]] = {"dense": _dense_mlp
 
 # HF name fragments renamed before mapping: Mixtral stores its MoE block as `block_sparse_moe`.
 _RENAMES = ((".block_sparse_moe.", ".mlp."),)
-# A multimodal Gemma 3's language model, under transformers >= 5's names and the older ones (hub checkpoints).
-_MULTIMODAL_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-# ... and the parts of it a text-only server never runs.
-_MULTIMODAL_SKIPPED = (
-    "model.vision_tower.",
-    "vision_tower.",
-    "model.multi_modal_projector.",
-    "multi_modal_projector.",
-)
 
 
 class WeightOwner(Protocol):
@@ -278,16 +266,9 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in hf_name:
                 continue  # derived from the config, never trusted from a checkpoint
             if self.arch.text_of_multimodal:
-                if hf_name.startswith(_MULTIMODAL_SKIPPED):
-                    continue
-                hf_name = next(
-                    (
-                        new + hf_name[len(old) :]
-                        for old, new in _MULTIMODAL_TEXT_PREFIXES
-                        if hf_name.startswith(old)
-                    ),
-                    hf_name,
-                )
+                hf_name = text_weight_name(hf_name)
+                if hf_name is None:
+                    continue  # the vision tower / projector of a multimodal checkpoint
             if self.arch.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # some tied checkpoints store the copy anyway
             for old, new in _RENAMES:
