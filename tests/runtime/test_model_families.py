@@ -487,10 +487,11 @@ def test_gemma_through_the_engine_matches_transformers(checkpoints, case):
     assert hit.num_cached_tokens >= 16
 
 
-def test_gemma2_on_the_triton_kernels_matches_transformers(checkpoints):
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_on_the_triton_kernels_matches_transformers(checkpoints, case):
     """The same greedy parity with the Triton attention backend (the interpreter on CPU): the kernels'
-    softcap and window paths inside the real model, prefill then decode over the paged cache."""
-    directory, hf_model = checkpoints["gemma2"]
+    softcap (Gemma 2) and window paths inside the real model, prefill then decode over the paged cache."""
+    directory, hf_model = checkpoints[case]
     config = ModelConfig(model=str(directory), dtype="float32", attention_backend="triton")
     loaded = load_model(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert loaded.attention_backend == "triton"
