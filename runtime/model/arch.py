@@ -359,6 +359,10 @@ def _gemma3(config: Mapping[str, Any]) -> dict[str, Any]:
     default_types = [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
     ]
+    layer_types = config.get("layer_types") or default_types
+    if config.get("sliding_window", 4096) is None and "sliding_attention" in layer_types:
+        # Such a layer would rotate with the sliding RoPE yet see the whole context; HF cannot run it either.
+        raise ConfigError("gemma3 with sliding_attention layers needs a sliding_window, got null")
     windows = _gemma_layer_windows(config, "gemma3", default_types, 4096)
     full_rope, sliding_rope = _gemma3_rope(config)
     return {

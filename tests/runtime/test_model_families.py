@@ -570,6 +570,12 @@ def test_gemma3_config_reading():
     assert minimal.layer_windows == (4096,) * 5 + (None, 4096)
     assert minimal.attention_scale == 256**-0.5 and minimal.eos_token_ids == (1,)
 
+    # No layer slides: no window needed, one RoPE table in use.
+    full = arch_from_hf_config(
+        {**_gemma3().to_dict(), "sliding_window": None, "layer_types": ["full_attention"] * 6}
+    )
+    assert full.layer_windows == (None,) * 6 and not any(full.uses_sliding_rope(i) for i in range(6))
+
     # A multimodal config: its text_config, served as the language model alone.
     multimodal = arch_from_hf_config(_gemma3_multimodal().to_dict())
     assert multimodal.text_of_multimodal and multimodal.model_type == "gemma3"
@@ -582,6 +588,7 @@ def test_gemma3_config_reading():
         ({**base, "layer_types": ["sliding_attention"] * 3}, "gemma3 layer_types must list"),
         ({**base, "layer_types": ["chunked_attention"] * 6}, "gemma3 layer_types must list"),
         ({**base, "sliding_window": 0}, "gemma3 sliding_window must be >= 1"),
+        ({**base, "sliding_window": None}, "gemma3 with sliding_attention layers needs a sliding_window"),
         (
             {**base, "rope_parameters": _gemma3_rope(full={"rope_type": "dynamic"})},
             "unsupported rope scaling type 'dynamic'",
