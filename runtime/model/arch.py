@@ -30,6 +30,8 @@ SUPPORTED_MODEL_TYPES = frozenset(
 )
 # The Gemma families: GeGLU MLP, (1 + weight) norms, tied embeddings by default.
 GEMMA_TYPES = frozenset({"gemma2", "gemma3_text", "gemma3"})
+# Gemma 3 text-only, and the multimodal Gemma 3 whose language model is served.
+GEMMA3_TYPES = frozenset({"gemma3_text", "gemma3"})
 # model_types whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
 FUSED_CHECKPOINT_TYPES = frozenset({"phi3"})
 
@@ -262,7 +264,6 @@ def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | Non
 # them) ---
 
 GEMMA_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
-GEMMA3_TYPES = frozenset({"gemma3_text", "gemma3"})
 # Gemma3TextConfig's class defaults for the sizes the common reading requires (hub text_configs omit them).
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
