@@ -1,4 +1,4 @@
-"""ModelArch: the shape of a Llama-family (or Gemma 2) model, read from a HF config.json or GGUF metadata.
+"""ModelArch: the shape of a Llama-family (or Gemma 2 / 3) model, read from a HF config.json or GGUF metadata.
 
 One frozen description shared by the model, the KV-cache sizing and the engine (EOS ids, context length).
 """
@@ -13,8 +13,25 @@ from tokenfleet.runtime.errors import ConfigError
 
 # model_type values whose checkpoints this implementation reproduces exactly.
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma2",
+        "gemma3_text",
+        "gemma3",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+    }
 )
+# The Gemma families: GeGLU MLP, (1 + weight) norms, tied embeddings by default.
+GEMMA_TYPES = frozenset({"gemma2", "gemma3_text", "gemma3"})
+# Gemma 3 text-only, and the multimodal Gemma 3 whose language model is served.
+GEMMA3_TYPES = frozenset({"gemma3_text", "gemma3"})
 # model_types whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
 FUSED_CHECKPOINT_TYPES = frozenset({"phi3"})
 
@@ -76,6 +93,13 @@ class ModelArch:
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     final_logit_softcap: float | None = None  # the same on the LM head's logits
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window W (sees W keys) or None; () = none
+    # --- Gemma 3 ---
+    # The sliding layers' own RoPE (HF rope_local_base_freq / rope_parameters["sliding_attention"]); None:
+    # every layer uses rope_theta / rope_scaling (which, in Gemma 3, describe the full-attention layers).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    # A multimodal checkpoint (model_type "gemma3"): its language model is served, its vision tower skipped.
+    text_of_multimodal: bool = False
     # Which shard of a tensor-parallel model this shape describes (tensor_parallel.shard_arch); the sizes
     # above are then the shard's (its heads, KV heads, vocabulary rows, intermediate slices).
     tp_rank: int = 0
@@ -89,6 +113,9 @@ class ModelArch:
 
     def layer_window(self, layer_idx: int) -> int | None:
         return self.layer_windows[layer_idx] if self.layer_windows else None
+
+    def uses_sliding_rope(self, layer_idx: int) -> bool:
+        return self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None
 
     @property
     def attention_scale(self) -> float:
@@ -168,7 +195,11 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         raise ConfigError(
             f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type != "gemma2" and config.get("hidden_act", "silu") != "silu":
+    if model_type == "gemma3":
+        config = _gemma3_text_config(config)
+    if model_type in GEMMA3_TYPES:
+        config = {**GEMMA3_TEXT_DEFAULTS, **config}  # hub configs leave Gemma3TextConfig's sizes implicit
+    if model_type not in GEMMA_TYPES and config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r} (Llama family uses silu)")
     rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -193,7 +224,7 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
     family = FAMILY_FIELDS.get(model_type, _no_family_fields)(config)
     if "layer_windows" in family:
         sliding_window = None  # applied per layer, not a cap on the context
-    return ModelArch(
+    fields = dict(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -206,18 +237,20 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         rope_theta=float(rope_theta),
         max_position_embeddings=_served_positions(config, rope_scaling),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type == "gemma2")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
         qkv_bias=qkv_bias,
         # Qwen3's attention_bias covers o_proj too (Qwen2's q/k/v bias never did).
-        o_bias=model_type in ("llama", "olmoe", "qwen3", "qwen3_moe", "gemma2") and attention_bias,
+        o_bias=(model_type in ("llama", "olmoe", "qwen3", "qwen3_moe") or model_type in GEMMA_TYPES)
+        and attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
         head_qk_norm=model_type in ("qwen3", "qwen3_moe"),
         **MOE_FIELDS.get(model_type, _no_moe)(config),
-        **family,
     )
+    fields.update(family)  # a family may override the common reading (Gemma 3's rope_theta, rope_scaling)
+    return ModelArch(**fields)
 
 
 def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | None) -> int:
@@ -227,9 +260,24 @@ def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | Non
     return positions
 
 
-# --- Gemma 2: HF config -> its ModelArch fields (defaults are Gemma2Config's: saved configs omit them) ---
+# --- Gemma 2 / 3: HF config -> their ModelArch fields (defaults are HF's config classes': saved configs omit
+# them) ---
 
-GEMMA2_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
+GEMMA_ACTIVATIONS = frozenset({"gelu_pytorch_tanh"})
+# Gemma3TextConfig's class defaults for the sizes the common reading requires (hub text_configs omit them).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
 
 
 def _no_family_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -240,40 +288,118 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _gemma2(config: Mapping[str, Any]) -> dict[str, Any]:
-    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in GEMMA2_ACTIVATIONS:
-        raise ConfigError(f"unsupported gemma2 hidden_activation {act!r} (supported: gelu_pytorch_tanh)")
-    if config.get("use_bidirectional_attention"):
-        raise ConfigError("gemma2 with use_bidirectional_attention is unsupported (causal attention only)")
+def _gemma_layer_windows(
+    config: Mapping[str, Any], model_type: str, default_types: list[str], default_window: int | None
+) -> tuple[int | None, ...]:
     num_layers = int(config["num_hidden_layers"])
-    # HF's default when the config lists no layer_types: even layers slide, odd layers attend fully.
-    layer_types = config.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-    ]
+    layer_types = config.get("layer_types") or default_types
     if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(
-            f"gemma2 layer_types must list sliding_attention / full_attention for each of the "
+            f"{model_type} layer_types must list sliding_attention / full_attention for each of the "
             f"{num_layers} layers, got {layer_types!r}"
         )
-    window = config.get("sliding_window", 4096)
+    window = config.get("sliding_window", default_window)
     if window is not None and int(window) < 1:
-        raise ConfigError(f"gemma2 sliding_window must be >= 1, got {window}")
+        raise ConfigError(f"{model_type} sliding_window must be >= 1, got {window}")
+    return tuple(
+        int(window) if kind == "sliding_attention" and window is not None else None for kind in layer_types
+    )
+
+
+def _gemma_common(config: Mapping[str, Any], model_type: str, softcaps: tuple[Any, Any]) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: GeGLU, (1 + weight) sandwich norms, scaled embeddings, the attention
+    scale, optional caps (`softcaps`: the config class's defaults for the attention and final caps)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ConfigError(
+            f"unsupported {model_type} hidden_activation {act!r} (supported: gelu_pytorch_tanh)"
+        )
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError(
+            f"{model_type} with use_bidirectional_attention is unsupported (causal attention only)"
+        )
     return {
         "hidden_act": act,
         "gemma_norms": True,
         "embed_scale": float(config["hidden_size"]) ** 0.5,
         "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcap": _optional_float(config.get("attn_logit_softcapping", 50.0)),
-        "final_logit_softcap": _optional_float(config.get("final_logit_softcapping", 30.0)),
-        "layer_windows": tuple(
-            int(window) if kind == "sliding_attention" and window is not None else None
-            for kind in layer_types
-        ),
+        "attn_logit_softcap": _optional_float(config.get("attn_logit_softcapping", softcaps[0])),
+        "final_logit_softcap": _optional_float(config.get("final_logit_softcapping", softcaps[1])),
     }
 
 
-FAMILY_FIELDS = {"gemma2": _gemma2}
+def _gemma2(config: Mapping[str, Any]) -> dict[str, Any]:
+    num_layers = int(config["num_hidden_layers"])
+    # HF's default when the config lists no layer_types: even layers slide, odd layers attend fully.
+    default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    return {
+        **_gemma_common(config, "gemma2", softcaps=(50.0, 30.0)),
+        "layer_windows": _gemma_layer_windows(config, "gemma2", default_types, 4096),
+    }
+
+
+def _gemma3_rope(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """(full-attention layers' RoPE parameters, sliding layers'), each with its rope_theta. transformers >= 5
+    writes `rope_parameters` keyed by layer type; older configs say rope_theta (+ rope_scaling) for the full
+    layers and rope_local_base_freq for the sliding ones, whose RoPE is never scaled."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        sliding = params.get("sliding_attention") or {}
+    else:
+        full, sliding = params or config.get("rope_scaling") or {}, {}
+    full = {"rope_theta": config.get("rope_theta", 1_000_000.0), **full}
+    sliding = {"rope_theta": config.get("rope_local_base_freq", 10_000.0), **sliding}
+    return full, sliding
+
+
+def _gemma3(config: Mapping[str, Any]) -> dict[str, Any]:
+    num_layers = int(config["num_hidden_layers"])
+    # HF's default: every `sliding_window_pattern`-th layer (1-based) attends fully, the others slide.
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    default_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    layer_types = config.get("layer_types") or default_types
+    if config.get("sliding_window", 4096) is None and "sliding_attention" in layer_types:
+        # Such a layer would rotate with the sliding RoPE yet see the whole context; HF cannot run it either.
+        raise ConfigError("gemma3 with sliding_attention layers needs a sliding_window, got null")
+    windows = _gemma_layer_windows(config, "gemma3", default_types, 4096)
+    full_rope, sliding_rope = _gemma3_rope(config)
+    return {
+        **_gemma_common(config, "gemma3", softcaps=(None, None)),
+        # Gemma3Config keeps attn_logit_softcapping but HF's Gemma 3 attention never applies it (unlike
+        # Gemma 2's): a config that sets it is served uncapped, as transformers serves it.
+        "attn_logit_softcap": None,
+        "head_qk_norm": True,  # per-head q / k norms, (1 + weight) like every Gemma norm
+        "layer_windows": windows,
+        "rope_theta": float(full_rope["rope_theta"]),
+        "rope_scaling": rope_scaling_from_hf(full_rope, config),
+        "sliding_rope_theta": float(sliding_rope["rope_theta"]),
+        "sliding_rope_scaling": rope_scaling_from_hf(sliding_rope, config),
+    }
+
+
+def _gemma3_text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 (Gemma3ForConditionalGeneration) config -> its language model's config, served
+    as text only (the vision tower's weights are skipped at load; image inputs are not accepted)."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError("gemma3 config has no text_config: cannot tell the language model's shape")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(
+            f"gemma3 text_config of model_type {text['model_type']!r} is unsupported (expected gemma3_text)"
+        )
+    # The outer config's special tokens and tying are the ones its generation uses.
+    inherited = {k: config[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in config}
+    return {**text, **inherited, "model_type": "gemma3"}
+
+
+FAMILY_FIELDS = {
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3,
+    "gemma3": lambda config: {**_gemma3(config), "text_of_multimodal": True},
+}
 
 
 # --- MoE architectures: HF config -> the ModelArch fields the MoE layer reads (keyed by model_type) ---

@@ -8,6 +8,9 @@ the MLP). Everything else Gemma 2 changes lives in the shared model, driven by M
 (query_pre_attn_scalar scale, logit soft-capping, sliding window on the layers HF marks sliding_attention),
 the embedding scale, the final logit soft-capping, and the GeGLU MLP (gelu_pytorch_tanh gate).
 
+Gemma 3 runs this same layer: what it adds lives in the attention (per-head (1 + weight) q/k norms) and
+in the model (a second RoPE table for its sliding layers).
+
 Importing this module registers the layer as `DECODER_LAYERS["gemma2"]`.
 """
 

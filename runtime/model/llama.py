@@ -1,7 +1,8 @@
 """LlamaForCausalLM over a paged KV cache: Llama, SmolLM, Mistral, Qwen2 (QKV bias), Qwen3 (per-head q/k
-norms), Phi-3 (checkpoints with q/k/v and gate/up already fused), the MoE variants (moe.py) and Gemma 2's
+norms), Phi-3 (checkpoints with q/k/v and gate/up already fused), the MoE variants (moe.py) and Gemma 2 / 3's
 model-level differences (scaled embeddings, attention scale / soft-capping / per-layer windows, capped
-logits; its decoder layer is in gemma2.py).
+logits; Gemma 3's per-head (1 + weight) q/k norms and a second RoPE for its sliding layers; the decoder
+layer both share is in gemma2.py).
 
 Inputs are flattened token batches (no padding): T = all new tokens of all sequences in the step, with their
 positions and an AttentionMetadata telling the backend where each sequence's context lives. Weights arrive
@@ -19,6 +20,7 @@ from tokenfleet.runtime.model import tensor_parallel
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.attention.base import AttentionBackend, AttentionMetadata
 from tokenfleet.runtime.model.layers import GatedMLP, GemmaRMSNorm, RMSNorm
+from tokenfleet.runtime.model.multimodal_names import text_weight_name
 from tokenfleet.runtime.model.rope import RotaryEmbedding
 from torch import nn
 
@@ -107,11 +109,12 @@ class LlamaAttention(nn.Module):
         # Under tensor parallelism each rank holds its heads' slice of q and k, and the norms all-reduce.
         self.q_norm = RMSNorm(self.q_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.kv_size, arch.rms_norm_eps, arch.tp_size) if arch.qk_norm else None
-        # Qwen3: one RMSNorm per head (weights head_dim wide, shared by all heads), so a tensor-parallel
-        # shard holding whole heads needs no communication for it.
+        # Qwen3, Gemma 3: one RMSNorm per head (weights head_dim wide, shared by all heads), so a
+        # tensor-parallel shard holding whole heads needs no communication for it. Gemma's scale by 1 + weight.
         if arch.head_qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            head_norm = GemmaRMSNorm if arch.gemma_norms else RMSNorm
+            self.q_norm = head_norm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = head_norm(self.head_dim, arch.rms_norm_eps)
         self.head_qk_norm = arch.head_qk_norm
         self.clip_qkv = arch.clip_qkv
         self.all_reduce = arch.tp_size > 1  # o_proj is row-parallel: its output is a partial sum
@@ -166,15 +169,24 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        # One cos/sin table, shared by every layer's attention (non-persistent buffers: never in checkpoints).
+        # One cos/sin table, shared by every layer's attention (non-persistent buffers: never in checkpoints);
+        # Gemma 3's sliding layers share a second one, with their own base.
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-        kind = "gemma2" if arch.gemma_norms else "llama"
+        self.sliding_rotary = None
+        if arch.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(
+                arch.head_dim, max_positions, arch.sliding_rope_theta, arch.sliding_rope_scaling
+            )
+        kind = "gemma2" if arch.gemma_norms else "llama"  # Gemma 3 has Gemma 2's layer
         layer_cls = DECODER_LAYERS.get(kind)
         if layer_cls is None:
             raise ConfigError(
                 f"no {kind} decoder layer is registered (import tokenfleet.runtime.model.gemma2)"
             )
-        self.layers = nn.ModuleList(layer_cls(arch, self.rotary, backend, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            layer_cls(arch, self.sliding_rotary if arch.uses_sliding_rope(i) else self.rotary, backend, i)
+            for i in range(arch.num_layers)
+        )
         self.norm = (GemmaRMSNorm if arch.gemma_norms else RMSNorm)(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -253,6 +265,10 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue  # derived from the config, never trusted from a checkpoint
+            if self.arch.text_of_multimodal:
+                hf_name = text_weight_name(hf_name)
+                if hf_name is None:
+                    continue  # the vision tower / projector of a multimodal checkpoint
             if self.arch.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # some tied checkpoints store the copy anyway
             for old, new in _RENAMES:

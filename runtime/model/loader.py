@@ -15,7 +15,7 @@ from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import (
-    gemma2,  # noqa: F401 (registers DECODER_LAYERS["gemma2"])
+    gemma2,  # noqa: F401 (registers DECODER_LAYERS["gemma2"], Gemma 2's and 3's layer)
     moe,  # noqa: F401 (registers MLP_BUILDERS["moe"])
 )
 from tokenfleet.runtime.model.arch import ModelArch
@@ -25,6 +25,7 @@ from tokenfleet.runtime.model.fp8 import quantize_model_fp8
 from tokenfleet.runtime.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from tokenfleet.runtime.model.gguf_loader import load_gguf
 from tokenfleet.runtime.model.llama import LlamaForCausalLM
+from tokenfleet.runtime.model.rope import RotaryEmbedding
 from tokenfleet.runtime.model.safetensors_loader import load_hf_dir
 from tokenfleet.runtime.model.source import resolve_source
 from tokenfleet.runtime.model.tensor_parallel import (
@@ -182,7 +183,9 @@ def load_model(
     # call imports sympy (~0.7 s on 2 cores). Same result: uninitialised memory of each tensor's layout.
     model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty unties shared parameters
-    model.model.rotary.build_tables()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # every RoPE table (Gemma 3 has two)
+            module.build_tables()
     startup_timing.mark("model_build")
     # The checkpoint's reader counts its own parts (weight_read, dequant); the rest is the copy in.
     with _load_threads():

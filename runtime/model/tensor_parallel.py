@@ -12,9 +12,9 @@ on its shard:
 - MoE experts are sharded by their intermediate dimension (every rank holds a slice of every expert, so
   routing is unchanged): w13 rows and w2 columns, one all-reduce after the block (shared expert included);
 - norms, the MoE router and biases of column-parallel layers follow their rows; OLMoE's q/k norms over all
-  heads follow the heads (their mean square is all-reduced, `layers.RMSNorm`); Qwen3's per-head norms are
-  replicated; the bias of a row-parallel layer (o, down) is held by rank 0 only (zeros elsewhere), so the
-  all-reduce adds it once. Everything else is replicated. Each rank's KV cache holds only its KV heads;
+  heads follow the heads (their mean square is all-reduced, `layers.RMSNorm`); Qwen3's and Gemma 3's
+  per-head norms are replicated; the bias of a row-parallel layer (o, down) is held by rank 0 only (zeros
+  elsewhere), so the all-reduce adds it once. Everything else is replicated. Each rank's KV cache holds only its KV heads;
   block tables are shared.
 
 Weights are sliced as they are read (`shard_slice`): a rank never materialises the full model. Collectives
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.arch import FUSED_CHECKPOINT_TYPES, ModelArch
+from tokenfleet.runtime.model.multimodal_names import text_weight_name
 
 # (dim, start, length): the part of a checkpoint tensor one rank reads; None = the whole tensor.
 Slice = tuple[int, int, int] | None
@@ -105,6 +106,8 @@ def shard_slice(name: str, full: ModelArch, rank: int, size: int) -> Slice:
     """Which part of the HF-named checkpoint tensor `name` rank `rank` holds (None: all of it)."""
     if size == 1:
         return None
+    if full.text_of_multimodal:
+        name = text_weight_name(name) or name  # the language model's name (a skipped tensor: read whole)
     for pattern, kind, dim in _RULES:
         if pattern.fullmatch(name) is None:
             continue

@@ -1,5 +1,7 @@
-"""Qwen3 (per-head q/k norms), Qwen3-MoE, Phi-3 (fused q/k/v and gate/up tensors) and Gemma 2 (sandwich
-norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers): tiny
+"""Qwen3 (per-head q/k norms), Qwen3-MoE, Phi-3 (fused q/k/v and gate/up tensors), Gemma 2 (sandwich
+norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers) and
+Gemma 3 (Gemma 2's layer with per-head (1 + weight) q/k norms, a second RoPE base for the sliding layers,
+linear-scaled RoPE on the full ones; also the language model of a multimodal checkpoint): tiny
 random checkpoints built from each family's HF config in a tmp dir load through `load_model` and generate
 greedily exactly what HF transformers generates; checkpoints the runtime cannot reproduce are refused with a
 message that says why.
@@ -18,6 +20,7 @@ from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model import load_model
 from tokenfleet.runtime.model.attention import SeqSpec, build_attention_metadata, build_positions
+from tokenfleet.runtime.model.layers import GemmaRMSNorm
 from tokenfleet.runtime.model.moe import MoEBlock
 from tokenfleet.runtime.model.tensor_parallel import check_tensor_parallel
 from tokenizers import Tokenizer as HFTokenizerBackend
@@ -130,9 +133,79 @@ def _gemma2_layer_types():
     return _gemma2(layer_types=types, attn_logit_softcapping=None, final_logit_softcapping=None)
 
 
+GEMMA3_ROPE = {
+    # Full layers: base 1000 and linear scaling; sliding layers: base 100 (HF's rope_local_base_freq).
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+}
+
+
+def _gemma3(**overrides):
+    from transformers import Gemma3TextConfig
+
+    # Six layers and no layer_types: HF's default pattern, five sliding (window 8 < the prompt) then one
+    # full. No caps (Gemma 3's defaults); query_pre_attn_scalar 24 != head_dim 16.
+    options = dict(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        intermediate_size=48,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        rope_parameters=json.loads(json.dumps(GEMMA3_ROPE)),  # HF updates the dict it is given
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Gemma3TextConfig(**{**options, **overrides})
+
+
+def _gemma3_layer_types():
+    # Explicit layer_types, untied head, both caps set: the final one applies, the attention one is ignored
+    # by HF's Gemma 3 (and so by us; the parity test shows it).
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    return _gemma3(
+        num_hidden_layers=4,
+        layer_types=types,
+        tie_word_embeddings=False,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+    )
+
+
+def _gemma3_multimodal():
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    # Gemma3ForConditionalGeneration: a (tiny) vision tower beside the language model, which is served.
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return Gemma3Config(
+        text_config=_gemma3(num_hidden_layers=3, sliding_window_pattern=2).to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=317,
+        boi_token_index=318,
+        eoi_token_index=319,
+        eos_token_id=2,
+    )
+
+
 CASES = {
     "gemma2": _gemma2,
     "gemma2_layer_types": _gemma2_layer_types,
+    "gemma3": _gemma3,
+    "gemma3_layer_types": _gemma3_layer_types,
+    "gemma3_multimodal": _gemma3_multimodal,
     "qwen3": _qwen3,
     "qwen3_bias": _qwen3_bias,
     "qwen3_moe": _qwen3_moe,
@@ -238,10 +311,19 @@ def test_greedy_generation_matches_transformers(case, checkpoints):
         layers = loaded.model.model.layers
         assert not isinstance(layers[0].mlp, MoEBlock) and isinstance(layers[1].mlp, MoEBlock)
         assert layers[1].mlp.shared_expert is None
-    if case.startswith("qwen3"):
+    if case.startswith(("qwen3", "gemma3")):
         assert arch.head_qk_norm and loaded.model.model.layers[0].self_attn.q_norm.weight.shape == (
             arch.head_dim,
         )
+    if case.startswith("gemma3"):
+        # Sliding layers rotate with their own table, full layers with the (scaled) global one.
+        model = loaded.model.model
+        assert isinstance(model.layers[0].self_attn.q_norm, GemmaRMSNorm)
+        for i, layer in enumerate(model.layers):
+            sliding = arch.layer_window(i) is not None
+            assert layer.self_attn.rotary is (model.sliding_rotary if sliding else model.rotary)
+        assert {arch.layer_window(i) for i in range(arch.num_layers)} == {8, None}
+        assert arch.text_of_multimodal == (case == "gemma3_multimodal")
 
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, arch.vocab_size, (PROMPT_LEN,), generator=generator).tolist()
@@ -256,9 +338,10 @@ def test_greedy_generation_matches_transformers(case, checkpoints):
     assert bool(((top2[:, 0] - top2[:, 1]) > 1e-3).all())
 
 
-def test_per_head_norm_weights_change_the_output(checkpoints, tmp_path, tokenizer_json):
+@pytest.mark.parametrize("case", ["qwen3", "gemma3"])
+def test_per_head_norm_weights_change_the_output(checkpoints, tmp_path, tokenizer_json, case):
     """The q/k norm weights are really applied per head: scaling one head's slot changes the logits."""
-    directory, _ = checkpoints["qwen3"]
+    directory, _ = checkpoints[case]
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((directory / name).read_bytes())
     weights = load_file(str(directory / "model.safetensors"))
@@ -376,14 +459,15 @@ def test_gemma2_arch_windows_and_context():
         arch_from_hf_config({**_gemma2().to_dict(), "layer_types": ["sliding_attention"] * 3})
 
 
-def test_gemma2_through_the_engine_matches_transformers(checkpoints):
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_through_the_engine_matches_transformers(checkpoints, case):
     """Paged KV in 8-token blocks, prompts (13..30 tokens, all longer than the window) prefilled in chunks of
     at most 7 tokens beside other requests' decodes, then a prefix-cache hit: HF's tokens, every one."""
     from tokenfleet.runtime.config import RuntimeConfig
     from tokenfleet.runtime.engine.llm import LLM
     from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
-    directory, hf_model = checkpoints["gemma2"]
+    directory, hf_model = checkpoints[case]
     loaded = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
     assert loaded.max_model_len == 256  # not capped to the window
     generator = torch.Generator().manual_seed(2)
@@ -403,10 +487,11 @@ def test_gemma2_through_the_engine_matches_transformers(checkpoints):
     assert hit.num_cached_tokens >= 16
 
 
-def test_gemma2_on_the_triton_kernels_matches_transformers(checkpoints):
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_on_the_triton_kernels_matches_transformers(checkpoints, case):
     """The same greedy parity with the Triton attention backend (the interpreter on CPU): the kernels'
-    softcap and window paths inside the real model, prefill then decode over the paged cache."""
-    directory, hf_model = checkpoints["gemma2"]
+    softcap (Gemma 2) and window paths inside the real model, prefill then decode over the paged cache."""
+    directory, hf_model = checkpoints[case]
     config = ModelConfig(model=str(directory), dtype="float32", attention_backend="triton")
     loaded = load_model(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert loaded.attention_backend == "triton"
@@ -416,3 +501,131 @@ def test_gemma2_on_the_triton_kernels_matches_transformers(checkpoints):
     ref, ref_logits = _hf_greedy(hf_model, prompt, NEW_TOKENS)
     assert ours == ref
     torch.testing.assert_close(our_logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def _gemma3_rope(full: dict | None = None, sliding: dict | None = None) -> dict:
+    return {
+        "full_attention": {**GEMMA3_ROPE["full_attention"], **(full or {})},
+        "sliding_attention": {**GEMMA3_ROPE["sliding_attention"], **(sliding or {})},
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "overrides"),
+    [
+        ("gemma3", {"rope_parameters": _gemma3_rope(sliding={"rope_theta": 1000.0})}),  # one base for all
+        ("gemma3", {"rope_parameters": _gemma3_rope(full={"rope_type": "default", "factor": None})}),
+        ("gemma3", {"sliding_window": 4096}),  # every window wider than the context
+        ("gemma3", {"layer_types": ["full_attention"] * 6}),
+        ("gemma3", {"query_pre_attn_scalar": 16}),  # head_dim's scale
+        ("gemma3_layer_types", {"final_logit_softcapping": None}),
+    ],
+)
+def test_each_gemma3_feature_changes_the_logits(checkpoints, tmp_path, case, overrides):
+    """Each option the Gemma 3 parity tests exercise is really applied: turning it off moves the logits."""
+    directory, _ = checkpoints[case]
+    changed_dir = _copy_with_config(directory, tmp_path, **overrides)
+    base = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    changed = load_model(ModelConfig(model=str(changed_dir), dtype="float32"), torch.device("cpu"))
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    _, a = _greedy(base.model, base.arch, prompt, 1)
+    _, b = _greedy(changed.model, changed.arch, prompt, 1)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_gemma3_config_reading():
+    from tokenfleet.runtime.model.arch import RopeScaling, arch_from_hf_config
+
+    arch = arch_from_hf_config(_gemma3().to_dict())
+    # HF's default pattern: every sixth layer attends fully; windows applied per layer, context not capped.
+    assert arch.layer_windows == (8, 8, 8, 8, 8, None) and arch.sliding_window is None
+    assert arch.max_position_embeddings == 256 and arch.tie_word_embeddings and arch.head_qk_norm
+    assert arch.attention_scale == 24**-0.5 and arch.embed_scale == 8.0
+    assert arch.attn_logit_softcap is None and arch.final_logit_softcap is None
+    assert (arch.rope_theta, arch.rope_scaling) == (1000.0, RopeScaling("linear", 2.0))
+    assert (arch.sliding_rope_theta, arch.sliding_rope_scaling) == (100.0, None)
+    assert [arch.uses_sliding_rope(i) for i in range(6)] == [True] * 5 + [False]
+    capped = arch_from_hf_config(_gemma3_layer_types().to_dict())
+    assert capped.final_logit_softcap == 4.0 and capped.attn_logit_softcap is None  # as HF: unused
+
+    # Hub configs written before transformers 5: rope_theta / rope_scaling / rope_local_base_freq and a
+    # sliding_window_pattern instead of layer_types. The same model.
+    legacy = {k: v for k, v in _gemma3().to_dict().items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(
+        rope_theta=1000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_local_base_freq=100.0,
+        sliding_window_pattern=6,
+    )
+    assert arch_from_hf_config(legacy) == arch
+    # A minimal hub config: Gemma3TextConfig's class defaults fill what it leaves out.
+    minimal = arch_from_hf_config({"model_type": "gemma3_text", "num_hidden_layers": 7})
+    assert (minimal.vocab_size, minimal.hidden_size, minimal.head_dim, minimal.num_kv_heads) == (
+        262_208,
+        2304,
+        256,
+        4,
+    )
+    assert (minimal.rope_theta, minimal.sliding_rope_theta, minimal.rope_scaling) == (1e6, 1e4, None)
+    assert minimal.layer_windows == (4096,) * 5 + (None, 4096)
+    assert minimal.attention_scale == 256**-0.5 and minimal.eos_token_ids == (1,)
+
+    # No layer slides: no window needed, one RoPE table in use.
+    full = arch_from_hf_config(
+        {**_gemma3().to_dict(), "sliding_window": None, "layer_types": ["full_attention"] * 6}
+    )
+    assert full.layer_windows == (None,) * 6 and not any(full.uses_sliding_rope(i) for i in range(6))
+
+    # A multimodal config: its text_config, served as the language model alone.
+    multimodal = arch_from_hf_config(_gemma3_multimodal().to_dict())
+    assert multimodal.text_of_multimodal and multimodal.model_type == "gemma3"
+    assert multimodal.layer_windows == (8, None, 8) and multimodal.eos_token_ids == (2,)
+
+    base = _gemma3().to_dict()
+    refused = [
+        ({**base, "hidden_activation": "gelu"}, "unsupported gemma3 hidden_activation 'gelu'"),
+        ({**base, "use_bidirectional_attention": True}, "use_bidirectional_attention is unsupported"),
+        ({**base, "layer_types": ["sliding_attention"] * 3}, "gemma3 layer_types must list"),
+        ({**base, "layer_types": ["chunked_attention"] * 6}, "gemma3 layer_types must list"),
+        ({**base, "sliding_window": 0}, "gemma3 sliding_window must be >= 1"),
+        ({**base, "sliding_window": None}, "gemma3 with sliding_attention layers needs a sliding_window"),
+        (
+            {**base, "rope_parameters": _gemma3_rope(full={"rope_type": "dynamic"})},
+            "unsupported rope scaling type 'dynamic'",
+        ),
+        ({"model_type": "gemma3", "vision_config": {}}, "gemma3 config has no text_config"),
+        (
+            {"model_type": "gemma3", "text_config": {**base, "model_type": "gemma2"}},
+            "gemma3 text_config of model_type 'gemma2' is unsupported",
+        ),
+    ]
+    for config, message in refused:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            arch_from_hf_config(config)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(checkpoints, tmp_path):
+    """HF saves Gemma3ForConditionalGeneration under the hub's names (`language_model.model.`, `vision_tower.`);
+    transformers >= 5 names the same tensors `model.language_model.` / `model.vision_tower.` in memory. Both
+    layouts load the language model (every tensor: load_model refuses a missing one) and skip the vision
+    tower and projector, giving the same logits."""
+    directory, _ = checkpoints["gemma3_multimodal"]
+    stored = load_file(str(directory / "model.safetensors"))
+    assert any(name.startswith("vision_tower.") for name in stored)
+    assert any(name.startswith("multi_modal_projector.") for name in stored)
+    assert any(name.startswith("language_model.model.layers.") for name in stored)
+    renamed = {
+        re.sub(r"^language_model\.model\.", "model.language_model.", name)
+        .replace("vision_tower.", "model.vision_tower.", 1)
+        .replace("multi_modal_projector.", "model.multi_modal_projector.", 1): tensor
+        for name, tensor in stored.items()
+    }
+    assert not any(name.startswith("language_model.") for name in renamed)
+    _copy_with_config(directory, tmp_path)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hub = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    v5 = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    _, a = _greedy(hub.model, hub.arch, prompt, 1)
+    _, b = _greedy(v5.model, v5.arch, prompt, 1)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -1,7 +1,8 @@
-"""Gemma 2 under tensor parallelism: its extra pieces (the embedding scale after the vocab-parallel
+"""Gemma 2 and 3 under tensor parallelism: their extra pieces (the embedding scale after the vocab-parallel
 all-reduce, four replicated (1 + weight) norms per layer, softcaps on sharded heads and on the gathered
-logits, per-layer windows) need nothing beyond what other families shard. Sharded greedy output, with
-logprobs, equals one process's on a tiny random checkpoint. Real worker processes (gloo on CPU), as in
+logits, per-layer windows; Gemma 3's replicated per-head q/k norms and two RoPE tables, and a multimodal
+checkpoint's language-model names) need nothing beyond what other families shard. Sharded greedy output,
+with logprobs, equals one process's on a tiny random checkpoint. Real worker processes (gloo on CPU), as in
 test_tensor_parallel.py.
 """
 
@@ -13,13 +14,16 @@ from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.engine.llm import LLM
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
-from .test_model_families import _gemma2, _save
+from .test_model_families import _gemma2, _gemma3, _gemma3_multimodal, _save
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
+FAMILIES = {"gemma2": _gemma2, "gemma3": _gemma3, "gemma3_multimodal": _gemma3_multimodal}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM
 
@@ -33,14 +37,14 @@ def checkpoint(tmp_path_factory) -> str:
     tok_file = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     backend.save(str(tok_file))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_gemma2()).eval()
+    model = AutoModelForCausalLM.from_config(FAMILIES[request.param]()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.3)  # replicated norms: a rank holding the wrong one would differ
             else:
                 param.normal_(0.0, 0.15)
-    directory = tmp_path_factory.mktemp("gemma2")
+    directory = tmp_path_factory.mktemp(request.param)
     _save(model, directory, tok_file)
     return str(directory)
 
@@ -63,7 +67,7 @@ def _run(llm: LLM, prompts: list[list[int]]):
 
 
 @pytest.mark.slow
-def test_sharded_gemma2_equals_one_process(checkpoint):
+def test_sharded_gemma_equals_one_process(checkpoint):
     prompts = [[5, 9, 17, 23, 40, 41, 42, 60, 61, 70, 71, 72], [90, 91, 92, 5, 9, 93, 94, 95] * 2]
     reference = _run(LLM(config=_config(1, checkpoint)), prompts)
     llm = LLM(config=_config(2, checkpoint))
