@@ -8,6 +8,10 @@ into the manager at all: the scheduler compares two integers and moves on. That 
 two divisions and a pool lookup per request per step. Blocks that hold generated tokens are offered to
 the cache only when the request frees its table (manager.py says why), so past its prompt a decode
 reaches the manager only to take its next block.
+
+With a model whose every layer has a sliding window, the manager gives back the leading blocks no query
+can see any more: `num_released` of them, whose places in `blocks` / `block_ids` then hold the manager's
+null block (positions stay where the kernels look them up; the null block is never written).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class RequestBlocks:
-    __slots__ = ("block_ids", "blocks", "fast_limit", "num_cached", "num_prompt_blocks")
+    __slots__ = ("block_ids", "blocks", "fast_limit", "num_cached", "num_prompt_blocks", "num_released")
 
     def __init__(self, num_cached: int, num_prompt_blocks: int):
         self.blocks: list[KVBlock] = []
@@ -30,6 +34,12 @@ class RequestBlocks:
         # Full blocks of prompt tokens only: offered to the cache as soon as their KV is written.
         self.num_prompt_blocks = num_prompt_blocks
         self.fast_limit = 0  # set by the manager after every change (`settle`)
+        self.num_released = 0  # leading blocks given back (sliding window): the null block holds their place
+
+    @property
+    def num_held(self) -> int:
+        """Blocks this request holds a reference on (its table minus the released places)."""
+        return len(self.blocks) - self.num_released
 
     def settle(self, block_size: int, caching: bool) -> None:
         """Recompute `fast_limit` after the blocks or `num_cached` changed."""
