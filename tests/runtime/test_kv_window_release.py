@@ -12,7 +12,7 @@ from tokenfleet.runtime.engine.sampling_params import SamplingParams
 BS = 4
 W = 6
 EXTRA = hash_extra("m")
-MAX_HELD = -(-W // BS) + 2
+MAX_HELD = -(-W // BS) + 1
 
 
 def req(rid: str, tokens, max_tokens: int = 64) -> Request:

@@ -11,7 +11,7 @@ reaches the manager only to take its next block.
 
 With a model whose every layer has a sliding window, the manager gives back the leading blocks no query
 can see any more: `num_released` of them, whose places in `blocks` / `block_ids` then hold the manager's
-null block (positions stay where the kernels look them up; the null block is never written).
+null block (positions stay where the kernels look them up; the null block is never written), and `fast_limit` also stops where the next block falls behind the window.
 """
 
 from __future__ import annotations
@@ -23,9 +23,17 @@ if TYPE_CHECKING:
 
 
 class RequestBlocks:
-    __slots__ = ("block_ids", "blocks", "fast_limit", "num_cached", "num_prompt_blocks", "num_released")
+    __slots__ = (
+        "block_ids",
+        "blocks",
+        "fast_limit",
+        "num_cached",
+        "num_prompt_blocks",
+        "num_released",
+        "window",
+    )
 
-    def __init__(self, num_cached: int, num_prompt_blocks: int):
+    def __init__(self, num_cached: int, num_prompt_blocks: int, window: int | None = None):
         self.blocks: list[KVBlock] = []
         # The same table as ids, as a tuple rebuilt only when it changes (every block_size tokens of a
         # decode): the scheduler hands it to the runner for every request every step without copying.
@@ -35,6 +43,7 @@ class RequestBlocks:
         self.num_prompt_blocks = num_prompt_blocks
         self.fast_limit = 0  # set by the manager after every change (`settle`)
         self.num_released = 0  # leading blocks given back (sliding window): the null block holds their place
+        self.window = window  # the model's window on every layer, or None (nothing is ever released)
 
     @property
     def num_held(self) -> int:
@@ -50,3 +59,9 @@ class RequestBlocks:
             self.fast_limit = held if held < next_full else next_full
         else:
             self.fast_limit = held
+        if self.window is not None:
+            # Once num_computed_tokens reaches this, block `num_released` is behind every query's window:
+            # the next allocate_slots call gives it back (right after a long prefill too, not a block later).
+            release_at = (self.num_released + 1) * block_size + self.window - 1
+            if release_at < self.fast_limit:
+                self.fast_limit = release_at
