@@ -149,3 +149,28 @@ def test_preempted_requests_recompute_to_the_same_tokens(mistral):
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(hf_model, prompt, 40)
     assert llm.engine.kv_manager.num_free_blocks == 10
+
+
+def test_triton_kernels_never_see_released_blocks(mistral):
+    """The Triton attention backend (the interpreter on CPU): its key walk starts at the tile holding the
+    first visible key, which may begin inside a released place (the null block, read and masked). Prefill
+    in chunks and decode over released places give HF's tokens."""
+    directory, hf_model = mistral
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = ModelConfig(model=str(directory), dtype="float32", attention_backend="triton")
+    loaded = load_model(config, device)
+    assert loaded.attention_backend == "triton"
+    generator = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, 320, (29,), generator=generator).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(
+        config=RuntimeConfig(),
+        loaded=loaded,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_blocks=16,
+        max_num_batched_tokens=12,
+    )
+    outputs, max_held = run(llm, [prompt], params)
+    assert outputs["r0"] == hf_greedy(hf_model, prompt, 24)
+    assert max_held <= MAX_HELD
