@@ -174,3 +174,30 @@ def test_triton_kernels_never_see_released_blocks(mistral):
     outputs, max_held = run(llm, [prompt], params)
     assert outputs["r0"] == hf_greedy(hf_model, prompt, 24)
     assert max_held <= MAX_HELD
+
+
+@pytest.mark.parametrize(("method", "release"), [("ngram", True), ("self", False)])
+def test_speculative_decoding_over_released_blocks(mistral, method, release):
+    """ngram proposals (rejections roll slots back past released places) keep the release; a draft that
+    writes KV into the same tables (`self`: the target's first layer) turns it off. HF's tokens either way."""
+    from tokenfleet.runtime.config import SpeculativeConfig
+
+    directory, hf_model = mistral
+    generator = torch.Generator().manual_seed(17)
+    base = torch.randint(3, 320, (12,), generator=generator).tolist()
+    prompt = base + base + base[:7]  # repeats: ngram finds matches to propose
+    loaded = load_model(ModelConfig(model=str(directory), dtype="float32"), torch.device("cpu"))
+    extra = {"ngram_min": 1} if method == "ngram" else {"draft_layers": 1}
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, **extra)  # type: ignore[arg-type]
+    config = RuntimeConfig(speculative=spec)
+    llm = LLM(config=config, loaded=loaded, dtype="float32", block_size=BLOCK_SIZE, num_blocks=32)
+    assert (llm.engine.kv_manager.sliding_window == WINDOW) is release
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs, max_held = run(llm, [prompt], params)
+    assert outputs["r0"] == hf_greedy(hf_model, prompt, NEW_TOKENS)
+    stats = llm.engine.stats()
+    # Proposals accepted (several tokens a step) and rejected (rollbacks) both happened.
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    if release:
+        # Look-ahead slots for the proposals: up to one more block than a plain decode.
+        assert max_held <= MAX_HELD + 1
