@@ -137,18 +137,42 @@ def test_prefix_hit_on_released_blocks_matches_transformers(mistral):
 
 
 def test_preempted_requests_recompute_to_the_same_tokens(mistral):
-    """Four long requests in 10 usable blocks: preemptions free tables with released places, and the
-    recomputed requests (prefix hits on what is still cached) end exactly as HF."""
+    """A long request of low priority decodes alone past its window (places released), then short ones of
+    higher priority arrive in a 10-block cache: their holdings grow until their windows fill (2 blocks at
+    admission, 3 later), so the long one is preempted with released places in its table; it recomputes
+    (prefix hits on what is still cached) and every request ends exactly as HF."""
     directory, hf_model = mistral
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (30, 33, 35, 38)]
+    long_prompt = torch.randint(3, 320, (38,), generator=generator).tolist()
+    shorts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (9, 11, 13, 15, 14)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm = make_llm(directory, num_blocks=11)
-    outputs, _ = run(llm, prompts, params)
-    assert llm.engine.scheduler.num_preemptions_total > 0
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(hf_model, prompt, 40)
-    assert llm.engine.kv_manager.num_free_blocks == 10
+    engine = llm.engine
+    scheduler, kv = engine.scheduler, engine.kv_manager
+    released_at_preemption: list[int] = []
+    preempt = scheduler._preempt
+
+    def recording_preempt(request):
+        released_at_preemption.append(kv.tables[request.request_id].num_released)
+        preempt(request)
+
+    scheduler._preempt = recording_preempt
+    outputs: dict[str, list[int]] = {"long": [], **{f"s{i}": [] for i in range(len(shorts))}}
+    engine.add_request("long", long_prompt, params, priority=1)
+    for _ in range(20):
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    assert kv.tables["long"].num_released > 0
+    for i, prompt in enumerate(shorts):
+        engine.add_request(f"s{i}", prompt, params)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    assert released_at_preemption and max(released_at_preemption) > 0
+    assert outputs["long"] == hf_greedy(hf_model, long_prompt, 40)
+    for i, prompt in enumerate(shorts):
+        assert outputs[f"s{i}"] == hf_greedy(hf_model, prompt, 40)
+    assert kv.num_free_blocks == 10
 
 
 def test_triton_kernels_never_see_released_blocks(mistral):

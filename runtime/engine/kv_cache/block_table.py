@@ -60,8 +60,13 @@ class RequestBlocks:
         else:
             self.fast_limit = held
         if self.window is not None:
-            # Once num_computed_tokens reaches this, block `num_released` is behind every query's window:
-            # the next allocate_slots call gives it back (right after a long prefill too, not a block later).
-            release_at = (self.num_released + 1) * block_size + self.window - 1
+            # Once num_computed_tokens reaches (num_released + 1) * block_size + window - 1, block
+            # `num_released` is behind every query's window. Rounded up to a block boundary: a decode then
+            # releases in the call that takes its next block (one call per block, and its peak is the same,
+            # since the peak comes right after taking the block); a long prefill's table holds more than
+            # that, so the first decode after it releases at once.
+            release_at = (
+                -(-((self.num_released + 1) * block_size + self.window - 1) // block_size) * block_size
+            )
             if release_at < self.fast_limit:
                 self.fast_limit = release_at
