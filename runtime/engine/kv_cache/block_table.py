@@ -11,7 +11,8 @@ reaches the manager only to take its next block.
 
 With a model whose every layer has a sliding window, the manager gives back the leading blocks no query
 can see any more: `num_released` of them, whose places in `blocks` / `block_ids` then hold the manager's
-null block (positions stay where the kernels look them up; the null block is never written), and `fast_limit` also stops where the next block falls behind the window.
+null block (positions stay where the kernels look them up; the null block is never written). `fast_limit`
+then also stops at the block boundary where the next block falls behind the window.
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ first when caching is on (their KV depends only on their tokens and positions, s
 hits, free and evictable like any freed cached block), then one reference dropped. Their places in the
 table keep the *null block*: block 0, reserved at construction, never written (all zeros) — the kernels
 address blocks by position, and a key tile that starts inside a released block reads zeros it then masks.
-The table's `fast_limit` stops where its next block falls behind the window, so the release happens in the
-step that makes it possible (a decode then calls in twice per block_size steps instead of once): a long
-generation holds at most ceil(W / block_size) + 1 blocks. Positions only move forward while a
+The table's `fast_limit` also stops at the block boundary where its next block falls behind the window: a
+decode releases in the call that takes its next block (still one call per block_size steps), the first
+decode after a long prefill at once; a long generation holds at most ceil(W / block_size) + 1 blocks
+(look-ahead slots for speculative tokens add theirs). Positions only move forward while a
 table exists (speculative rejections cut only slots past the step's first query; a preemption frees
 the whole table), so a released place is never needed again by its request.
 """
