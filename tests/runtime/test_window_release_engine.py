@@ -225,3 +225,26 @@ def test_speculative_decoding_over_released_blocks(mistral, method, release):
     if release:
         # Look-ahead slots for the proposals: up to one more block than a plain decode.
         assert max_held <= MAX_HELD + 1
+
+
+def test_released_blocks_evicted_to_the_host_tier_come_back(mistral):
+    """Released (cached) blocks evicted under pressure go to the host tier like any free cached block; a later
+    prompt hits them there, copied back, and generates HF's tokens."""
+    from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
+
+    directory, hf_model = mistral
+    generator = torch.Generator().manual_seed(8)
+    first = torch.randint(3, 320, (37,), generator=generator).tolist()
+    other = torch.randint(3, 320, (45,), generator=generator).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(directory, num_blocks=8)  # 7 usable: `other` takes 6, evicting `first`'s blocks
+    policy = getattr(llm.engine, "cache_policy", None) or CachePolicyRuntime(llm.engine)
+    policy.apply(llm.config.cache.model_copy(update={"cpu_offload_gib": 0.001}))
+    expected = hf_greedy(hf_model, first, 10)
+    assert llm.generate([first], params)[0].outputs[0].token_ids == expected
+    llm.generate([other], params)
+    again = llm.generate([first], params)[0]
+    m = llm.engine.kv_manager.metrics()
+    assert m.host_hit_blocks >= 3 and again.num_cached_tokens >= 24
+    assert again.outputs[0].token_ids == expected
+    assert llm.engine.kv_manager.num_free_blocks == 7
