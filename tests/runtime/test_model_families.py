@@ -1,5 +1,6 @@
 """Qwen3 (per-head q/k norms), Qwen3-MoE, Phi-3 (fused q/k/v and gate/up tensors) and Gemma 2 (sandwich
-norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers): tiny
+norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers),
+Mistral and Qwen2 with the sliding windows their configs switch on (every layer; HF's max_window_layers rule): tiny
 random checkpoints built from each family's HF config in a tmp dir load through `load_model` and generate
 greedily exactly what HF transformers generates; checkpoints the runtime cannot reproduce are refused with a
 message that says why.
