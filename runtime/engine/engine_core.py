@@ -78,9 +78,13 @@ class EngineCore:
         )
         if self.workers is not None:
             num_blocks = self.workers.join(num_blocks, self.device)
-        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.loaded.name, clock)
         # A draft that writes KV proposes into look-ahead slots the scheduler allocates with each step.
         lookahead = config.speculative.num_speculative_tokens if proposer and proposer.writes_kv else 0
+        # Blocks behind every layer's window are given back, unless a KV-writing draft reads the same table.
+        window = None if proposer is not None and proposer.writes_kv else self.loaded.arch.all_layers_window
+        self.kv_manager = KVCacheManager.from_config(
+            config.cache, num_blocks, self.loaded.name, clock, sliding_window=window
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, lookahead)
         self.runner = ModelRunner(
             self.loaded,

@@ -69,9 +69,6 @@ class ModelArch:
     qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets both this and o_bias
     o_bias: bool = False
     mlp_bias: bool = False
-    # A window this runtime does not apply (Mistral, Qwen2 with use_sliding_window): max_model_len is capped
-    # to it, where full attention equals windowed attention. Gemma 2's windows are applied: layer_windows.
-    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (0 = dense MLP); the MoE layer reads these.
@@ -92,7 +89,9 @@ class ModelArch:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 instead of head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     final_logit_softcap: float | None = None  # the same on the LM head's logits
-    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window W (sees W keys) or None; () = none
+    # Per layer: sliding window W (a query sees W keys, itself included) or None; () = none. Gemma 2's
+    # alternation, or the window a Mistral / Qwen2-family config switches on (`_configured_windows`).
+    layer_windows: tuple[int | None, ...] = ()
     # --- Gemma 3 ---
     # The sliding layers' own RoPE (HF rope_local_base_freq / rope_parameters["sliding_attention"]); None:
     # every layer uses rope_theta / rope_scaling (which, in Gemma 3, describe the full-attention layers).
@@ -116,6 +115,15 @@ class ModelArch:
 
     def uses_sliding_rope(self, layer_idx: int) -> bool:
         return self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None
+
+    @property
+    def all_layers_window(self) -> int | None:
+        """The window when every layer has one (the widest), else None: only then is KV more than a window
+        behind every query dead for the whole model (the KV cache can give its blocks back)."""
+        windows = self.layer_windows
+        if not windows or None in windows:
+            return None
+        return max(windows)  # type: ignore[type-var]
 
     @property
     def attention_scale(self) -> float:
@@ -201,7 +209,7 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         config = {**GEMMA3_TEXT_DEFAULTS, **config}  # hub configs leave Gemma3TextConfig's sizes implicit
     if model_type not in GEMMA_TYPES and config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {config['hidden_act']!r} (Llama family uses silu)")
-    rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_params = _rope_params(config)
     rope_theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
     partial_rotary = float(rope_params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     if partial_rotary != 1.0:
@@ -209,21 +217,14 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         raise ConfigError(f"unsupported partial_rotary_factor {partial_rotary} (only 1.0 is implemented)")
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    sliding_window = config.get("sliding_window")
-    if model_type == "qwen2" and not config.get("use_sliding_window", False):
-        sliding_window = None  # Qwen2 configs carry a window they do not use
     rope_scaling = rope_scaling_from_hf(rope_params, config)
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias = model_type == "qwen2" or attention_bias
     if model_type == "qwen2_moe":
         qkv_bias = bool(config.get("qkv_bias", True))
-        if not config.get("use_sliding_window", False):
-            sliding_window = None
-    if model_type in ("qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
-        sliding_window = None
     family = FAMILY_FIELDS.get(model_type, _no_family_fields)(config)
-    if "layer_windows" in family:
-        sliding_window = None  # applied per layer, not a cap on the context
+    if model_type in WINDOWED_TYPES:
+        family["layer_windows"] = _configured_windows(config, model_type)
     fields = dict(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -243,7 +244,6 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
         o_bias=(model_type in ("llama", "olmoe", "qwen3", "qwen3_moe") or model_type in GEMMA_TYPES)
         and attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
-        sliding_window=int(sliding_window) if sliding_window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_token_ids or _ids(config.get("eos_token_id")),
         head_qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -253,11 +253,62 @@ def arch_from_hf_config(config: Mapping[str, Any], eos_token_ids: tuple[int, ...
     return ModelArch(**fields)
 
 
+def _rope_params(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
 def _served_positions(config: Mapping[str, Any], rope_scaling: RopeScaling | None) -> int:
     positions = int(config.get("max_position_embeddings", 2048))
     if rope_scaling is not None and rope_scaling.rope_type == "longrope":
         return min(positions, rope_scaling.original_max_position_embeddings or positions)
     return positions
+
+
+# --- Sliding windows a config switches on (HF's per-layer rule for each family) ---
+
+# Every layer slides when the config has a window (Mistral, Mixtral and Phi-3 always; Qwen3-MoE with
+# use_sliding_window).
+_ALL_LAYERS_WINDOWED = frozenset({"mistral", "mixtral", "phi3", "qwen3_moe"})
+# The layers `layer_types` marks sliding_attention, when use_sliding_window; HF derives a missing list from
+# max_window_layers (Qwen2 / Qwen3: layers at or past it slide; Qwen2-MoE: even layers before it).
+_LAYER_TYPES_WINDOWED = frozenset({"qwen2", "qwen3", "qwen2_moe"})
+WINDOWED_TYPES = _ALL_LAYERS_WINDOWED | _LAYER_TYPES_WINDOWED
+_USE_SLIDING_WINDOW = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+
+
+def _configured_windows(config: Mapping[str, Any], model_type: str) -> tuple[int | None, ...]:
+    window = config.get("sliding_window")
+    if model_type in _USE_SLIDING_WINDOW and not config.get("use_sliding_window", False):
+        return ()  # Qwen configs carry a window they do not use
+    num_layers = int(config["num_hidden_layers"])
+    # A window as wide as every position the model serves never hides a key: full attention.
+    if not window or int(window) >= _served_positions(
+        config, rope_scaling_from_hf(_rope_params(config), config)
+    ):
+        return ()
+    if int(window) < 1:
+        raise ConfigError(f"{model_type} sliding_window must be >= 1, got {window}")
+    if model_type in _ALL_LAYERS_WINDOWED:
+        return (int(window),) * num_layers
+    max_window_layers = int(config.get("max_window_layers", 28))
+    if model_type == "qwen2_moe":
+        default = [
+            "sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
+            for i in range(num_layers)
+        ]
+    else:
+        default = [
+            "sliding_attention" if i >= max_window_layers else "full_attention" for i in range(num_layers)
+        ]
+    layer_types = config.get("layer_types") or default
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(
+            f"{model_type} layer_types must list sliding_attention / full_attention for each of the "
+            f"{num_layers} layers, got {layer_types!r}"
+        )
+    if "sliding_attention" not in layer_types:
+        return ()
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
 
 
 # --- Gemma 2 / 3: HF config -> their ModelArch fields (defaults are HF's config classes': saved configs omit

@@ -67,9 +67,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def resolve_max_model_len(arch: ModelArch, requested: int | None) -> int:
     limit = arch.max_position_embeddings
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        # Full attention equals sliding-window attention as long as no sequence outgrows the window.
-        limit = arch.sliding_window
     if requested is None:
         return limit
     if requested > limit:

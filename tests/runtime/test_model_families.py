@@ -1,7 +1,8 @@
 """Qwen3 (per-head q/k norms), Qwen3-MoE, Phi-3 (fused q/k/v and gate/up tensors), Gemma 2 (sandwich
-norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers) and
+norms, GeGLU, scaled embeddings, soft-capped attention and logits, sliding window on alternate layers),
 Gemma 3 (Gemma 2's layer with per-head (1 + weight) q/k norms, a second RoPE base for the sliding layers,
-linear-scaled RoPE on the full ones; also the language model of a multimodal checkpoint): tiny
+linear-scaled RoPE on the full ones; also the language model of a multimodal checkpoint), and Mistral and Qwen2
+with the sliding windows their configs switch on (every layer; HF's max_window_layers rule): tiny
 random checkpoints built from each family's HF config in a tmp dir load through `load_model` and generate
 greedily exactly what HF transformers generates; checkpoints the runtime cannot reproduce are refused with a
 message that says why.
@@ -200,8 +201,26 @@ def _gemma3_multimodal():
     )
 
 
+def _mistral_window():
+    from transformers import MistralConfig
+
+    # Window 6 on every layer, well inside the 10-token prompt: every step drops keys from the start.
+    return MistralConfig(**SMALL, intermediate_size=48, sliding_window=6, bos_token_id=1, eos_token_id=2)
+
+
+def _qwen2_window():
+    from transformers import Qwen2Config
+
+    # use_sliding_window with max_window_layers 1: layer 0 attends fully, layer 1 slides (HF's rule).
+    return Qwen2Config(
+        **SMALL, intermediate_size=48, use_sliding_window=True, sliding_window=6, max_window_layers=1
+    )
+
+
 CASES = {
     "gemma2": _gemma2,
+    "mistral_window": _mistral_window,
+    "qwen2_window": _qwen2_window,
     "gemma2_layer_types": _gemma2_layer_types,
     "gemma3": _gemma3,
     "gemma3_layer_types": _gemma3_layer_types,
@@ -450,13 +469,90 @@ def test_gemma2_arch_windows_and_context():
 
     arch = arch_from_hf_config(_gemma2().to_dict())
     # HF: even layers slide; the window is applied per layer, so it does not cap the context.
-    assert arch.layer_windows == (8, None, 8, None) and arch.sliding_window is None
+    assert arch.layer_windows == (8, None, 8, None) and arch.all_layers_window is None
     assert arch.tie_word_embeddings and arch.hidden_act == "gelu_pytorch_tanh"
     assert arch.attention_scale == 24**-0.5 and arch.embed_scale == 8.0
     with pytest.raises(ConfigError, match="hidden_activation 'gelu'"):
         arch_from_hf_config({**_gemma2().to_dict(), "hidden_activation": "gelu"})
     with pytest.raises(ConfigError, match="layer_types"):
         arch_from_hf_config({**_gemma2().to_dict(), "layer_types": ["sliding_attention"] * 3})
+
+
+@pytest.mark.parametrize(
+    ("config", "windows"),
+    [
+        ({"model_type": "mistral", "sliding_window": 6}, (6, 6, 6, 6)),
+        ({"model_type": "mistral", "sliding_window": None}, ()),
+        (
+            {"model_type": "mixtral", "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2},
+            (6,) * 4,
+        ),
+        ({"model_type": "phi3", "sliding_window": 6}, (6, 6, 6, 6)),
+        # A window as wide as the context hides nothing: full attention.
+        ({"model_type": "mistral", "sliding_window": 256}, ()),
+        # Qwen: the window is used only with use_sliding_window; HF's default layer rules.
+        ({"model_type": "qwen2", "sliding_window": 6}, ()),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+            (None, None, 6, 6),
+        ),
+        (
+            {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0},
+            (6,) * 4,
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 6,
+                "layer_types": ["full_attention", "sliding_attention"] * 2,
+            },
+            (None, 6, None, 6),
+        ),
+        (
+            {
+                "model_type": "qwen2_moe",
+                "use_sliding_window": True,
+                "sliding_window": 6,
+                "max_window_layers": 3,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+            },
+            (6, None, 6, None),
+        ),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "use_sliding_window": True,
+                "sliding_window": 6,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+            },
+            (6,) * 4,
+        ),
+    ],
+)
+def test_configured_windows_follow_transformers(config, windows):
+    """HF's per-layer rule for each family that makes the window a config option; the window never caps the
+    context."""
+    from tokenfleet.runtime.model.arch import arch_from_hf_config
+    from tokenfleet.runtime.model.loader import resolve_max_model_len
+
+    base = dict(SMALL, num_hidden_layers=4, intermediate_size=48, max_position_embeddings=256)
+    arch = arch_from_hf_config({**base, **config})
+    assert arch.layer_windows == windows
+    assert arch.all_layers_window == (6 if windows and None not in windows else None)
+    assert resolve_max_model_len(arch, None) == 256
+
+
+def test_configured_window_layer_types_are_checked():
+    from tokenfleet.runtime.model.arch import arch_from_hf_config
+
+    config = dict(SMALL, intermediate_size=48, model_type="qwen2", use_sliding_window=True, sliding_window=6)
+    with pytest.raises(ConfigError, match="qwen2 layer_types"):
+        arch_from_hf_config({**config, "layer_types": ["sliding_attention"] * 3})
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3"])

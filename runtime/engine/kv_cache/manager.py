@@ -28,6 +28,21 @@ at the end of the manager call that caused them (`run_transfers`, batched per ca
 runs inside a manager call, so a victim's KV is still intact when it is copied out, and every caller
 that allocates (the scheduler, the speculative decoder) is covered without a hook of its own. Pinned prefixes (pins.py) hold references on their blocks. `apply_policy` changes
 TTL, eviction policy and pin cap live; `metrics()` snapshots the counters.
+
+Sliding window (`sliding_window` W, given only when *every* attention layer of the model has one): a
+query at position p reads keys p - W + 1 .. p only, so once a request's next query position q is
+known (the first token a step computes), its blocks whose last token is before q - W + 1 are read by no
+layer again. `allocate_slots` gives them back before it takes new blocks (`_release_behind`): cached
+first when caching is on (their KV depends only on their tokens and positions, so they stay valid prefix
+hits, free and evictable like any freed cached block), then one reference dropped. Their places in the
+table keep the *null block*: block 0, reserved at construction, never written (all zeros) — the kernels
+address blocks by position, and a key tile that starts inside a released block reads zeros it then masks.
+The table's `fast_limit` also stops at the block boundary where its next block falls behind the window: a
+decode releases in the call that takes its next block (still one call per block_size steps), the first
+decode after a long prefill at once; a long generation holds at most ceil(W / block_size) + 1 blocks
+(look-ahead slots for speculative tokens add theirs). Positions only move forward while a
+table exists (speculative rejections cut only slots past the step's first query; a preemption frees
+the whole table), so a released place is never needed again by its request.
 """
 
 from __future__ import annotations
@@ -70,14 +85,24 @@ class KVCacheManager:
         ttl_seconds: float | None = None,
         max_pinned_fraction: float = 0.25,
         clock: Clock = time.monotonic,
+        sliding_window: int | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         # The model-wide part of every block hash; each request's `cache_salt` is appended to it.
         self.hash_extra = hash_extra
         self.pool = BlockPool(num_blocks, enable_caching, eviction, enable_kv_events, ttl_seconds, clock)
+        self.sliding_window = sliding_window
+        # Placeholder for released places (see the module docstring): one reference held for good.
+        self.null_block: KVBlock | None = None
+        if sliding_window is not None:
+            if num_blocks < 2:
+                raise ValueError("a sliding-window KV cache needs at least 2 blocks (one is the null block)")
+            self.null_block = self.pool.get_new_blocks(1)[0]
         self.pins = PinnedPrefixes(self.pool, max_pinned_fraction)
         self.host: HostKVTier | None = None
         self._run_transfers: Callable[[list[KVTransfer]], None] | None = None
@@ -95,7 +120,12 @@ class KVCacheManager:
 
     @classmethod
     def from_config(
-        cls, cache: CacheConfig, num_blocks: int, model_name: str, clock: Clock = time.monotonic
+        cls,
+        cache: CacheConfig,
+        num_blocks: int,
+        model_name: str,
+        clock: Clock = time.monotonic,
+        sliding_window: int | None = None,
     ) -> KVCacheManager:
         return cls(
             num_blocks=num_blocks,
@@ -106,6 +136,7 @@ class KVCacheManager:
             ttl_seconds=cache.ttl_seconds,
             max_pinned_fraction=cache.max_pinned_fraction,
             clock=clock,
+            sliding_window=sliding_window,
         )
 
     # ---- cache policy ---------------------------------------------------------------------------------------
@@ -159,7 +190,8 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can use (the null block of a sliding-window cache is not one)."""
+        return self.pool.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -167,15 +199,20 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` fits in the whole cache (with nothing else running)."""
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+        return -(-num_tokens // self.block_size) <= self.num_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[int, ...]:
         table = self.tables.get(request_id)
         return () if table is None else table.block_ids
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request references now (released places excluded)."""
+        table = self.tables.get(request_id)
+        return 0 if table is None else table.num_held
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -273,6 +310,9 @@ class KVCacheManager:
             end = num_computed + num_new_tokens
             if end <= table.fast_limit:
                 return ()  # nothing to allocate or cache (and no garbage for the GC)
+            if self.sliding_window is not None:
+                # Before taking a block: the ones the window left behind may be what makes room.
+                self._release_behind(request, table, num_computed)
             blocks = table.blocks
             pool = self.pool
             num_required = -(-end // bs) - len(blocks)
@@ -306,7 +346,9 @@ class KVCacheManager:
                 return None
         if table is None:
             # Hits are cached already.
-            table = self.tables[rid] = RequestBlocks(num_hits, len(request.prompt_token_ids) // bs)
+            table = self.tables[rid] = RequestBlocks(
+                num_hits, len(request.prompt_token_ids) // bs, self.sliding_window
+            )
             if self.enable_caching:
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_hits * bs
@@ -326,8 +368,33 @@ class KVCacheManager:
             self._flush_transfers()
         table.blocks.extend(new_blocks)
         table.block_ids = tuple(b.block_id for b in table.blocks)
+        if self.sliding_window is not None:
+            # The step's first query sits after the computed tokens and the hits (a long hit may already
+            # lie partly behind the window: those blocks go back at once).
+            self._release_behind(request, table, request.num_computed_tokens + num_hits * bs)
         table.settle(bs, self.enable_caching)
         return new_blocks
+
+    def _release_behind(self, request: Request, table: RequestBlocks, first_query: int) -> None:
+        """Give back the leading blocks no query at `first_query` or later can see (every token before
+        first_query - W + 1); their places keep the null block. Cached first, when caching is on."""
+        bs = self.block_size
+        num_dead = min((first_query - self.sliding_window + 1) // bs, len(table.blocks))
+        start = table.num_released
+        if num_dead <= start:
+            return
+        if self.enable_caching and table.num_cached < num_dead:
+            self._cache_computed(request, table, num_dead)
+            # Never cache a null place later (a dead block not computed yet cannot be: it precedes the query).
+            table.num_cached = max(table.num_cached, num_dead)
+        dead = table.blocks[start:num_dead]
+        null = self.null_block
+        table.blocks[start:num_dead] = [null] * (num_dead - start)
+        table.block_ids = (null.block_id,) * num_dead + table.block_ids[num_dead:]
+        table.num_released = num_dead
+        # Oldest last: a prompt's first blocks are the likeliest to be shared, so they are evicted last.
+        self.pool.free_blocks(reversed(dead))
+        table.settle(bs, self.enable_caching)
 
     # ---- release --------------------------------------------------------------------------------------------
 
@@ -343,7 +410,8 @@ class KVCacheManager:
             self._cache_computed(request, table)
             if self.pins.pending_key(request.request_id) is not None:
                 self._pin_prompt(request, table)
-        self.pool.free_blocks(reversed(table.blocks))
+        held = table.blocks[table.num_released :] if table.num_released else table.blocks
+        self.pool.free_blocks(reversed(held))
 
     def _pin_prompt(self, request: Request, table: RequestBlocks) -> None:
         """A pin's prefill is freed: pin the cached blocks of its prompt (full blocks only) once computed.
@@ -374,6 +442,7 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if keep >= len(table.blocks):
             return 0
+        assert keep > table.num_released, "freeing past a released place: positions moved backwards"
         tail = table.blocks[keep:]
         del table.blocks[keep:]
         table.block_ids = table.block_ids[:keep]
