@@ -139,3 +139,19 @@ def test_sleep_weights_offload_round_trip_keeps_views_and_ties():
     sleeping.restore()
     assert torch.equal(model.weight, weight) and torch.equal(model.alias, weight[:2])
     assert model.alias.untyped_storage().data_ptr() == model.weight.untyped_storage().data_ptr()
+
+
+def test_pinned_prefixes_are_computed_again_after_wake(core):
+    config = RuntimeConfig.model_validate(
+        {"cache": {"num_blocks": 32, "block_size": 16, "pinned_prefixes": [PROMPT]}}
+    )
+    pinned = EngineCore(config, loaded=core.loaded)  # shares the weights; level 1 on the CPU keeps them
+    pinned.prefill_pins()
+    num_pinned = pinned.kv_manager.pins.num_pinned_blocks
+    assert num_pinned >= 2
+    pinned.sleep(1)
+    assert pinned.kv_manager.pins.num_pinned_blocks == 0  # their KV is gone: nothing may claim it
+    pinned.wake_up()
+    pinned.prefill_pins()  # the queued pin prefills (AsyncEngine's loop steps them like any request)
+    assert pinned.kv_manager.pins.num_pinned_blocks == num_pinned
+    pinned.shutdown()
