@@ -42,7 +42,7 @@ from tokenfleet.runtime.engine.parallel.workers import TPWorkers
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, SchedulerOutput
-from tokenfleet.runtime.engine.sleep_weights import SleepingWeights
+from tokenfleet.runtime.engine.sleep_weights import SleepingWeights, release_host_heap
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
@@ -246,6 +246,9 @@ class ModelRunner:
         fresh = reload() if sleeping.host is None else None
         sleeping.restore(fresh.model if fresh is not None else None)
         self._sleep_weights = None
+        if fresh is not None:
+            del fresh  # the reloaded copy: its memory goes back, not just to the allocator's free lists
+            release_host_heap()
         self._rebuild_compiled()
 
     def wake_kv_cache(self) -> None:

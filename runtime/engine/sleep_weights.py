@@ -92,10 +92,10 @@ def _empty_cache(storages: list[torch.UntypedStorage]) -> None:
     if any(s.device.type == "cuda" for s in storages):
         torch.cuda.empty_cache()
     if any(s.device.type == "cpu" for s in storages):
-        _malloc_trim()
+        release_host_heap()
 
 
-def _malloc_trim() -> None:
+def release_host_heap() -> None:
     """glibc keeps freed heap chunks (weights below its adaptive mmap threshold) mapped: hand them back."""
     name = ctypes.util.find_library("c")
     # Not glibc: the memory is reused by later allocations, just not returned.
