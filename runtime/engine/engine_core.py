@@ -115,9 +115,9 @@ class EngineCore:
         self.finish_listeners: list[Callable[[Sequence[Request]], None]] = []
         # Queues the pinned prefixes' prefill requests; whoever builds the engine runs them with
         # `prefill_pins()` before serving (or they run with the first requests).
-        self.cache_policy = CachePolicyRuntime(self)
         self._cache_config = config.cache  # the live one: pins are computed again after a sleep
         self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (until every part is awake again)
+        self.cache_policy = CachePolicyRuntime(self)
 
     def check_health(self) -> None:
         """Raise EngineDeadError when a part the engine needs has died (a tensor-parallel worker)."""
@@ -157,6 +157,8 @@ class EngineCore:
     ) -> None:
         """Queue a request; raises (and keeps nothing) when the scheduler refuses it. With `resume` it
         continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting)."""
+        if self.sleep_level:  # the server answers 503 `sleeping` before this; offline callers get told
+            raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -247,6 +249,8 @@ class EngineCore:
     def apply_cache_policy(self, cache: CacheConfig) -> None:
         """Apply the live fields of a new CacheConfig (TTL, eviction, pins, host tier) between steps."""
         self._cache_config = cache
+        if self.sleep_level:  # no KV to move or pin into: applied on wake
+            return
         self.cache_policy.apply(cache)
         self._publish_kv_events()
 
@@ -296,10 +300,11 @@ class EngineCore:
             runner.wake_weights(lambda: load_model(self.config.model, self.device))
         if "kv_cache" in tags and runner.kv_asleep:
             runner.wake_kv_cache()
-            if self.kv_manager.enable_caching:
-                self.cache_policy.apply(self._cache_config)
         if not runner.kv_asleep and not runner.weights_asleep:
             self.sleep_level = 0
+            # Pins (and any cache policy change that arrived while asleep) need both parts awake.
+            self.cache_policy.apply(self._cache_config)
+            self._publish_kv_events()
 
     def stats(self) -> EngineStats:
         km = self.kv_manager

@@ -155,3 +155,18 @@ def test_pinned_prefixes_are_computed_again_after_wake(core):
     pinned.prefill_pins()  # the queued pin prefills (AsyncEngine's loop steps them like any request)
     assert pinned.kv_manager.pins.num_pinned_blocks == num_pinned
     pinned.shutdown()
+
+
+def test_asleep_the_engine_takes_no_request_and_defers_cache_policy(core):
+    core.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        core.add_request("x", core.tokenizer.encode(PROMPT), SamplingParams(max_tokens=2))
+    assert not core.has_unfinished()
+    # A live config change asking for a pin: nothing may prefill into a freed cache; it applies on wake.
+    core.apply_cache_policy(core.config.cache.model_copy(update={"pinned_prefixes": (PROMPT,)}))
+    assert not core.has_unfinished()
+    core.wake_up()
+    core.prefill_pins()
+    assert core.kv_manager.pins.num_pinned_blocks >= 2
+    core.apply_cache_policy(core.config.cache)  # unpinned again: later tests start from a plain cache
+    assert core.kv_manager.pins.num_pinned_blocks == 0
