@@ -67,12 +67,18 @@ async def test_sleep_then_wake_serves_identical_tokens(sleepy_server, level):
     async with aiohttp.ClientSession() as session:
         status, _, before = await _complete(session, url)
         assert status == 200
+        log = await (await session.get(url + "/v1/kv-events")).json()  # a router's first poll
+        assert log["events"][1]["block_hashes"]  # the prompt's blocks are cached and announced
 
         async with session.post(url + "/sleep", params={"level": str(level)}) as resp:
             assert resp.status == 200, await resp.text()
             body = await resp.json()
             assert body["is_sleeping"] is True and body["level"] == level
             assert body["freed_bytes"]["kv_cache"] > 0
+        # The router's next poll hears that every block is gone.
+        poll = {"since": str(log["seq"]), "epoch": log["epoch"], "wait": "0"}
+        update = await (await session.get(url + "/v1/kv-events", params=poll)).json()
+        assert not update["reset"] and [e["type"] for e in update["events"]] == ["cleared"]
         assert await (await session.get(url + "/is_sleeping")).json() == {"is_sleeping": True}
         ready = await session.get(url + "/ready")
         assert ready.status == 503 and (await ready.json())["status"] == "sleeping"
@@ -146,3 +152,10 @@ def test_sleep_endpoints_need_the_internal_key_when_one_is_set():
     for path in ("/sleep", "/wake_up", "/is_sleeping"):
         assert access_of(path, internal_key_set=True) is Access.INTERNAL
         assert access_of(path, internal_key_set=False) is Access.CLIENT
+
+
+def test_the_flag_turns_it_on():
+    from tokenfleet.runtime.server.main import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--enable-sleep-mode"])).server.enable_sleep_mode
+    assert not config_from_args(build_parser().parse_args([])).server.enable_sleep_mode
