@@ -207,6 +207,8 @@ class ModelRunner:
         self._sampling_rows = ([], None)  # the rows change with the next step anyway; drop its references
 
     # ---- sleep mode -----------------------------------------------------------------------------------------
+    # Its state lives in attributes `sleep` sets (absent until the first sleep): `_sleep_kv`, `_sleep_weights`
+    # (a SleepingWeights) and `_sleep_compiled` (the closed compiled step, rebuilt from its settings).
 
     def sleep(self, level: int) -> dict[str, int]:
         """Free the KV cache; level 1 moves the weights to host memory (nothing to move on the CPU, where
@@ -247,7 +249,9 @@ class ModelRunner:
         sleeping.restore(fresh.model if fresh is not None else None)
         self._sleep_weights = None
         if fresh is not None:
-            del fresh  # the reloaded copy: its memory goes back, not just to the allocator's free lists
+            del fresh  # the reloaded copy: its memory goes back, not just to the allocators' free lists
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             release_host_heap()
         self._rebuild_compiled()
 
