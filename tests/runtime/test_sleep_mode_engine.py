@@ -170,3 +170,17 @@ def test_asleep_the_engine_takes_no_request_and_defers_cache_policy(core):
     assert core.kv_manager.pins.num_pinned_blocks >= 2
     core.apply_cache_policy(core.config.cache)  # unpinned again: later tests start from a plain cache
     assert core.kv_manager.pins.num_pinned_blocks == 0
+
+
+def test_kv_release_and_restore_of_allocator_backed_tensors():
+    """The CUDA path of kv_tensors (storage resized to nothing, then back, zeroed), on ordinary tensors."""
+    from tokenfleet.runtime.engine.kv_cache.kv_tensors import release_kv_caches, restore_kv_caches
+
+    caches = [(torch.ones(4, 2, 1, 8), torch.ones(4, 2, 1, 8)) for _ in range(2)]
+    view = caches[0][0][1]  # a view taken before the sleep, as a compiled step or a draft would hold
+    assert release_kv_caches(caches) == 4 * 4 * 2 * 8 * 4
+    assert all(t.untyped_storage().nbytes() == 0 for pair in caches for t in pair)
+    restore_kv_caches(caches)
+    assert all(t.shape == (4, 2, 1, 8) and not t.any() for pair in caches for t in pair)
+    caches[0][0][1].fill_(3.0)
+    assert view.eq(3.0).all()  # the view sees the restored memory
