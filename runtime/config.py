@@ -138,6 +138,12 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     drain_seconds: float = Field(30.0, ge=0, description="SIGTERM grace: in-flight requests may finish.")
     health_stall_seconds: float = Field(30.0, gt=0, description="/health fails when work waits this long.")
+    enable_sleep_mode: bool = Field(
+        False,
+        description="Expose vLLM's sleep-mode endpoints (POST /sleep?level=1|2, POST /wake_up, GET "
+        "/is_sleeping; internal key): a sleeping pod frees its KV cache (level 1 keeps the weights in host "
+        "memory, level 2 discards them and reloads them on wake), answers 503 `sleeping` and is not ready.",
+    )
 
 
 class MetricsConfig(_Strict):

@@ -174,6 +174,17 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, done))
         return await done
 
+    async def sleep(self, level: int) -> dict[str, int]:
+        """Sleep mode on the engine thread (EngineCore.sleep); the caller has drained the requests."""
+        return await self.call(lambda core: core.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call(lambda core: core.wake_up(tags))
+
+    @property
+    def sleep_level(self) -> int:
+        return self.core.sleep_level
+
     def _future(self) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self._futures.add(fut)

@@ -31,6 +31,7 @@ from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.engine.spec_decode.coordinator import SpecDecoder
 from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
 from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
+from tokenfleet.runtime.errors import InvalidRequest
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class EngineCore:
         self.finish_listeners: list[Callable[[Sequence[Request]], None]] = []
         # Queues the pinned prefixes' prefill requests; whoever builds the engine runs them with
         # `prefill_pins()` before serving (or they run with the first requests).
+        self._cache_config = config.cache  # the live one: pins are computed again after a sleep
+        self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (until every part is awake again)
         self.cache_policy = CachePolicyRuntime(self)
 
     def check_health(self) -> None:
@@ -158,6 +161,8 @@ class EngineCore:
     ) -> None:
         """Queue a request; raises (and keeps nothing) when the scheduler refuses it. With `resume` it
         continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting)."""
+        if self.sleep_level:  # the server answers 503 `sleeping` before this; offline callers get told
+            raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -247,8 +252,63 @@ class EngineCore:
 
     def apply_cache_policy(self, cache: CacheConfig) -> None:
         """Apply the live fields of a new CacheConfig (TTL, eviction, pins, host tier) between steps."""
+        self._cache_config = cache
+        if self.sleep_level:  # no KV to move or pin into: applied on wake
+            return
         self.cache_policy.apply(cache)
         self._publish_kv_events()
+
+    # ---- sleep mode ------------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free the KV cache (level 1 also moves the weights to host memory, level 2 discards them); the
+        prefix cache is reset, so routers hear `AllBlocksCleared` and drop their index of this pod. Only
+        an idle engine sleeps (the server drains it first). Returns the bytes freed per part."""
+        if level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level}", param="level")
+        if self.sleep_level:
+            return {"kv_cache": 0, "weights": 0}
+        if self.workers is not None:
+            raise InvalidRequest("sleep mode is not supported with tensor parallelism", param="level")
+        if self.config.speculative.method == "draft":
+            raise InvalidRequest("sleep mode is not supported with a separate draft model", param="level")
+        if self.has_unfinished():
+            n = self.scheduler.num_running + self.scheduler.num_waiting
+            raise RuntimeError(f"cannot sleep with {n} requests unfinished")
+        pins = self.kv_manager.pins
+        for key in pins.pin_keys():  # their KV is about to go; wake computes them again
+            pins.unpin(key)
+        self.kv_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        freed = self.runner.sleep(level)
+        self.sleep_level = level
+        logger.info(
+            "asleep at level %d: freed %.0f MiB of KV cache, %.0f MiB of weights",
+            level,
+            freed["kv_cache"] / 2**20,
+            freed["weights"] / 2**20,
+        )
+        return freed
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what sleep freed: `weights` (from host memory, or reloaded from the model source by
+        the start-up loader after level 2) and/or `kv_cache` (re-allocated, zeroed; the pinned prefixes
+        are queued to be computed again). None = both."""
+        tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+        if unknown := set(tags) - {"weights", "kv_cache"}:
+            raise InvalidRequest(
+                f"unknown wake_up tags {sorted(unknown)}: use weights, kv_cache", param="tags"
+            )
+        runner = self.runner
+        if "weights" in tags:
+            runner.wake_weights(lambda: load_model(self.config.model, self.device))
+        if "kv_cache" in tags and runner.kv_asleep:
+            runner.wake_kv_cache()
+        if not runner.kv_asleep and not runner.weights_asleep:
+            self.sleep_level = 0
+            # Pins (and any cache policy change that arrived while asleep) need both parts awake.
+            self.cache_policy.apply(self._cache_config)
+            self._publish_kv_events()
 
     def stats(self) -> EngineStats:
         km = self.kv_manager

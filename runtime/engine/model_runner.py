@@ -31,13 +31,18 @@ from tokenfleet.runtime.engine.compiled_decode import (
     decode_buckets,
     should_compile,
 )
-from tokenfleet.runtime.engine.kv_cache.kv_tensors import allocate_kv_caches
+from tokenfleet.runtime.engine.kv_cache.kv_tensors import (
+    allocate_kv_caches,
+    release_kv_caches,
+    restore_kv_caches,
+)
 from tokenfleet.runtime.engine.logprobs import compute_logprobs, compute_prompt_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, SchedulerOutput
+from tokenfleet.runtime.engine.sleep_weights import SleepingWeights, release_host_heap
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
@@ -200,6 +205,76 @@ class ModelRunner:
         """Forget per-request state (its seeded generator) once the request is finished or aborted."""
         self._generators.pop(request_id, None)
         self._sampling_rows = ([], None)  # the rows change with the next step anyway; drop its references
+
+    # ---- sleep mode -----------------------------------------------------------------------------------------
+    # Its state lives in attributes `sleep` sets (absent until the first sleep): `_sleep_kv`, `_sleep_weights`
+    # (a SleepingWeights) and `_sleep_compiled` (the closed compiled step, rebuilt from its settings).
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free the KV cache; level 1 moves the weights to host memory (nothing to move on the CPU, where
+        they already are), level 2 discards them. Bytes freed per part. The engine is idle (no request
+        holds a block) and steps only after `wake_up`."""
+        freed = {"kv_cache": release_kv_caches(self.kv_caches), "weights": 0}
+        self._sleep_kv = True
+        if self.compiled is not None:
+            # Its graphs read the KV and weight addresses they were captured with: rebuilt on wake.
+            self._sleep_compiled = self.compiled
+            self.compiled.close()
+            self.compiled = None
+        if level == 2:
+            self._sleep_weights = SleepingWeights.discard(self.model)
+            freed["weights"] = self._sleep_weights.nbytes
+        elif self.device.type != "cpu":
+            self._sleep_weights = SleepingWeights.offload(self.model)
+            freed["weights"] = self._sleep_weights.nbytes
+        self._generators.clear()
+        self._sampling_rows = ([], None)
+        return freed
+
+    @property
+    def weights_asleep(self) -> bool:
+        return getattr(self, "_sleep_weights", None) is not None
+
+    @property
+    def kv_asleep(self) -> bool:
+        return getattr(self, "_sleep_kv", False)
+
+    def wake_weights(self, reload) -> None:
+        """Restore the weights: from host memory (level 1) or from `reload()`, the model loaded again from
+        its source by the start-up loader (level 2)."""
+        sleeping = getattr(self, "_sleep_weights", None)
+        if sleeping is None:
+            return
+        fresh = reload() if sleeping.host is None else None
+        sleeping.restore(fresh.model if fresh is not None else None)
+        self._sleep_weights = None
+        if fresh is not None:
+            del fresh  # the reloaded copy: its memory goes back, not just to the allocators' free lists
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            release_host_heap()
+        self._rebuild_compiled()
+
+    def wake_kv_cache(self) -> None:
+        """Re-allocate the KV cache (zeroed), and the compiled decode step once the weights are back too."""
+        if self.kv_asleep:
+            restore_kv_caches(self.kv_caches)
+            self._sleep_kv = False
+        self._rebuild_compiled()
+
+    def _rebuild_compiled(self) -> None:
+        old = getattr(self, "_sleep_compiled", None)
+        if old is not None and not self.weights_asleep and not self.kv_asleep:
+            self.compiled = CompiledDecode(
+                self.model,
+                self.kv_caches,
+                self.device,
+                buckets=old.buckets,
+                max_blocks_per_seq=old.max_blocks_per_seq,
+                scratch_slot=old.scratch_slot,
+            )
+            self._sleep_compiled = None
+            self.compiled.warm_up()
 
     # ---- the step: prepare inputs -> forward -> logits -> sample -> verify ---------------------------------
 

@@ -6,7 +6,8 @@
   `server.api_key_file`) or the deployment's internal key opens them; with no client key configured they
   are open, as they always were.
 - INTERNAL: what only routers and the other role's pods call — KV events, KV fetch and holds, /v1/config,
-  /v1/tokenizer. With `server.internal_api_key_file` set only the internal key opens them: a client key
+  /v1/tokenizer, and sleep mode's /sleep, /wake_up, /is_sleeping (vLLM's admin endpoints; here the
+  router and the operator drive them, and a tenant must not be able to put a pod to sleep). With `server.internal_api_key_file` set only the internal key opens them: a client key
   must not let a tenant read the fleet's cache contents, pin KV or download the config. Without an
   internal key they fall back to CLIENT, so a pod configured as before keeps working as before.
 """
@@ -26,20 +27,21 @@ class Access(Enum):
 
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics", "/version"})
-INTERNAL_PATHS = frozenset({"/v1/kv-events", kv_wire.FETCH_PATH, "/v1/config", TOKENIZER_PATH})
+SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})  # vLLM's paths: outside /v1
+INTERNAL_PATHS = frozenset({"/v1/kv-events", kv_wire.FETCH_PATH, "/v1/config", TOKENIZER_PATH, *SLEEP_PATHS})
 INTERNAL_PREFIXES = (kv_wire.HOLDS_PATH + "/",)
 
 WHY = {
     Access.OPEN: "probes and load figures: kubelets and routers read them without credentials",
     Access.CLIENT: "the OpenAI API: a client key, or the internal key a router proxies with",
-    Access.INTERNAL: "router and pod-to-pod traffic (cache contents, KV transfer, config, tokenizer): "
-    "only the deployment's internal key (server.internal_api_key_file)",
+    Access.INTERNAL: "router and pod-to-pod traffic (cache contents, KV transfer, config, tokenizer, "
+    "sleep mode): only the deployment's internal key (server.internal_api_key_file)",
 }
 
 
 def access_of(path: str, internal_key_set: bool) -> Access:
     """The access class of a request path on a pod with (or without) an internal key configured."""
-    if path in OPEN_PATHS or not path.startswith("/v1/"):
+    if path in OPEN_PATHS or (not path.startswith("/v1/") and path not in SLEEP_PATHS):
         return Access.OPEN  # unknown non-/v1 paths answer 404 without asking for a key
     internal = path in INTERNAL_PATHS or path.startswith(INTERNAL_PREFIXES)
     return Access.INTERNAL if internal and internal_key_set else Access.CLIENT

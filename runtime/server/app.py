@@ -17,7 +17,7 @@ from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
 from tokenfleet.runtime.openai.tokenizer_wire import TOKENIZER_PATH
-from tokenfleet.runtime.server import chat, completions, kv_transfer
+from tokenfleet.runtime.server import chat, completions, kv_transfer, sleep
 from tokenfleet.runtime.server.access import WHY, Access, access_of
 from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 # What a client that hung up gets logged as (nginx's convention); it never sees a status.
 CLIENT_CLOSED = 499
 # Router long polls (up to 10 s, forever) are not work to drain: the drain waits on generation requests only.
-_NOT_COUNTED = frozenset({"/v1/kv-events", "/v1/config", "/v1/models", TOKENIZER_PATH})
+# Sleep mode's endpoints are not counted either: a sleep waits for the count to reach zero.
+_NOT_COUNTED = frozenset({"/v1/kv-events", "/v1/config", "/v1/models", TOKENIZER_PATH, *sleep.PATHS})
 
 
 def _route_name(request: web.Request) -> str:
@@ -159,6 +160,8 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if state.engine is None:
         return web.json_response({"status": "loading", "reason": state.load_error}, status=503)
+    if state.sleep_level or state.sleep_pending:  # alive (/health 200) but serving nothing: no traffic
+        return web.json_response({"status": "sleeping", "level": state.sleep_level}, status=503)
     try:  # a dead engine must also stop receiving traffic, before liveness restarts the pod
         state.engine.check_health()
     except EngineDeadError as e:
@@ -206,4 +209,5 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)
     kv_transfer.install(app)  # prefill/decode disaggregation: KV blocks fetched by hash
+    sleep.install(app)  # sleep mode: answers 404 unless server.enable_sleep_mode
     return app

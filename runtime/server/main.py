@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tensor-parallel-size", type=int, help="shard the model over this many worker processes / devices"
     )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        default=None,
+        help="expose POST /sleep, POST /wake_up and GET /is_sleeping (as vLLM does with this flag)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -64,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("server", "api_key_file"): args.api_key_file,
         ("scheduler", "max_waiting"): args.max_waiting,
         ("parallel", "tensor_parallel_size"): args.tensor_parallel_size,
+        ("server", "enable_sleep_mode"): args.enable_sleep_mode,
     }
     for (section, key), value in overrides.items():
         if value is not None:

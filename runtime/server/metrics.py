@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
@@ -332,6 +332,13 @@ class ServerMetrics:
             n.label_names("prompt_tokens_truncated"),
             registry=self.registry,
         ).labels(*n.label_values("prompt_tokens_truncated", model_name))
+        # `tokenfleet:` in both namings: vLLM's own sleep gauge has other labels and values.
+        self._sleep_state = Gauge(
+            PREFIX + "engine_sleep_state",
+            "Sleep mode: 0 awake, 1 or 2 the level the engine sleeps at.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, stats: Callable[[], EngineStats | None]) -> ServerMetrics:
@@ -362,6 +369,9 @@ class ServerMetrics:
 
     def observe_truncated(self, num_tokens: int) -> None:
         self._truncated.inc(num_tokens)
+
+    def set_sleep_state(self, level: int) -> None:
+        self._sleep_state.set(level)
 
     def observe_http(self, route: str, status: int) -> None:
         self._http.labels(self.model_name, route, str(status)).inc()

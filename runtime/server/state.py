@@ -38,6 +38,10 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     in_flight: int = 0
+    # Sleep mode (sleep.py): the level the engine sleeps at (0 awake), and whether a sleep is draining
+    # the requests in flight; either way new requests get 503 `sleeping`.
+    sleep_level: int = 0
+    sleep_pending: bool = False
     started_at: float = field(default_factory=time.time)
     _idle: asyncio.Event | None = None
     metrics: ServerMetrics = field(init=False)
@@ -58,6 +62,10 @@ class ServerState:
         if self.engine is None:
             reason = f"model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise HttpError(unavailable(f"Not ready: {reason}.", code="not_ready", retry_after=5))
+        if self.sleep_level or self.sleep_pending:
+            raise HttpError(
+                unavailable("The server is asleep (sleep mode); retry on another replica.", "sleeping", 1)
+            )
         return self.engine
 
     def check_model(self, name: str | None) -> None:
