@@ -634,7 +634,7 @@ def test_gemma3_config_reading():
 
     arch = arch_from_hf_config(_gemma3().to_dict())
     # HF's default pattern: every sixth layer attends fully; windows applied per layer, context not capped.
-    assert arch.layer_windows == (8, 8, 8, 8, 8, None) and arch.sliding_window is None
+    assert arch.layer_windows == (8, 8, 8, 8, 8, None) and arch.all_layers_window is None
     assert arch.max_position_embeddings == 256 and arch.tie_word_embeddings and arch.head_qk_norm
     assert arch.attention_scale == 24**-0.5 and arch.embed_scale == 8.0
     assert arch.attn_logit_softcap is None and arch.final_logit_softcap is None
