@@ -177,6 +177,10 @@ class Simulation:
 
     def _route(self, sreq: SimRequest) -> None:
         role = "both" if self.handoffs is None else "prefill"
+        if self.router.queue:  # as the router's gate: behind the waiters, who may go first
+            self._enqueue(sreq, role)
+            self._dispatch_queued()
+            return
         name = self.router.pick(sreq, role)
         if name is None:
             self._enqueue(sreq, role)
