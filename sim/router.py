@@ -35,10 +35,10 @@ from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.runtime.router.decision import (
     AT_CAPACITY,
     NO_READY_ENDPOINT,
-    EndpointState,
     approx_extra,
     decide,
     exact_matches,
+    load_of,
     refusal_status,
 )
 from tokenfleet.runtime.router.fleet import RECENT_ROUTES_TTL_S
@@ -51,17 +51,23 @@ from tokenfleet.sim.workload import SimRequest
 
 @dataclass(slots=True)
 class EndpointView:
-    """The router's view of one pod: last polled load report plus its own in-flight count."""
+    """The router's view of one pod: last polled load report plus its own in-flight count. It has
+    `decision.EndpointState`'s fields, so `decide` reads it as is (no copy per candidate per pick)."""
 
-    name: str
+    endpoint_id: str
     role: str = "both"  # both | prefill | decode
     reported_load: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
+    reports_work: bool = True  # every simulated pod's event stream is followed
+
+    @property
+    def name(self) -> str:
+        return self.endpoint_id
 
     @property
     def load(self) -> int:
-        return max(self.reported_load, self.in_flight)
+        return load_of(self)
 
 
 class SimRouter:
@@ -78,6 +84,7 @@ class SimRouter:
         self.extra = hash_extra(model_name)
         self._extra_bytes = encode_extra(self.extra)
         self._approx_extra = approx_extra(model_name)
+        self._first_keys: dict[tuple[int, ...], bytes] = {}
         # On the simulation's clock: the work bound's provisional entries expire on it.
         self.strategy = make_strategy(spec, clock=clock)
         self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
@@ -178,12 +185,18 @@ class SimRouter:
             sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extra_bytes)
 
     def prefix_key(self, sreq: SimRequest) -> bytes:
-        """The tie-break key: the prompt's first block under the router's own extra, as `Fleet` names it."""
-        if len(sreq.prompt) < self.block_size:
+        """The tie-break key: the prompt's first block under the router's own extra, as `Fleet` names it.
+        Remembered per first block (shared system prompts and sessions repeat it), up to a bound."""
+        bs = self.block_size
+        if len(sreq.prompt) < bs:
             return b""
-        return token_block_hashes(sreq.prompt[: self.block_size], self.block_size, self._approx_extra, None)[
-            0
-        ]
+        first = tuple(sreq.prompt[:bs])
+        key = self._first_keys.get(first)
+        if key is None:
+            if len(self._first_keys) >= 65536:
+                self._first_keys.clear()
+            key = self._first_keys[first] = token_block_hashes(first, bs, self._approx_extra, None)[0]
+        return key
 
     def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
         """The endpoint of `role` for this request, or None: it must wait (`why_none` says why).
@@ -191,8 +204,7 @@ class SimRouter:
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
         request was admitted already)."""
-        eps = [ep for ep in self.endpoints.values() if ep.role == role]
-        states = [EndpointState(ep.name, ep.reported_load, ep.in_flight, ep.kv_usage, True) for ep in eps]
+        states = [ep for ep in self.endpoints.values() if ep.role == role]
         limit = self.spec.max_in_flight_per_endpoint
         if role == "decode":
             verdict = decide(self.strategy, RouteQuery(0, None, b""), states, {}, limit, admitted=True)

@@ -40,6 +40,21 @@ class EndpointState(NamedTuple):
     reports_work: bool = False  # its KV-event stream is followed: it announces each request it starts
 
 
+class CandidateState(Protocol):
+    """What `decide` reads of an endpoint: `EndpointState`, or a caller's own record with these fields."""
+
+    @property
+    def endpoint_id(self) -> str: ...
+    @property
+    def reported_load(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def reports_work(self) -> bool: ...
+
+
 class Verdict(NamedTuple):
     """The chosen endpoint's decision, or None and why (NO_READY_ENDPOINT or AT_CAPACITY)."""
 
@@ -60,14 +75,14 @@ def approx_extra(model: str) -> tuple[str, str]:
     return ("approx", model)
 
 
-def load_of(state: EndpointState) -> int:
+def load_of(state: CandidateState) -> int:
     a, b = state.reported_load, state.in_flight
     return a if a >= b else b
 
 
 def within_limit(
-    states: Sequence[EndpointState], limit: int, admitted: bool = False
-) -> Sequence[EndpointState]:
+    states: Sequence[CandidateState], limit: int, admitted: bool = False
+) -> Sequence[CandidateState]:
     """The candidates below the in-flight limit; all of them when none is and the request was `admitted`
     already (a retry exceeds the limit rather than fail). Empty: the request must wait."""
     below = [s for s in states if s.in_flight < limit]
@@ -96,7 +111,7 @@ def exact_matches(
 def decide(
     strategy: Strategy,
     query: RouteQuery,
-    states: Sequence[EndpointState],
+    states: Sequence[CandidateState],
     matches: dict[str, int],
     limit: int,
     admitted: bool = False,
