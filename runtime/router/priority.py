@@ -14,6 +14,9 @@ not refused. It is bounded twice: at most `max_queued` waiters (beyond that, 429
 `timeout` seconds each (`QueueTimeout`; the app answers 429 when endpoints were merely busy, 503 with
 Retry-After when none was ready). `num_waiting(key)` is the demand signal per model: the router exports
 it as `tokenfleet:router_pending_requests{model}`, which is what a scale-from-zero controller watches.
+
+The policy (order, bound, deadlines) is `WaitQueue`: pure, on an injected clock, so the simulator queues its
+requests in the same structure on its virtual clock; `PriorityGate` is the asyncio waiting around it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -65,6 +68,10 @@ class WaitQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def __iter__(self) -> Iterator[Waiter[T]]:
+        """The waiters in no particular order (`ordered` sorts them)."""
+        return (w for _, _, w in self._heap)
 
     def num_waiting(self, key: str | None = None) -> int:
         """Requests waiting (for one key, e.g. a model, or in all)."""
@@ -158,7 +165,7 @@ class PriorityGate:
             self.release()
 
     def _sleeping(self) -> bool:
-        return any(w.item[1] is not None and not w.item[1].done() for w in self.queue.ordered())
+        return any(w.item[1] is not None and not w.item[1].done() for w in self.queue)
 
     def release(self) -> None:
         """Capacity may have freed: wake the first waiter (in priority order) that can go now.
