@@ -95,7 +95,6 @@ class SimRouter:
         # New requests, bounded as the router bounds them; decode phases (admitted already) apart.
         self.queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(spec.max_queued, clock)
         self.handoff_queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(1 << 62, clock)
-        self.why_none = ""
         self.decisions: dict[str, int] = {}
 
     @property
@@ -199,7 +198,7 @@ class SimRouter:
         return key
 
     def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
-        """The endpoint of `role` for this request, or None: it must wait (`why_none` says why).
+        """The endpoint of `role` for this request, or None: it must wait.
 
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
@@ -217,7 +216,6 @@ class SimRouter:
             query = RouteQuery(len(hashes), sreq.session, self.prefix_key(sreq))
             verdict = decide(self.strategy, query, states, matched, limit)
         decision = verdict.decision
-        self.why_none = verdict.why_none
         if decision is None:
             return None
         if role != "decode":
