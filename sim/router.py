@@ -1,24 +1,25 @@
-"""The router's decision on the virtual clock, built from the router's own parts.
+"""The router on the virtual clock: the live router's decision (`runtime/router/decision.py`) and queue policy
+(`priority.WaitQueue`), fed by the simulated pods instead of the network.
 
-The strategy (`scoring.make_strategy`: round-robin, least-load, prefix-affinity with the work bound and the
-hot-spot guard, session affinity), the exact prefix index fed by the replicas' real KV events, the two
-recent-routes bridges (this router's own routes, and the prefixes pods announce when they start a request;
-both on the simulation clock, both forgotten for a pod that reports an eviction), the work bound's counts
-(provisional per routed request, confirmed by the pod's announcement, settled when a request ends) and the
-prompt block hashes (`prompt_blocks.token_block_hashes`) are the router's code. What this file adds is what
-`Fleet.pick` does around them without its network parts: the candidates' load is max(the pod's last polled
-running + waiting, the router's own in-flight count), as the router computes it; every pod's event stream
-is live (`reports_work`); an endpoint at `max_in_flight_per_endpoint` is skipped while another is below
-it, and when all are at the limit (or none is ready) the request waits in the router's queue in
-(priority, arrival) order until one frees up.
+What is the router's code: the decision (`decision.decide`: the in-flight limit, load = max(the pod's last
+polled running + waiting, the router's own in-flight count), the strategy from `scoring.make_strategy`
+with its work bound and hot-spot guard), the prefix-match merge (`decision.exact_matches`: the exact index
+fed by the replicas' real KV events, raised by the prefixes pods announce and by this router's own recent
+routes, both on the simulation clock and both forgotten for a pod that reports an eviction), the prompt
+block hashes (`prompt_blocks.token_block_hashes`), the tie-break key (`decision.approx_extra`) and the
+queue (`WaitQueue`: (priority, arrival) order, at most `max_queued` waiting, each for at most
+`queue_timeout_seconds`, from the same RoutingPolicy fields the router reads). What this file adds is
+what `Fleet` does around them without its network parts: every pod's event stream is live
+(`reports_work`), and endpoints join and leave as the simulation says.
 
-The rendezvous tie-break key is the prompt's first block hash under the pod's hash extra (the router uses
-its own "approx" extra for that key): a different but equally fixed name for the same prefix.
+A request the queue refuses (full, or its deadline passed) is rejected as the router rejects it: 429, or
+503 when no endpoint of its role was ready. The decode phase of a disaggregated request is picked like the
+router picks it (`Fleet.pick` for an admitted request: the in-flight limit is passed rather than fail) and
+waits only while no decode pod exists at all.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,26 +32,42 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     PrefillScheduled,
 )
 from tokenfleet.runtime.router.config import RoutingSpec
+from tokenfleet.runtime.router.decision import (
+    AT_CAPACITY,
+    NO_READY_ENDPOINT,
+    approx_extra,
+    decide,
+    exact_matches,
+    load_of,
+    refusal_status,
+)
 from tokenfleet.runtime.router.fleet import RECENT_ROUTES_TTL_S
 from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
+from tokenfleet.runtime.router.priority import QueueFull, Waiter, WaitQueue
 from tokenfleet.runtime.router.prompt_blocks import token_block_hashes
-from tokenfleet.runtime.router.scoring import Candidate, RouteQuery, WorkBound, make_strategy
+from tokenfleet.runtime.router.scoring import RouteQuery, WorkBound, make_strategy
 from tokenfleet.sim.workload import SimRequest
 
 
 @dataclass(slots=True)
 class EndpointView:
-    """The router's view of one pod: last polled load report plus its own in-flight count."""
+    """The router's view of one pod: last polled load report plus its own in-flight count. It has
+    `decision.EndpointState`'s fields, so `decide` reads it as is (no copy per candidate per pick)."""
 
-    name: str
+    endpoint_id: str
     role: str = "both"  # both | prefill | decode
     reported_load: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
+    reports_work: bool = True  # every simulated pod's event stream is followed
+
+    @property
+    def name(self) -> str:
+        return self.endpoint_id
 
     @property
     def load(self) -> int:
-        return max(self.reported_load, self.in_flight)
+        return load_of(self)
 
 
 class SimRouter:
@@ -66,6 +83,8 @@ class SimRouter:
         self.block_size = block_size
         self.extra = hash_extra(model_name)
         self._extra_bytes = encode_extra(self.extra)
+        self._approx_extra = approx_extra(model_name)
+        self._first_keys: dict[tuple[int, ...], bytes] = {}
         # On the simulation's clock: the work bound's provisional entries expire on it.
         self.strategy = make_strategy(spec, clock=clock)
         self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
@@ -73,9 +92,9 @@ class SimRouter:
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self._prefix_hashes: dict[str, list[bytes]] = {}
         self.endpoints: dict[str, EndpointView] = {}
-        self._queues: dict[str, list[tuple[int, float, int, SimRequest, object]]] = {}
-        self.num_queued = 0
-        self._order = 0
+        # New requests, bounded as the router bounds them; decode phases (admitted already) apart.
+        self.queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(spec.max_queued, clock)
+        self.handoff_queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(1 << 62, clock)
         self.decisions: dict[str, int] = {}
 
     @property
@@ -164,39 +183,43 @@ class SimRouter:
         else:
             sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extra_bytes)
 
+    def prefix_key(self, sreq: SimRequest) -> bytes:
+        """The tie-break key: the prompt's first block under the router's own extra, as `Fleet` names it.
+        Remembered per first block (shared system prompts and sessions repeat it), up to a bound."""
+        bs = self.block_size
+        if len(sreq.prompt) < bs:
+            return b""
+        first = tuple(sreq.prompt[:bs])
+        key = self._first_keys.get(first)
+        if key is None:
+            if len(self._first_keys) >= 65536:
+                self._first_keys.clear()
+            key = self._first_keys[first] = token_block_hashes(first, bs, self._approx_extra, None)[0]
+        return key
+
     def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
-        """The endpoint of `role` for this request, or None: none below the in-flight limit (it must queue).
+        """The endpoint of `role` for this request, or None: it must wait.
 
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
-        with the request, so no prefix term, no prompt key, no session)."""
+        with the request, so no prefix term, no prompt key, no session), among all decode pods (the
+        request was admitted already)."""
+        states = [ep for ep in self.endpoints.values() if ep.role == role]
         limit = self.spec.max_in_flight_per_endpoint
-        eps = [ep for ep in self.endpoints.values() if ep.role == role and ep.in_flight < limit]
-        if not eps:
-            return None
         if role == "decode":
-            candidates = [Candidate(ep.name, ep.load, ep.kv_usage, 0, True) for ep in eps]
-            decision = self.strategy.choose(RouteQuery(0, None, b""), candidates)
+            verdict = decide(self.strategy, RouteQuery(0, None, b""), states, {}, limit, admitted=True)
         else:
             self.hash_prompt(sreq)
             hashes = sreq.block_hashes
-            ids = [ep.name for ep in eps]
-            matched = self.exact.match(hashes, ids)
-            self.scheduled.raise_matches(hashes, matched)
-            self.recent.raise_matches(hashes, matched)
-            candidates = [
-                # ep.load inlined (no property or max() call per endpoint: this runs for every candidate)
-                Candidate(
-                    name,
-                    a if (a := ep.reported_load) >= (b := ep.in_flight) else b,
-                    ep.kv_usage,
-                    matched[name],
-                    True,
-                )
-                for ep, name in zip(eps, ids, strict=True)
-            ]
-            first = hashes[0] if hashes else b""
-            decision = self.strategy.choose(RouteQuery(len(hashes), sreq.session, first), candidates)
-            self.recent.record(decision.endpoint_id, hashes)
+            # Only the endpoints that may take it are matched (the limit filters them first anyway).
+            ids = [s.endpoint_id for s in states if s.in_flight < limit]
+            matched = exact_matches(ids, hashes, self.exact, self.scheduled, self.recent) if ids else {}
+            query = RouteQuery(len(hashes), sreq.session, self.prefix_key(sreq))
+            verdict = decide(self.strategy, query, states, matched, limit)
+        decision = verdict.decision
+        if decision is None:
+            return None
+        if role != "decode":
+            self.recent.record(decision.endpoint_id, sreq.block_hashes)
         self.endpoints[decision.endpoint_id].in_flight += 1
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
@@ -210,24 +233,50 @@ class SimRouter:
 
     # ---- the router's queue ------------------------------------------------------------------------------
 
-    def enqueue(self, sreq: SimRequest, role: str = "both", item: object = None) -> None:
-        """Hold a request (or `item`, a request between its phases) until an endpoint of `role` has room."""
-        self._order += 1
-        queue = self._queues.setdefault(role, [])
-        heapq.heappush(queue, (sreq.priority, sreq.arrival, self._order, sreq, item))
-        self.num_queued += 1
+    @property
+    def num_queued(self) -> int:
+        return len(self.queue) + len(self.handoff_queue)
+
+    def enqueue(self, sreq: SimRequest, role: str = "both", item: object = None) -> Waiter | str:
+        """Hold a request (or `item`, a request between its phases) until an endpoint of `role` has room.
+        Returns its waiter, or why the router refuses it at once ("429 ...": `max_queued` are waiting).
+        A new request's deadline is `queue_timeout_seconds` on; a decode phase waits for a pod to exist."""
+        if role == "decode":
+            return self.handoff_queue.push((sreq, role, item), sreq.priority, float("inf"), role)
+        try:
+            return self.queue.push((sreq, role, item), sreq.priority, self.spec.queue_timeout_seconds, role)
+        except QueueFull as e:
+            return f"router 429: {e}"
+
+    def expired(self) -> list[tuple[SimRequest, str]]:
+        """Requests whose queue deadline passed, and the status the router answers them with (429 when
+        endpoints of their role were up but busy, 503 when none was ready)."""
+        out = []
+        for w in self.queue.expired():
+            sreq, role, _ = w.item
+            ready = any(ep.role == role for ep in self.endpoints.values())
+            status = refusal_status(AT_CAPACITY if ready else NO_READY_ENDPOINT)
+            why = "all endpoints at capacity" if ready else "no ready endpoint"
+            out.append((sreq, f"router {status}: waited {self.spec.queue_timeout_seconds:g}s, {why}"))
+        return out
 
     def dispatch_queued(self) -> list[tuple[SimRequest, str, str, object]]:
         """Route queued requests, best first, while endpoints have room: (request, endpoint, role, item).
-        Each role's requests wait in (priority, arrival) order for that role's endpoints."""
+        Requests wait in (priority, arrival) order; one that cannot go holds back only its own role's
+        (as the live gate wakes the first waiter whose own endpoints can take it)."""
         out = []
-        for role, queue in self._queues.items():
-            while queue:
-                sreq, item = queue[0][3], queue[0][4]
+        for queue in (self.handoff_queue, self.queue):
+            if not len(queue):
+                continue
+            blocked: set[str] = set()
+            for w in queue.ordered():
+                sreq, role, item = w.item
+                if role in blocked:
+                    continue
                 name = self.pick(sreq, role)
                 if name is None:
-                    break
-                heapq.heappop(queue)
-                self.num_queued -= 1
+                    blocked.add(role)
+                    continue
+                queue.remove(w)
                 out.append((sreq, name, role, item))
         return out

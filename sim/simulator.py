@@ -34,7 +34,7 @@ from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
-ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER = range(9)
+ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER, QUEUE_DEADLINE = range(10)
 
 
 class _Pod:
@@ -177,11 +177,30 @@ class Simulation:
 
     def _route(self, sreq: SimRequest) -> None:
         role = "both" if self.handoffs is None else "prefill"
+        if self.router.queue:  # as the router's gate: behind the waiters, who may go first
+            self._enqueue(sreq, role)
+            self._dispatch_queued()
+            return
         name = self.router.pick(sreq, role)
         if name is None:
-            self.router.enqueue(sreq, role)
+            self._enqueue(sreq, role)
             return
         self._deliver(sreq, name, role)
+
+    def _enqueue(self, sreq: SimRequest, role: str, item: object = None) -> None:
+        waiter = self.router.enqueue(sreq, role, item)
+        if isinstance(waiter, str):  # the router's queue is full: refused at once
+            self._refused(sreq, waiter)
+        elif waiter.deadline != float("inf"):
+            self._push(waiter.deadline, QUEUE_DEADLINE)
+
+    def _refused(self, sreq: SimRequest, why: str) -> None:
+        """The router answered with an error (429/503): the client's request ends there."""
+        self.collector.finished(RequestRecord(sreq, "", rejected=why))
+
+    def _on_queue_deadline(self, _: object) -> None:
+        for sreq, why in self.router.expired():
+            self._refused(sreq, why)
 
     def _dispatch_queued(self) -> None:
         for sreq, name, role, item in self.router.dispatch_queued():
@@ -273,7 +292,7 @@ class Simulation:
             handoff = self.handoffs.hold(pod.replica, rec, self.now)
             name = self.router.pick(sreq, "decode")
             if name is None:
-                self.router.enqueue(sreq, "decode", handoff)
+                self._enqueue(sreq, "decode", handoff)
             else:
                 self._deliver(sreq, name, "decode", handoff)
             return
@@ -416,6 +435,7 @@ class Simulation:
             TICK: self._on_tick,
             HANDOFF: self._on_handoff,
             DELIVER: self._on_deliver,
+            QUEUE_DEADLINE: self._on_queue_deadline,
         }
         heap = self._heap
         pop = heapq.heappop

@@ -32,6 +32,7 @@ from tokenfleet.runtime.openai.translate import Tokenizer
 from tokenfleet.runtime.router import disaggregation
 from tokenfleet.runtime.router.api_keys import KeyTiers
 from tokenfleet.runtime.router.config import LIVE_FIELDS, RESTART_FIELDS, Backend, RouterConfig
+from tokenfleet.runtime.router.decision import AT_CAPACITY, NO_READY_ENDPOINT, refusal_status
 from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.metrics import RouterMetrics
@@ -337,7 +338,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         ) from e  # fmt: skip
     except QueueTimeout as e:
         targets = fleet.targets(model)
-        if fleet.healthy_endpoints(targets):  # endpoints were up but all at their in-flight limit
+        # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
+        why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
+        if refusal_status(why) == 429:
             router.metrics.requests.labels(model, "429").inc()
             raise _json_error(
                 429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",

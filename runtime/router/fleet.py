@@ -3,7 +3,9 @@
 Owns the endpoint set, the exact and approximate prefix indexes, one monitor task and one KV-event follower
 per endpoint, the strategy and the queue. Everything here runs on the event loop; discovery threads hop
 onto it. `pick()` is the decision: model targets (primary, then fallbacks) -> available untried endpoints
--> prefix match per endpoint -> strategy. `apply()` takes a new config live: endpoints of unchanged
+-> prefix match per endpoint -> `decision.decide` (the in-flight limit, the load figure, the strategy; the
+simulator calls the same function). Everything that ages (health, the recent-route memories, the
+strategy's history) runs on the injected `clock`. `apply()` takes a new config live: endpoints of unchanged
 backends, their prefix indexes and the strategy's history stay.
 
 What a pod is computing right now is known two ways, so requests sharing a prefix follow the first one
@@ -16,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from tokenfleet.runtime.router.config import Backend, RouterConfig
+from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
 from tokenfleet.runtime.router.health import Probe
-from tokenfleet.runtime.router.kv_events import KVEventFollower
+from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
 from tokenfleet.runtime.router.monitor import monitor_endpoint
@@ -31,7 +34,7 @@ from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex, RecentRoutes
 from tokenfleet.runtime.router.priority import PriorityGate
 from tokenfleet.runtime.router.prompt_blocks import text_block_hashes, token_block_hashes
-from tokenfleet.runtime.router.scoring import Candidate, Decision, RouteQuery, make_strategy
+from tokenfleet.runtime.router.scoring import Decision, RouteQuery, make_strategy
 
 # How long the router's own routes count as "being prefilled there" before the pod's KV events must say so.
 RECENT_ROUTES_TTL_S = 30.0
@@ -62,19 +65,26 @@ class Fleet:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         pod_auth: PodAuth | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        watch: bool = True,
     ) -> None:
+        """`watch` False: no probe or KV-event tasks are started; the caller reports health (`report`) and
+        feeds each pod's KV-event replies (`kv_reply`) itself, as a replay or the simulator-agreement test
+        does."""
         self.config = config
+        self.clock = clock
+        self.watch = watch
         self.pod_auth = pod_auth
         self.metrics = metrics
         self.session = session
         self.endpoints = EndpointSet(config.discovery)
-        self.recent = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S)
+        self.recent = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S, clock)
         # Blocks pods announced as being prefilled (`scheduled` events), keyed like the exact index.
-        self.scheduled = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S)
+        self.scheduled = RecentRoutes(config.discovery.approximate_index_blocks, RECENT_ROUTES_TTL_S, clock)
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self.approx = ApproximatePrefixIndex(config.discovery.approximate_index_blocks)
-        self.strategy = make_strategy(config.routing)
-        self.gate = PriorityGate(config.routing.max_queued)
+        self.strategy = make_strategy(config.routing, clock=clock)
+        self.gate = PriorityGate(config.routing.max_queued, clock)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
@@ -131,13 +141,15 @@ class Fleet:
             self.metrics.healthy.labels(ep.id).set(0)  # until a probe says it serves
             self.metrics.in_flight.labels(ep.id).set(0)
             d = self.config.discovery
-            tasks = [
-                asyncio.create_task(
-                    monitor_endpoint(
-                        self.session, ep, d.probe_interval_seconds, d.health_every, self._probe_result
+            tasks = []
+            if self.watch:
+                tasks.append(
+                    asyncio.create_task(
+                        monitor_endpoint(
+                            self.session, ep, d.probe_interval_seconds, d.health_every, self._probe_result
+                        )
                     )
                 )
-            ]
             if d.kv_events:
                 follower = KVEventFollower(
                     self.session,
@@ -148,7 +160,8 @@ class Fleet:
                     on_error=lambda reason: self.metrics.kv_event_errors.labels(reason).inc(),
                 )
                 self._followers[ep.id] = follower
-                tasks.append(asyncio.create_task(follower.run()))
+                if self.watch:
+                    tasks.append(asyncio.create_task(follower.run()))
             self._tasks[ep.id] = tasks
         if added:
             self.gate.release()
@@ -177,7 +190,7 @@ class Fleet:
         self._record(ep, Probe.NOT_READY)
 
     def _record(self, ep: Endpoint, outcome: Probe) -> None:
-        now = time.monotonic()
+        now = self.clock()
         was_ejected = ep.health.ejected_until is not None
         if ep.health.record(outcome, now):
             self.gate.release()  # it takes traffic now: waiting requests may go
@@ -186,12 +199,18 @@ class Fleet:
         if ep.id in self.endpoints.by_id:
             self.metrics.healthy.labels(ep.id).set(1 if ep.health.is_available(now) else 0)
 
+    def kv_reply(self, endpoint_id: str, reply: object) -> None:
+        """One `/v1/kv-events` reply of an endpoint, applied as its follower applies it (without `watch`)."""
+        follower = self._followers[endpoint_id]
+        follower.position = apply_reply(self.exact, endpoint_id, reply, self._scheduled, follower.position)
+        follower.live = True
+
     def kv_events_live(self) -> dict[str, bool]:
         """Per endpoint: is the exact index following its KV-event stream right now?"""
         return {ep_id: f.live for ep_id, f in self._followers.items()}
 
     def available(self, ep: Endpoint) -> bool:
-        return ep.health.is_available(time.monotonic())
+        return ep.health.is_available(self.clock())
 
     def in_rotation(self, count: int) -> bool:
         """Whether `count` endpoints are known and every one takes requests. An endpoint starts out of
@@ -221,7 +240,7 @@ class Fleet:
 
     def retry_after(self, targets: Sequence[RouteTarget]) -> float:
         """Seconds a refused client should wait: until the first ejection ends, else a probe interval."""
-        now = time.monotonic()
+        now = self.clock()
         ends = [
             ep.health.ejected_until - now
             for t in targets
@@ -276,25 +295,30 @@ class Fleet:
                 for ep in self.endpoints.of_backends(target.backends)
                 if ep.id not in exclude and self.available(ep)
             ]
-            # A retry may exceed the in-flight limit rather than fail: the request was admitted already.
-            below = [ep for ep in eps if ep.in_flight < limit]
-            eps = below or eps
             if not eps:
                 continue
+            # The request was admitted already (the gate): a retry may exceed the in-flight limit rather
+            # than fail, so only the endpoints below it are matched when there are any.
+            below = [ep for ep in eps if ep.in_flight < limit]
+            eps = below or eps
             matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
             followers = self._followers  # only the candidates' (kv_events_live() would build all of them)
-            candidates = [
-                Candidate(
+            states = [
+                EndpointState(
                     ep.id,
-                    ep.load,
+                    ep.num_running + ep.num_waiting,
+                    ep.in_flight,
                     ep.kv_cache_usage,
-                    matches.get(ep.id, 0),
                     (f := followers.get(ep.id)) is not None and f.live,
                 )
                 for ep in eps
             ]
             first = next((h[0] for h in approx.values() if h), b"")
-            decision = self.strategy.choose(RouteQuery(num_blocks, session_key, first), candidates)
+            verdict = decide(
+                self.strategy, RouteQuery(num_blocks, session_key, first), states, matches, limit, True
+            )
+            decision = verdict.decision
+            assert decision is not None  # admitted: some endpoint always takes it
             if target.fallback:
                 decision = Decision(decision.endpoint_id, "fallback", decision.prefix_blocks)
             ep = self.endpoints.by_id[decision.endpoint_id]
@@ -330,7 +354,7 @@ class Fleet:
         for ep in eps:
             backend = backends.get(ep.backend)
             default_bs = backend.block_size if backend else 16
-            approx_key = (default_bs, ("approx", ep.model)) if prompt.token_ids is not None else (0, ())
+            approx_key = (default_bs, approx_extra(ep.model)) if prompt.token_ids is not None else (0, ())
             approx[ep.id] = hashes(*approx_key)
             follower = self._followers.get(ep.id)
             if prompt.token_ids is not None and follower is not None and follower.live and follower.position:
@@ -342,12 +366,16 @@ class Fleet:
         num_blocks = 0
         for (block_size, extra, approx_key), ids in exact_groups.items():
             exact_h = hashes(block_size, extra)
-            held = self.exact.match(exact_h, ids)
-            self.scheduled.raise_matches(exact_h, held)
             # Same block units: add what this router sent there that is still being prefilled.
-            if block_size == approx_key[0]:
-                self.recent.raise_matches(hashes(*approx_key), held)
-            matches |= held
+            same_units = block_size == approx_key[0]
+            matches |= exact_matches(
+                ids,
+                exact_h,
+                self.exact,
+                self.scheduled,
+                self.recent if same_units else None,
+                hashes(*approx_key) if same_units else None,
+            )
             num_blocks = max(num_blocks, len(exact_h))
         for approx_key, ids in approx_groups.items():
             approx_h = hashes(*approx_key)

@@ -14,6 +14,9 @@ not refused. It is bounded twice: at most `max_queued` waiters (beyond that, 429
 `timeout` seconds each (`QueueTimeout`; the app answers 429 when endpoints were merely busy, 503 with
 Retry-After when none was ready). `num_waiting(key)` is the demand signal per model: the router exports
 it as `tokenfleet:router_pending_requests{model}`, which is what a scale-from-zero controller watches.
+
+The policy (order, bound, deadlines) is `WaitQueue`: pure, on an injected clock, so the simulator queues its
+requests in the same structure on its virtual clock; `PriorityGate` is the asyncio waiting around it.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from tokenfleet.runtime.errors import Overloaded
+
+T = TypeVar("T")
 
 
 class QueueFull(Overloaded):
@@ -35,52 +43,129 @@ class QueueTimeout(Overloaded):
     """The request waited its whole deadline without an endpoint able to take it."""
 
 
-class PriorityGate:
-    def __init__(self, max_queued: int = 1024) -> None:
-        # (priority, arrival, can_take, future); a waiter keeps its arrival number when it re-queues.
-        self._heap: list[tuple[int, int, Callable[[], bool], asyncio.Future]] = []
+@dataclass(eq=False, slots=True)
+class Waiter(Generic[T]):
+    """One queued request: ordered by (priority, arrival); gone at `deadline` on the queue's clock."""
+
+    priority: int
+    arrival: int
+    deadline: float
+    key: str
+    item: T
+
+
+class WaitQueue(Generic[T]):
+    """The queue's policy, pure and on an injected clock: (priority, arrival) order, at most `max_queued`
+    waiters, each with its deadline. The live gate below holds asyncio futures in it; the simulator holds
+    its requests in it on the virtual clock."""
+
+    def __init__(self, max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        self._heap: list[tuple[int, int, Waiter[T]]] = []
         self._arrivals = itertools.count()
         self._waiting: Counter[str] = Counter()
         self.max_queued = max_queued
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Waiter[T]]:
+        """The waiters in no particular order (`ordered` sorts them)."""
+        return (w for _, _, w in self._heap)
 
     def num_waiting(self, key: str | None = None) -> int:
         """Requests waiting (for one key, e.g. a model, or in all)."""
-        return self._waiting[key] if key is not None else sum(self._waiting.values())
+        return self._waiting[key] if key is not None else len(self._heap)
 
     def waiting_by_key(self) -> dict[str, int]:
         return {k: n for k, n in self._waiting.items() if n}
+
+    def push(self, item: T, priority: int, timeout: float, key: str = "") -> Waiter[T]:
+        """Queue `item`; QueueFull when `max_queued` wait already."""
+        if len(self._heap) >= self.max_queued:
+            raise QueueFull(f"{self.max_queued} requests are queued in the router; retry later")
+        w = Waiter(priority, next(self._arrivals), self.clock() + timeout, key, item)
+        heapq.heappush(self._heap, (priority, w.arrival, w))
+        self._waiting[key] += 1
+        return w
+
+    def ordered(self) -> list[Waiter[T]]:
+        """The waiters, first to go first."""
+        return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], e[1]))]
+
+    def remove(self, waiter: Waiter[T]) -> bool:
+        """Take `waiter` out (it goes, or gives up); False when it was not queued."""
+        for i, entry in enumerate(self._heap):
+            if entry[2] is waiter:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                self._waiting[waiter.key] -= 1
+                return True
+        return False
+
+    def expired(self) -> list[Waiter[T]]:
+        """Take out and return the waiters whose deadline has passed (in queue order)."""
+        now = self.clock()
+        gone = [w for w in self.ordered() if w.deadline <= now]
+        for w in gone:
+            self.remove(w)
+        return gone
+
+
+class PriorityGate:
+    """The live router's admission: a `WaitQueue` of asyncio futures, each with its `can_take` check."""
+
+    def __init__(self, max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+        # Items: (can_take, the future the waiter sleeps on now, or None while it runs its check).
+        self.queue: WaitQueue[list] = WaitQueue(max_queued, clock)
+
+    @property
+    def max_queued(self) -> int:
+        return self.queue.max_queued
+
+    @max_queued.setter
+    def max_queued(self, value: int) -> None:
+        self.queue.max_queued = value
+
+    def num_waiting(self, key: str | None = None) -> int:
+        """Requests waiting (for one key, e.g. a model, or in all)."""
+        return self.queue.num_waiting(key)
+
+    def waiting_by_key(self) -> dict[str, int]:
+        return self.queue.waiting_by_key()
 
     async def wait_for(
         self, can_take: Callable[[], bool], priority: int, timeout: float, key: str = ""
     ) -> None:
         """Return once `can_take()` holds and no earlier waiter (lower priority number, or the same and
         older) could go first; raise QueueFull or QueueTimeout otherwise."""
-        if not self._heap and can_take():
+        if not self._sleeping() and can_take():
             return
-        if self.num_waiting() >= self.max_queued:
-            raise QueueFull(f"{self.max_queued} requests are queued in the router; retry later")
+        waiter = self.queue.push([can_take, None], priority, timeout, key)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        arrival = next(self._arrivals)
-        self._waiting[key] += 1
         try:
             while True:
                 fut: asyncio.Future = loop.create_future()
-                heapq.heappush(self._heap, (priority, arrival, can_take, fut))
+                waiter.item[1] = fut
                 self.release()
                 try:
-                    await asyncio.wait_for(fut, max(deadline - loop.time(), 0.0))
+                    await asyncio.wait_for(fut, max(waiter.deadline - self.queue.clock(), 0.0))
                 except TimeoutError as e:
                     raise QueueTimeout("no endpoint could take the request in time", retry_after=1.0) from e
                 finally:
                     if not fut.done():
                         fut.cancel()
+                    waiter.item[1] = None
                 if can_take():
                     return
         finally:
-            self._waiting[key] -= 1
+            self.queue.remove(waiter)
             # A leaving waiter may have been the head that blocked others of a different model.
             self.release()
+
+    def _sleeping(self) -> bool:
+        return any(w.item[1] is not None and not w.item[1].done() for w in self.queue)
 
     def release(self) -> None:
         """Capacity may have freed: wake the first waiter (in priority order) that can go now.
@@ -88,11 +173,8 @@ class PriorityGate:
         Each waiter's own `can_take` decides, since waiters for different models wait on different
         endpoints.
         """
-        self._heap = [w for w in self._heap if not w[3].done()]
-        heapq.heapify(self._heap)
-        for w in sorted(self._heap, key=lambda w: (w[0], w[1])):
-            if w[2]():
-                self._heap.remove(w)
-                heapq.heapify(self._heap)
-                w[3].set_result(None)
+        for w in self.queue.ordered():
+            can_take, fut = w.item
+            if fut is not None and not fut.done() and can_take():
+                fut.set_result(None)
                 return

@@ -116,6 +116,8 @@ def test_autoscaling_follows_a_burst_and_loses_nothing_on_scale_down():
 
 
 def test_scale_to_zero_and_back_serves_the_first_request_after_the_cold_start(tmp_path):
+    # The request after the scale-to-zero waits in the router's queue for the cold start (30 s) plus up to
+    # one autoscale interval: a queue deadline of 60 s covers it, the default 30 s does not (next test).
     trace = tmp_path / "t.jsonl"
     lines = [{"t": i * 0.5, "prompt_tokens": 200, "output_tokens": 20} for i in range(10)]
     lines.append({"t": 300.0, "prompt_tokens": 200, "output_tokens": 20})
@@ -133,6 +135,7 @@ def test_scale_to_zero_and_back_serves_the_first_request_after_the_cold_start(tm
         autoscale_interval_s=5,
         cold_start_s=30,
         trace=str(trace),
+        routing={"queueTimeoutSeconds": 60},
     )
     events = r["fleet"]["scale_events"]
     assert any(e[2] == 0 for e in events), events
@@ -140,6 +143,41 @@ def test_scale_to_zero_and_back_serves_the_first_request_after_the_cold_start(tm
     assert back and back[0][0] >= 300.0
     assert r["requests"]["finished"] == 11
     assert r["latency_s"]["ttft"]["max"] >= 30.0  # the late request waited for the cold start, and was served
+
+
+def test_a_request_waiting_longer_than_the_queue_deadline_for_a_cold_start_gets_503(tmp_path):
+    """As in the router: a waiter whose deadline passes while no endpoint is ready is answered 503."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"t": t, "prompt_tokens": 200, "output_tokens": 20} for t in (0.0, 300.0)]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    autoscaling = {
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "targets": {"waitingRequestsPerReplica": 4},
+        "scaleToZeroAfterSeconds": 60,
+        "scaleDown": {"stabilizationWindowSeconds": 10},
+    }
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(
+        small(
+            fleet={"replicas": 1},
+            autoscaling=autoscaling,
+            autoscale_interval_s=5,
+            cold_start_s=30,
+            trace=str(trace),
+            routing={"queueTimeoutSeconds": 20},
+        )
+    )
+    model = build_model(config)
+    sim = Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+    r = sim.run()
+    assert r["requests"]["finished"] == 1 and r["requests"]["rejected"] == 1
+    assert r["requests"]["unfinished"] == 0
+    assert sim.collector.rejected == ["router 503: waited 20s, no ready endpoint"]
 
 
 def test_kv_events_feed_the_routers_exact_index():
@@ -233,14 +271,16 @@ def test_work_bound_keeps_a_dominant_tenant_from_skewing_load():
     assert bounded <= 1.3 < unbounded
 
 
-def test_a_hold_that_expires_while_decode_pods_are_full_falls_back_to_recompute():
+def test_a_decode_phase_passes_the_in_flight_limit_as_in_the_router_so_no_hold_expires():
     from tokenfleet.sim.api import build_cost, build_model, build_workload
     from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(
         small(
             fleet={"replicas": 2},
-            routing={"maxInFlightPerEndpoint": 2},  # the decode pod takes 2: the rest wait in the router
+            # The decode pod is past its limit of 2 at once: a decode phase goes there anyway, as the live
+            # router's `Fleet.pick` sends an admitted request past the limit rather than fail it.
+            routing={"maxInFlightPerEndpoint": 2},
             disaggregation={"prefill_replicas": 1, "hold_seconds": 0.05},
             workload={"rate": 10, "duration_s": 5, "output_tokens": 200},
         )
@@ -257,7 +297,8 @@ def test_a_hold_that_expires_while_decode_pods_are_full_falls_back_to_recompute(
     r = sim.run()
     assert r["requests"]["finished"] == r["requests"]["arrived"] and r["requests"]["cut_short"] == 0
     dis = r["disaggregation"]
-    assert 0 < dis["fallbacks_to_recompute"] < dis["transfers"]
+    # No decode phase waited in the router, so no hold expired before its fetch.
+    assert dis["fallbacks_to_recompute"] == 0 and dis["transfers"] == r["requests"]["finished"]
     for pod in sim.pods.values():
         assert pod.replica.kv.usage == 0.0  # expired holds were released, fetched ones freed
 
