@@ -165,6 +165,9 @@ POD_DEFAULT_FIELDS = frozenset(
         "server.max_body_bytes",
         "server.drain_seconds",
         "server.health_stall_seconds",
+        # Sleep mode stays off: no ModelDeployment field drives it until the operator owns a warm tier
+        # (scale-down to sleep, wake on demand); a pod started by hand can still enable it.
+        "server.enable_sleep_mode",
     }
 )
 
