@@ -4,8 +4,8 @@ CPU pods report on /metrics.
 
 One story (one fleet, each step needs the previous one):
 1. a step load (more streams than the pod runs at once) raises waiting requests -> 1 -> 2 replicas;
-2. two replicas held (minReplicas 2) while the load drops to two streams, one on each pod (checked); then
-   minReplicas 1 -> back to 1 replica after the scale-down window; the removed pod was serving a stream
+2. two replicas held (minReplicas 2) while the load drops to two long streams, one on each pod (checked);
+   then minReplicas 1 -> back to 1 replica after the scale-down window; the removed pod was serving a stream
    when it was removed (checked, not assumed), and that stream ends well (drained, or handed back and
    continued on the other pod);
 3. minReplicas edited to 0, no traffic -> 0 pods;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 
 import pytest
@@ -48,9 +49,12 @@ WAITS = {
 }
 # Session fixtures (the cluster, when this test comes first) and the kubectl calls between the waits.
 SETUP_S = 180
-# A pod's stream lasts many times the poll that sees the pod removed (seconds here, a minute on a busy
-# machine); short enough that stopping the load waits for little.
-LIGHT_TOKENS = 48
+# Each light stream must outlast the scale-down, so that whichever pod the ReplicaSet removes is serving one
+# then: from the stream's start, the wait for a stream on each pod, the 15 s window, a decision period and the
+# kubectl calls around them. A stream that ended sooner would let its worker's next request be routed while
+# the pod's polled load is stale, and both streams could sit on one pod when the other is removed.
+LIGHT_HOLD_S = 45
+LIGHT_TOKENS_MAX = 6000  # well inside the built-in model's context
 RUNTIME = "app.kubernetes.io/instance=chat,app.kubernetes.io/component=runtime"
 ROUTER = "app.kubernetes.io/instance=front,app.kubernetes.io/component=router"
 
@@ -108,6 +112,19 @@ def _url(pod: dict) -> str:
     return f"http://{pod['status']['podIP']}:8000"  # as the router names the pod (x-tokenfleet-endpoint)
 
 
+def _light_tokens(load: StreamingLoad) -> int:
+    """Tokens for a stream that lasts LIGHT_HOLD_S, from the fastest decode pace among `load`'s streams. A
+    pod runs one sequence at a time here, so a stream's events after its first are pure decode; a fixed
+    count would last seconds on a fast machine and a minute on a busy one."""
+    paces = [
+        (s.ended - s.first_event) / (s.events - 2)
+        for s in load.streams
+        if s.outcome == "ok" and s.first_event is not None and s.events > 8
+    ]
+    assert paces, f"no finished stream to measure the decode pace on: {dict(load.results)}"
+    return max(48, min(LIGHT_TOKENS_MAX, math.ceil(LIGHT_HOLD_S / min(paces))))
+
+
 def _set_min_replicas(cluster, ns: str, count: int) -> None:
     patch = {"spec": {"autoscaling": {"minReplicas": count}}}
     cluster.kubectl("patch", "md", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
@@ -154,15 +171,16 @@ def test_step_load_scales_out_and_back_to_zero_and_from_zero_without_a_failed_re
         assert up["lastScaleReason"].startswith("scale up 1->2: waiting_requests_per_replica"), up
         heavy.wait_for_requests(heavy.count() + 4, timeout=WAITS["requests served by both pods"])
 
-        # 2. Two replicas are held while the load drops to two streams sent back to back: the first one's
-        # pod is busy when the second is routed, so least-load puts one on each pod (checked). Then nothing
-        # waits any more -> 1 replica after the 15 s window, and whichever pod the ReplicaSet removes is
-        # serving a stream. That pod leaves the endpoints first (preStop), then drains: its stream
-        # finishes there or is handed back and continued on the other pod.
+        # 2. Two replicas are held while the load drops to two long streams: the first one's pod is busy
+        # when the second is routed, so least-load puts one on each pod (checked). Then nothing waits any
+        # more -> 1 replica after the 15 s window, and whichever pod the ReplicaSet removes is still serving
+        # its stream (each lasts LIGHT_HOLD_S). That pod leaves the endpoints first (preStop), then drains:
+        # its stream finishes there or is handed back and continued on the other pod.
         _set_min_replicas(cluster, ns, 2)  # no scale-down before every pod serves a stream
         heavy.stop(timeout=WAITS["heavy load stopped"])
+        light_tokens = _light_tokens(heavy)
         light = StreamingLoad(
-            router_url, "chat", workers=1, max_tokens=LIGHT_TOKENS, max_requests=400
+            router_url, "chat", workers=1, max_tokens=light_tokens, max_requests=400
         ).start()
         until("a stream on a pod", light.in_flight)
         light.add_worker()
@@ -185,7 +203,8 @@ def test_step_load_scales_out_and_back_to_zero_and_from_zero_without_a_failed_re
                 light.stop()
     results = heavy.results + (light.results if light is not None else {})
     print(f"step load: {dict(results)}; scale-up ordered after {scale_up_s:.0f}s, "
-          f"a pod removed {scale_down_s:.0f}s after minReplicas went back to 1")  # fmt: skip
+          f"a pod removed {scale_down_s:.0f}s after minReplicas went back to 1; "
+          f"light streams of {light_tokens} tokens")  # fmt: skip
     assert results["ok"] > 0
     assert results["failed_before_start"] == 0 and results["failed_in_flight"] == 0, results
     # The scale-down removed a pod that was serving: the case that could lose a stream, and none was lost.

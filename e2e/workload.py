@@ -71,6 +71,7 @@ class Stream:
     started: float  # time.monotonic() before the request was sent
     endpoint: str | None = None  # the pod the router chose (x-tokenfleet-endpoint), once the headers came
     events: int = 0  # data events received so far (one per token, as pods send them)
+    first_event: float | None = None  # time.monotonic() when the first data event came
     ended: float | None = None  # None while in flight
     outcome: str | None = None
 
@@ -98,6 +99,8 @@ def stream_once(
                 line = raw.decode().strip()
                 if record is not None and line.startswith("data:"):
                     record.events += 1
+                    if record.first_event is None:
+                        record.first_event = time.monotonic()
                 if line == "data: [DONE]":
                     return "ok"
                 if line.startswith("data:") and '"error"' in line:
