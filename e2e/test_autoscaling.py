@@ -51,8 +51,8 @@ WAITS = {
 SETUP_S = 180
 # Each light stream must outlast the scale-down, so that whichever pod the ReplicaSet removes is serving one
 # then: from the stream's start, the wait for a stream on each pod, the 15 s window, a decision period and the
-# kubectl calls around them. A stream that ended sooner would let its worker's next request be routed while
-# the pod's polled load is stale, and both streams could sit on one pod when the other is removed.
+# kubectl calls around them. Between a worker's streams its pod is idle for a moment, and the operator's
+# deletion cost removes the idlest pod: a decision at that moment would remove a pod serving nothing.
 LIGHT_HOLD_S = 45
 LIGHT_TOKENS_MAX = 6000  # well inside the built-in model's context
 RUNTIME = "app.kubernetes.io/instance=chat,app.kubernetes.io/component=runtime"

@@ -2,8 +2,8 @@
 (`priority.WaitQueue`), fed by the simulated pods instead of the network.
 
 What is the router's code: the decision (`decision.decide`: the in-flight limit, load = max(the pod's last
-polled running + waiting, the router's own in-flight count), the strategy from `scoring.make_strategy`
-with its work bound and hot-spot guard), the prefix-match merge (`decision.exact_matches`: the exact index
+polled running + waiting brought up to date with the router's own starts and ends, its in-flight count),
+the strategy from `scoring.make_strategy` with its work bound and hot-spot guard), the prefix-match merge (`decision.exact_matches`: the exact index
 fed by the replicas' real KV events, raised by the prefixes pods announce and by this router's own recent
 routes, both on the simulation clock and both forgotten for a pod that reports an eviction), the prompt
 block hashes (`prompt_blocks.token_block_hashes`), the tie-break key (`decision.approx_extra`) and the
@@ -56,10 +56,16 @@ class EndpointView:
 
     endpoint_id: str
     role: str = "both"  # both | prefill | decode
-    reported_load: int = 0
+    polled_load: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
     reports_work: bool = True  # every simulated pod's event stream is followed
+    since_report: int = 0  # this router's starts - ends since the last report, as `Endpoint` counts them
+
+    @property
+    def reported_load(self) -> int:
+        n = self.polled_load + self.since_report
+        return n if n > 0 else 0
 
     @property
     def name(self) -> str:
@@ -120,8 +126,7 @@ class SimRouter:
     def report(self, name: str, load: int, kv_usage: float) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
-            ep.reported_load = load
-            ep.kv_usage = kv_usage
+            ep.polled_load, ep.kv_usage, ep.since_report = load, kv_usage, 0
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
@@ -220,7 +225,9 @@ class SimRouter:
             return None
         if role != "decode":
             self.recent.record(decision.endpoint_id, sreq.block_hashes)
-        self.endpoints[decision.endpoint_id].in_flight += 1
+        ep = self.endpoints[decision.endpoint_id]
+        ep.in_flight += 1
+        ep.since_report += 1
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
 
@@ -228,6 +235,7 @@ class SimRouter:
         ep = self.endpoints.get(name)
         if ep is not None:
             ep.in_flight -= 1
+            ep.since_report -= 1
             if self.work is not None:
                 self.work.settle(name, ep.in_flight)
 

@@ -7,8 +7,9 @@ strategy (`scoring.make_strategy(clock=)`, which carries the only clock) chooses
 verdict says why none can take the request. The indexes the matches come from are the caller's, on the
 caller's clock; `exact_matches` is how both callers merge them.
 
-- A candidate's load is max(the pod's last reported running + waiting, this router's in-flight count): the
+- A candidate's load is max(the pod's reported running + waiting, this router's in-flight count): the
   router's count is fresh but blind to other router replicas, the pod's figure is complete but one poll old.
+  The caller brings the report up to date with its own requests started and ended since (`reported_load`).
 - A candidate at `max_in_flight_per_endpoint` is skipped while another is below it; when all are at it the
   request waits in the router's queue (`priority.WaitQueue`), unless it was admitted already (a retry), which
   may exceed the limit rather than fail.
@@ -34,7 +35,7 @@ class EndpointState(NamedTuple):
     """One available endpoint as the decision sees it."""
 
     endpoint_id: str
-    reported_load: int  # the pod's last report: running + waiting
+    reported_load: int  # the pod's last report (running + waiting) + this router's starts - ends since
     in_flight: int  # requests this router has there now
     kv_usage: float = 0.0
     reports_work: bool = False  # its KV-event stream is followed: it announces each request it starts

@@ -44,6 +44,11 @@ class Endpoint:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     in_flight: int = 0
+    # This router's requests started minus ended here since the last /load report. The report is one poll
+    # old: a stream that ended here a moment ago would still count until the next poll, and a client that
+    # sends its next request at once would see this pod as busy as one that is. The report plus this delta
+    # is what the pod runs now, as far as this router knows; the next report replaces the estimate.
+    since_report: int = 0
     block_size: int | None = None
     role: str = "both"  # prefill | decode | both (serves whole requests)
     tokenizer_digest: str | None = None  # what its /load reports (pod_tokenizers.py follows it)
@@ -52,9 +57,20 @@ class Endpoint:
     def id(self) -> str:
         return self.url
 
+    def load_report(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """The pod's /load figures, read now."""
+        self.num_running, self.num_waiting, self.kv_cache_usage = num_running, num_waiting, kv_cache_usage
+        self.since_report = 0
+
+    @property
+    def reported_load(self) -> int:
+        """The last report's running + waiting, brought up to date with this router's own starts and ends."""
+        n = self.num_running + self.num_waiting + self.since_report
+        return n if n > 0 else 0
+
     @property
     def load(self) -> int:
-        return max(self.num_running + self.num_waiting, self.in_flight)
+        return max(self.reported_load, self.in_flight)
 
 
 ROLE_SEP = "#"

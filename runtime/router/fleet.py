@@ -222,10 +222,12 @@ class Fleet:
 
     def acquire(self, ep: Endpoint) -> None:
         ep.in_flight += 1
+        ep.since_report += 1
         self.metrics.in_flight.labels(ep.id).set(ep.in_flight)
 
     def release(self, ep: Endpoint) -> None:
         ep.in_flight -= 1
+        ep.since_report -= 1
         work = self.strategy.work
         if work is not None:
             work.settle(ep.id, ep.in_flight)
@@ -306,7 +308,7 @@ class Fleet:
             states = [
                 EndpointState(
                     ep.id,
-                    ep.num_running + ep.num_waiting,
+                    ep.reported_load,
                     ep.in_flight,
                     ep.kv_cache_usage,
                     (f := followers.get(ep.id)) is not None and f.live,

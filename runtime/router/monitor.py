@@ -35,9 +35,11 @@ async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
         if resp.status != 200:
             return Probe.FAILED
         data = await resp.json()
-    ep.num_running = int(data.get("num_running", 0))
-    ep.num_waiting = int(data.get("num_waiting", 0))
-    ep.kv_cache_usage = float(data.get("kv_cache_usage", 0.0))
+    ep.load_report(
+        int(data.get("num_running", 0)),
+        int(data.get("num_waiting", 0)),
+        float(data.get("kv_cache_usage", 0.0)),
+    )
     digest = data.get("tokenizer_digest")
     ep.tokenizer_digest = digest if isinstance(digest, str) else None
     return Probe.OK

@@ -19,7 +19,8 @@ prefix to one pod until it drowns:
   `relative` * min load, load alone decides (ties broken by prefix).
 
 A candidate's load is max(pod's waiting + running, router's own in-flight): the router's count is fresh
-but blind to other router replicas, the pod's figure is complete but one poll old.
+but blind to other router replicas, the pod's figure is complete but one poll old (the router adds its own
+starts and ends since the poll to it).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def pod_side(rng: random.Random, clock: Clock, urls, fleet, sim, pods, events, r
         if rng.random() < 0.2:
             running_n, waiting_n, kv = rng.randint(0, 6), rng.randint(0, 4), rng.random()
             ep = fleet.endpoints.by_id[url]
-            ep.num_running, ep.num_waiting, ep.kv_cache_usage = running_n, waiting_n, kv
+            ep.load_report(running_n, waiting_n, kv)
             sim.report(url, running_n + waiting_n, kv)
     url = rng.choice(urls)
     pod = pods[url]
