@@ -26,6 +26,7 @@ from tokenfleet.operator.builders import MANAGED_BY
 from tokenfleet.operator.reconcile import (
     OperatorContext,
     Watched,
+    policy_refs,
     reconcile_cache_policy,
     reconcile_dependents,
     reconcile_model_deployment,
@@ -103,9 +104,11 @@ def register(
         try:
             reconcile_model_deployment(ctx, view, namespace, name, logger)
         finally:
-            # It may have joined, left or moved between routers and cache policies.
-            reconcile_routers(ctx, view, namespace, logger)
-            refresh_cache_policies(ctx, view, namespace, logger)
+            # It may have joined, left or moved between routers and cache policies: the policies it named
+            # before and after are brought up to date (the others' routers do not list it).
+            before, after = kw.get("old"), kw.get("body")
+            reconcile_routers(ctx, view, namespace, logger, policy_refs("routingPolicyRef", before, after))
+            refresh_cache_policies(ctx, view, namespace, logger, policy_refs("cachePolicyRef", before, after))
 
     @kopf.timer(
         *MD,
@@ -125,8 +128,9 @@ def register(
         *MD, optional=True, id="model-deployment-deleted", registry=registry
     )  # optional: no finalizer, children go by GC
     def md_deleted(memo: kopf.Memo, namespace: str, logger: logging.Logger, **kw: Any) -> None:
-        reconcile_routers(memo.ctx, watched(kw), namespace, logger)
-        refresh_cache_policies(memo.ctx, watched(kw), namespace, logger)
+        body = kw.get("body")
+        reconcile_routers(memo.ctx, watched(kw), namespace, logger, policy_refs("routingPolicyRef", body))
+        refresh_cache_policies(memo.ctx, watched(kw), namespace, logger, policy_refs("cachePolicyRef", body))
 
     @kopf.on.event(
         "apps",

@@ -101,6 +101,17 @@ class Watched:
         return sorted(name for name, spec in specs.items() if (spec or {}).get(field) == policy)
 
 
+def _existing(present: list[str], names: Collection[str] | None) -> list[str]:
+    """`present`, narrowed to `names` when given (a reference to a policy that does not exist is skipped)."""
+    return present if names is None else [n for n in present if n in names]
+
+
+def policy_refs(field: str, *bodies: Mapping[str, Any] | None) -> set[str]:
+    """The policies that ModelDeployment `bodies` (e.g. before and after a change) name in spec.<field>."""
+    refs = (((b or {}).get("spec") or {}).get(field) for b in bodies)
+    return {r for r in refs if isinstance(r, str) and r}
+
+
 def post_event(owner: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event on `owner`, through kopf's event poster (type_: "Normal" or "Warning")."""
     kopf.event(owner, type=type_, reason=reason, message=message)
@@ -467,10 +478,15 @@ def reconcile_cache_policy(
 
 
 def refresh_cache_policies(
-    ctx: OperatorContext, watched: Watched, namespace: str, logger: logging.Logger
+    ctx: OperatorContext,
+    watched: Watched,
+    namespace: str,
+    logger: logging.Logger,
+    names: Collection[str] | None = None,
 ) -> None:
-    """Keep every CachePolicy's `usedBy` true when ModelDeployments come, go or switch policies."""
-    for cp_name in watched.cache_policy_names(namespace):
+    """Keep the CachePolicies' `usedBy` true when ModelDeployments come, go or switch policies: those in
+    `names` (the ones a changed ModelDeployment named before and after), or every one."""
+    for cp_name in _existing(watched.cache_policy_names(namespace), names):
         try:
             reconcile_cache_policy(ctx, watched, namespace, cp_name, logger, dependents=False)
         except kopf.PermanentError as e:
@@ -559,9 +575,16 @@ def _reconcile_routing_policy(
     _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None, routers)
 
 
-def reconcile_routers(ctx: OperatorContext, watched: Watched, namespace: str, logger: logging.Logger) -> None:
-    """Every router in the namespace: a ModelDeployment came, went or moved between policies."""
-    for rp_name in watched.routing_policy_names(namespace):
+def reconcile_routers(
+    ctx: OperatorContext,
+    watched: Watched,
+    namespace: str,
+    logger: logging.Logger,
+    names: Collection[str] | None = None,
+) -> None:
+    """The routers of the RoutingPolicies in `names` (those a ModelDeployment that came, went, changed or
+    moved named before and after), or every one in the namespace."""
+    for rp_name in _existing(watched.routing_policy_names(namespace), names):
         try:
             reconcile_routing_policy(ctx, watched, namespace, rp_name, logger)
         except kopf.PermanentError as e:

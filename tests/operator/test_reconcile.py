@@ -19,11 +19,13 @@ from tokenfleet.operator.kube import KINDS, NamespaceTerminating, NotServed, _na
 from tokenfleet.operator.reconcile import (
     OperatorContext,
     Watched,
+    policy_refs,
     reconcile_cache_policy,
     reconcile_dependents,
     reconcile_model_deployment,
     reconcile_routers,
     reconcile_routing_policy,
+    refresh_cache_policies,
 )
 
 NS = "team"
@@ -334,6 +336,44 @@ def test_router_follows_the_model_deployments_that_reference_it(clock, events):
     reconcile_routers(ctx, kube.watched(), NS, LOG)
     assert backends() == ["a", "b"]
     assert kube.obj("RoutingPolicy", "front")["status"]["usedBy"] == ["a", "b"]
+
+
+def test_a_model_deployment_change_reconciles_only_the_policies_it_names_before_and_after(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    for rp in ("front", "back", "other"):
+        kube.create("RoutingPolicy", rp, {"strategy": "least-load"})
+    kube.create("ModelDeployment", "a", {"routingPolicyRef": "front", "model": {"servedName": "m"}})
+    reconcile_routers(ctx, kube.watched(), NS, LOG)
+    before = copy.deepcopy(kube.obj("ModelDeployment", "a"))
+
+    # a moves from front to back: both routers change, "other" is not read or written.
+    kube.edit("ModelDeployment", "a", {"routingPolicyRef": "back", "model": {"servedName": "m"}})
+    after = kube.obj("ModelDeployment", "a")
+    names = policy_refs("routingPolicyRef", before, after)
+    assert names == {"front", "back"}
+    kube.calls.clear()
+    reconcile_routers(ctx, kube.watched(), NS, LOG, names)
+    touched = {name for _, _, name in kube.calls}
+    assert "other" not in touched and not any(n.startswith("other-") for n in touched), touched
+    assert kube.obj("RoutingPolicy", "front")["status"]["usedBy"] == []
+    assert kube.obj("RoutingPolicy", "back")["status"]["usedBy"] == ["a"]
+
+    # A reference to a policy that does not exist (yet) is skipped; none at all reconciles nothing.
+    kube.calls.clear()
+    reconcile_routers(
+        ctx, kube.watched(), NS, LOG, policy_refs("routingPolicyRef", {"spec": {"routingPolicyRef": "nope"}})
+    )
+    reconcile_routers(ctx, kube.watched(), NS, LOG, policy_refs("routingPolicyRef", None, {"spec": {}}))
+    assert kube.calls == []
+
+    # The same for cache policies: only the one it names gets its usedBy refreshed.
+    kube.create("CachePolicy", "c1", {})
+    kube.create("CachePolicy", "c2", {})
+    kube.edit("ModelDeployment", "a", {"routingPolicyRef": "back", "cachePolicyRef": "c1"})
+    refresh_cache_policies(ctx, kube.watched(), NS, LOG, policy_refs("cachePolicyRef", after))
+    assert kube.obj("CachePolicy", "c1")["status"]["usedBy"] == ["a"]
+    assert "status" not in kube.obj("CachePolicy", "c2")
 
 
 def test_inference_pool_selects_the_runtime_pods_on_their_port(clock, events):
