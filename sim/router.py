@@ -56,16 +56,19 @@ class EndpointView:
 
     endpoint_id: str
     role: str = "both"  # both | prefill | decode
-    polled_load: int = 0
+    reported_load: int = 0  # polled_load + since_report, at least 0 (kept, not derived: read on every pick)
     kv_usage: float = 0.0
     in_flight: int = 0
     reports_work: bool = True  # every simulated pod's event stream is followed
+    polled_load: int = 0
     since_report: int = 0  # this router's starts - ends since the last report, as `Endpoint` counts them
 
-    @property
-    def reported_load(self) -> int:
+    def count(self, started: int) -> None:
+        """One request of this router's started here (1) or ended (-1)."""
+        self.in_flight += started
+        self.since_report += started
         n = self.polled_load + self.since_report
-        return n if n > 0 else 0
+        self.reported_load = n if n > 0 else 0
 
     @property
     def name(self) -> str:
@@ -98,6 +101,7 @@ class SimRouter:
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self._prefix_hashes: dict[str, list[bytes]] = {}
         self.endpoints: dict[str, EndpointView] = {}
+        self._by_role: dict[str, list[EndpointView]] = {}  # role -> its endpoints (every pick reads them)
         # New requests, bounded as the router bounds them; decode phases (admitted already) apart.
         self.queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(spec.max_queued, clock)
         self.handoff_queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(1 << 62, clock)
@@ -111,9 +115,11 @@ class SimRouter:
 
     def add_endpoint(self, name: str, role: str = "both") -> None:
         self.endpoints[name] = EndpointView(name, role)
+        self._by_role.clear()
 
     def remove_endpoint(self, name: str) -> None:
         self.endpoints.pop(name, None)
+        self._by_role.clear()
         self.exact.clear(name)
         self.recent.forget(name)
         self.scheduled.forget(name)
@@ -126,7 +132,7 @@ class SimRouter:
     def report(self, name: str, load: int, kv_usage: float) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
-            ep.polled_load, ep.kv_usage, ep.since_report = load, kv_usage, 0
+            ep.polled_load, ep.reported_load, ep.kv_usage, ep.since_report = load, load, kv_usage, 0
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
@@ -208,7 +214,9 @@ class SimRouter:
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
         request was admitted already)."""
-        states = [ep for ep in self.endpoints.values() if ep.role == role]
+        states = self._by_role.get(role)
+        if states is None:
+            states = self._by_role[role] = [ep for ep in self.endpoints.values() if ep.role == role]
         limit = self.spec.max_in_flight_per_endpoint
         if role == "decode":
             verdict = decide(self.strategy, RouteQuery(0, None, b""), states, {}, limit, admitted=True)
@@ -225,17 +233,14 @@ class SimRouter:
             return None
         if role != "decode":
             self.recent.record(decision.endpoint_id, sreq.block_hashes)
-        ep = self.endpoints[decision.endpoint_id]
-        ep.in_flight += 1
-        ep.since_report += 1
+        self.endpoints[decision.endpoint_id].count(1)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
 
     def release(self, name: str) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
-            ep.in_flight -= 1
-            ep.since_report -= 1
+            ep.count(-1)
             if self.work is not None:
                 self.work.settle(name, ep.in_flight)
 

@@ -124,14 +124,19 @@ def decide(
     if not eligible:
         return Verdict(None, AT_CAPACITY)
     get = matches.get
-    # load_of inlined: this runs for every candidate of every pick.
+    # This runs for every candidate of every pick: load_of inlined, and the tuples built by tuple.__new__
+    # (a NamedTuple's own __new__ is a Python-level wrapper around it: a call more per candidate).
+    new = tuple.__new__
     candidates = [
-        Candidate(
-            s.endpoint_id,
-            a if (a := s.reported_load) >= (b := s.in_flight) else b,
-            s.kv_usage,
-            get(s.endpoint_id, 0),
-            s.reports_work,
+        new(
+            Candidate,
+            (
+                s.endpoint_id,
+                a if (a := s.reported_load) >= (b := s.in_flight) else b,
+                s.kv_usage,
+                get(s.endpoint_id, 0),
+                s.reports_work,
+            ),
         )
         for s in eligible
     ]

@@ -29,6 +29,7 @@ import hashlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 from tokenfleet.runtime.router.config import Balance, RoutingSpec, Weights
@@ -94,6 +95,9 @@ def _rendezvous(key: bytes, endpoint_id: str) -> bytes:
 
 def _endpoint_id(c: Candidate) -> str:
     return c.endpoint_id
+
+
+_load = itemgetter(1)  # Candidate.load, at C speed (every pick reads every candidate's)
 
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
@@ -249,7 +253,7 @@ class WeightedScore(Strategy):
         return decision
 
     def _decide(self, query: RouteQuery, candidates: Sequence[Candidate]) -> tuple[Decision, Candidate]:
-        loads = [c.load for c in candidates]
+        loads = list(map(_load, candidates))
         if is_imbalanced(loads, self.spec.balance):
             c = least_loaded(candidates)
             return Decision(c.endpoint_id, "hotspot_guard", c.prefix_blocks), c
