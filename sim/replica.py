@@ -204,9 +204,9 @@ class SimReplica:
                 rec = records[request.request_id]
                 if rec.first_scheduled is None:
                     rec.first_scheduled = now
-                    # The engine announces every request it starts (routers count it as work and follow
-                    # the prefix while it is prefilled), before the forward.
-                    self.announced.append(PrefillScheduled(tuple(request.block_hashes)))
+        # The scheduler's announcements of the requests it starts, which the engine publishes before the
+        # forward (routers count them as work and follow the prefix while it is prefilled).
+        self.announced.extend(scheduler.started)
         self._pending = output
         self.busy = True
         shape = batch_shape(output)

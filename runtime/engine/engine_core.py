@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import torch
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
-from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
 from tokenfleet.runtime.engine.output_processor import OutputProcessor
@@ -205,14 +204,13 @@ class EngineCore:
         self._num_steps += 1
         now = self.clock()
         requests = {s.request_id: self.outputs.get(s.request_id) for s in sched.scheduled}
-        announced = []
-        for req in requests.values():
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                # Every request, also one without a full block: routers count announcements as work.
-                announced.append(PrefillScheduled(tuple(req.block_hashes)))
-        if announced and self.kv_event_sink is not None:
-            self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
+        announced = self.scheduler.started
+        if announced:  # some requests start: a decode-only step skips this loop
+            for req in requests.values():
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+            if self.kv_event_sink is not None:
+                self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
         result = self.runner.execute(sched, requests)
         for rid, scored in result.prompt_logprobs.items():
             requests[rid].prompt_logprobs.extend(scored)

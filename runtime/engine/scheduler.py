@@ -33,6 +33,7 @@ import itertools
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.admission import AdmissionLimits
+from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request, RequestStatus
@@ -78,6 +79,11 @@ class Scheduler:
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
         self._finished_ids: list[str] = []
+        # The requests the last schedule() admitted for the first time, as routers are told of them: the
+        # `scheduled` KV event, which the engine (and the simulated replica) publish before the step's
+        # forward, so a router knows what a pod is computing while it does. Not in SchedulerOutput: that
+        # goes to every tensor-parallel worker, which has no use for it.
+        self.started: list[PrefillScheduled] = []
         self.num_preemptions_total = 0
         # Requests whose prompt is still being scored (prompt logprobs): only while one is here does a step
         # look for prompt positions to score.
@@ -163,6 +169,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.started:
+            self.started = []
         # Entries are appended as soon as a request's allocation succeeds (its block table is final for
         # the step then); a request preempted later in the step is taken out again. Order: running
         # order, then admission order.
@@ -314,6 +322,8 @@ class Scheduler:
             waiting.pop()
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
+                # Every request, also one without a full block: routers count announcements as work.
+                self.started.append(PrefillScheduled(tuple(request.block_hashes)))
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)

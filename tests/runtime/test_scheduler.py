@@ -163,6 +163,34 @@ def test_preempts_lowest_priority_newest_and_resumes_by_recompute(specs, victim)
     assert_all_free(s)
 
 
+def test_started_announces_each_first_admission_once_and_no_resumption():
+    """`started`: the requests the last schedule() admitted for the first time (what routers are told a pod
+    begins computing); a resumption after preemption is not announced again."""
+    s = make(num_blocks=6, caching=False)
+    reqs = [mkreq(rid, 7, max_tokens=9) for rid in ("r0", "r1", "r2")]
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    assert len(s.started) == 3
+    step(s)
+    assert s.started == []
+    out, _ = step(s)  # position 8 needs a third block each: r2 goes
+    assert out.preempted_ids == ("r2",) and s.started == []
+    while reqs[2].status is not RequestStatus.RUNNING:
+        step(s)
+        assert s.started == []
+
+
+def test_started_carries_each_prompt_block_hashes_in_admission_order():
+    s = make()
+    a, b, c = mkreq("a", 9), mkreq("b", 5), mkreq("c", 3)
+    for r in (a, b, c):
+        s.add_request(r)
+    step(s)
+    assert [ev.block_hashes for ev in s.started] == [tuple(r.block_hashes) for r in (a, b, c)]
+    assert [len(r.block_hashes) for r in (a, b, c)] == [2, 1, 0]  # one without a full block counts too
+
+
 def test_a_request_preempts_itself_when_it_is_the_lowest_priority():
     s = make(num_blocks=4, caching=False)
     s.add_request(r0 := mkreq("r0", 5, max_tokens=4))
