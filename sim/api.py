@@ -52,12 +52,14 @@ def build_workload(config: SimConfig):
 def simulate(config: SimConfig, cost: CostModel | None = None) -> dict:
     model = build_model(config)
     cost = cost or build_cost(config, model)
-    if cost.num_kv_blocks(config.block_size) < 1:
+    if cost.num_kv_blocks(config.cache.block_size) < 1:
         raise SimInputError(
             "fleet",
             f"{model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) leaves no KV cache on {cost.name}",
         )
-    max_model_len = min(model.max_model_len, cost.num_kv_blocks(config.block_size) * config.block_size)
+    max_model_len = min(
+        model.max_model_len, cost.num_kv_blocks(config.cache.block_size) * config.cache.block_size
+    )
     sim = Simulation(
         config, build_workload(config), cost, model.name, max(max_model_len, 2), model.kv_bytes_per_token
     )

@@ -1,8 +1,9 @@
 """What a simulation runs: the model, the fleet, the engine and router settings, autoscaling, SLO and traffic.
 
 One pydantic model, loadable from YAML/JSON (`tokenfleet simulate run --config`) or built from CLI flags.
-Engine and router sections *are* the runtime's own `SchedulerConfig` and `RoutingSpec`, so a simulated
-setting means what it means in a pod; the autoscaling section is the operator's `AutoscalingSpec`.
+Engine, cache and router sections *are* the runtime's own `SchedulerConfig`, `CacheConfig` and `RoutingSpec`,
+so a simulated setting means what it means in a pod; the autoscaling section is the operator's
+`AutoscalingSpec`. A cache field the simulator does not model is refused, naming it, rather than ignored.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tokenfleet.operator.autoscaling_policy import AutoscalingSpec
-from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.config import CacheConfig, SchedulerConfig
 from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.hardware import GPUS, gpu_profile
 from tokenfleet.sim.workload import WorkloadSpec
 
 GPU_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_waiting=100_000)
+# The cache fields a simulated replica honours (its KVCacheManager is built from the section); the pool's
+# size comes from the GPU profile and the model (`cost.num_kv_blocks`), as the engine sizes it.
+MODELLED_CACHE_FIELDS = frozenset(
+    {"block_size", "enable_prefix_caching", "eviction", "ttl_seconds", "max_pinned_fraction"}
+)
 
 
 class _Model(BaseModel):
@@ -87,9 +93,7 @@ class SimConfig(_Model):
     fleet: FleetSpec = FleetSpec()
     scheduler: SchedulerConfig = GPU_SCHEDULER
     routing: RoutingSpec = RoutingSpec(max_in_flight_per_endpoint=1024)
-    block_size: int = Field(16, description="KV block size (tokens).")
-    eviction: Literal["lru", "lfu", "s3fifo"] = "lru"
-    ttl_seconds: float | None = Field(None, gt=0)
+    cache: CacheConfig = Field(CacheConfig(), description="The pods' cache section (the fields it models).")
     autoscaling: AutoscalingSpec | None = None
     disaggregation: Disaggregation | None = None
     autoscale_interval_s: float = Field(15.0, gt=0)
@@ -104,8 +108,16 @@ class SimConfig(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise SimInputError("block_size", f"got {self.block_size}", "8, 16, 32, 64, 128")
+        default = CacheConfig()
+        unmodelled = [
+            name
+            for name in CacheConfig.model_fields
+            if name not in MODELLED_CACHE_FIELDS and getattr(self.cache, name) != getattr(default, name)
+        ]
+        if unmodelled:
+            raise SimInputError(
+                f"cache.{unmodelled[0]}", "not modelled by the simulator", MODELLED_CACHE_FIELDS
+            )
         if self.fleet.replicas == 0 and self.autoscaling is None:
             raise SimInputError("fleet.replicas", "0 replicas need autoscaling to ever serve anything")
         if self.disaggregation is not None:

@@ -105,7 +105,7 @@ def plan(
         for tp in tps:
             if tp > profile.max_tp:
                 continue
-            if RooflineCost(profile, model, tp).num_kv_blocks(config.block_size) < 64:
+            if RooflineCost(profile, model, tp).num_kv_blocks(config.cache.block_size) < 64:
                 skipped.append(f"{profile.name} tp={tp}: the weights leave (almost) no KV cache")
                 continue
             tpot, ttft = _floor_latencies(config, profile.name, tp)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
 
-from tokenfleet.runtime.config import SchedulerConfig
-from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
+from tokenfleet.runtime.config import CacheConfig, SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent, PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.request import Request
@@ -67,10 +66,8 @@ class RequestRecord:
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     scheduler: SchedulerConfig
-    block_size: int = 16
+    cache: CacheConfig = field(default_factory=CacheConfig)
     max_model_len: int = 8192
-    eviction: str = "lru"
-    ttl_seconds: float | None = None
     model_name: str = "model"
 
 
@@ -84,7 +81,7 @@ class SimReplica:
         on_first_token: Callable[[float], None],
         shared_host: CoreUsage | None = None,
     ) -> None:
-        num_blocks = cost.num_kv_blocks(config.block_size)
+        num_blocks = cost.num_kv_blocks(config.cache.block_size)
         if num_blocks < 1:
             raise SimInputError(
                 "fleet",
@@ -94,16 +91,8 @@ class SimReplica:
         self.cost = cost
         self.shared_host = shared_host
         self.step_cores = 0.0  # cores the step in flight keeps busy (shared host only)
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_caching=True,
-            hash_extra=hash_extra(config.model_name),
-            eviction=config.eviction,
-            enable_kv_events=True,
-            ttl_seconds=config.ttl_seconds,
-            clock=clock,
-        )
+        # As the engine builds it (the pool's events on: the router follows them).
+        self.kv = KVCacheManager.from_config(config.cache, num_blocks, config.model_name, clock)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.max_model_len)
         self.records: dict[str, RequestRecord] = {}
         self.itl_bins: dict[int, int] = {}  # log-spaced bins of inter-token gaps (results.py reads them)

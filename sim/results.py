@@ -196,7 +196,7 @@ class Collector:
             "routing": dict(sorted(sim.router.decisions.items())),
             "fleet": {
                 "cost_model": sim.cost.name,
-                "kv_blocks_per_replica": sim.cost.num_kv_blocks(cfg.block_size),
+                "kv_blocks_per_replica": sim.cost.num_kv_blocks(cfg.cache.block_size),
                 "replicas_peak": max([cfg.fleet.replicas, *(e[2] for e in sim.scale_events)]),
                 "replica_seconds": _r(replica_seconds),
                 "gpu_hours": _r(gpu_hours),

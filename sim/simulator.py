@@ -71,15 +71,8 @@ class Simulation:
         self._arrivals_done = False
         self._pending_followups = 0
         self.collector = Collector(config)
-        self.router = SimRouter(config.routing, config.block_size, model_name, self.clock)
-        self.replica_config = ReplicaConfig(
-            config.scheduler,
-            config.block_size,
-            max_model_len,
-            config.eviction,
-            config.ttl_seconds,
-            model_name,
-        )
+        self.router = SimRouter(config.routing, config.cache.block_size, model_name, self.clock)
+        self.replica_config = ReplicaConfig(config.scheduler, config.cache, max_model_len, model_name)
         self.pods: dict[str, _Pod] = {}
         self._names = itertools.count()
         self.history = History()
@@ -89,7 +82,11 @@ class Simulation:
         self.handoffs: KVHandoffs | None = None
         if config.disaggregation is not None:
             self.handoffs = KVHandoffs(
-                config.disaggregation, kv_bytes_per_token, config.block_size, config.fleet.tp, self.clock
+                config.disaggregation,
+                kv_bytes_per_token,
+                config.cache.block_size,
+                config.fleet.tp,
+                self.clock,
             )
         self._pending_handoffs = 0
         self._shared_host: CoreUsage | None = None

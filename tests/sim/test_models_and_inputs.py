@@ -118,7 +118,9 @@ def test_hf_config_and_gguf_header(tmp_path):
         ({"routing": {"strategy": "random"}}, "routing.strategy", None),
         ({"slo": {"ttft_s": 0}}, "slo.ttft_s", None),
         ({"workload": {"rate": -1}}, "workload.rate", None),
-        ({"block_size": 24}, "block_size", "16"),
+        ({"cache": {"block_size": 24}}, "cache.block_size", "16"),
+        ({"cache": {"kv_cache_dtype": "fp8_e4m3"}}, "cache.kv_cache_dtype", "eviction"),
+        ({"cache": {"cpu_offload_gib": 4}}, "cache.cpu_offload_gib", "ttl_seconds"),
         (
             {"fleet": {"replicas": 2}, "disaggregation": {"prefill_replicas": 2}},
             "disaggregation.prefill_replicas",
