@@ -3,10 +3,10 @@
 
 What is the router's code: the decision (`decision.decide`: the in-flight limit, load = max(the pod's last
 polled running + waiting brought up to date with the router's own starts and ends, its in-flight count),
-the strategy from `scoring.make_strategy` with its work bound and hot-spot guard), the prefix-match merge (`decision.exact_matches`: the exact index
-fed by the replicas' real KV events, raised by the prefixes pods announce and by this router's own recent
-routes, both on the simulation clock and both forgotten for a pod that reports an eviction), the prompt
-block hashes (`prompt_blocks.token_block_hashes`), the tie-break key (`decision.approx_extra`) and the
+the strategy from `scoring.make_strategy` with its work bound and hot-spot guard), the prefix-match merge
+(`decision.exact_matches`: the exact index fed by the replicas' real KV events, raised by the prefixes pods
+announce and by this router's own recent routes, both on the simulation clock and both forgotten for a pod
+that reports an eviction), the prompt block hashes (`prompt_blocks.token_block_hashes`), the tie-break key (`decision.approx_extra`) and the
 queue (`WaitQueue`: (priority, arrival) order, at most `max_queued` waiting, each for at most
 `queue_timeout_seconds`, from the same RoutingPolicy fields the router reads). What this file adds is
 what `Fleet` does around them without its network parts: every pod's event stream is live
