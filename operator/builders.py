@@ -36,6 +36,23 @@ DRAIN_MARGIN_SECONDS = 5
 # A pod being removed (scale-down, rollout) keeps serving this long before it gets SIGTERM: its endpoint is
 # marked terminating at once, and routers and kube-proxy stop sending it new requests within this time.
 PRE_STOP_SECONDS = 10
+# How long a pod stays bound to a node that stopped reporting (NotReady or unreachable) before it is evicted
+# and its Deployment replaces it elsewhere. Kubernetes' default is 300 s: five minutes of a lost node's
+# replicas missing from the fleet. A runtime or router pod holds nothing a replacement cannot rebuild (its
+# streams resume on other pods), so it is given up sooner.
+NODE_LOST_TOLERATION_SECONDS = 30
+
+
+def node_lost_tolerations() -> list[dict[str, Any]]:
+    return [
+        {
+            "key": key,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS,
+        }
+        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,11 +394,14 @@ def build_deployment(
         + math.ceil(config.server.drain_seconds)
         + DRAIN_MARGIN_SECONDS,
         "enableServiceLinks": False,
+        "tolerations": node_lost_tolerations(),
     }
     if mount.init_containers:
         pod_spec["initContainers"] = list(mount.init_containers)
     if gpu:
-        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        pod_spec["tolerations"].append(
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        )
     labels = common_labels(name)
     return {
         "apiVersion": "apps/v1",

@@ -30,6 +30,7 @@ from tokenfleet.operator.builders import (
     api_key_path,
     api_key_volume,
     container_security_context,
+    node_lost_tolerations,
     pod_security_context,
     service_url,
 )
@@ -213,6 +214,7 @@ def build_router_deployment(
                     "securityContext": pod_security_context(),
                     "terminationGracePeriodSeconds": 30,
                     "enableServiceLinks": False,
+                    "tolerations": node_lost_tolerations(),
                 },
             },
         },

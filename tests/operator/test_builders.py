@@ -108,7 +108,17 @@ def test_cpu_deployment_manifest():
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert pod["volumes"][0] == {"name": "config", "configMap": {"name": "smol-runtime"}}
     assert pod["terminationGracePeriodSeconds"] == 45  # preStop 10 s + drain 30 s + 5
-    assert "tolerations" not in pod and "initContainers" not in pod
+    assert "initContainers" not in pod
+    # A lost node's pods are replaced after 30 s, not Kubernetes' default 300 s.
+    assert pod["tolerations"] == [
+        {
+            "key": f"node.kubernetes.io/{taint}",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": 30,
+        }
+        for taint in ("not-ready", "unreachable")
+    ]
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["serving.tokenfleet.dev/config-hash"] == config_hash(cfg)
 
@@ -128,7 +138,11 @@ def test_gpu_deployment_manifest():
     ]
     assert {"name": "model", "mountPath": "/models/models", "readOnly": True} in c["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
-    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["tolerations"][-1] == {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert [t["key"] for t in pod["tolerations"][:2]] == [
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+    ]
     assert c["startupProbe"]["failureThreshold"] == 60
 
 

@@ -93,6 +93,11 @@ def test_a_router_mounts_the_key_of_every_deployment_it_routes_to():
     ]
     config = build_router_config("ns", parse_routing_policy({}), backends)
     pod = _pod(build_router_deployment("front", config, "img:1", ["chat", "code"]))
+    # Routers on a lost node are replaced elsewhere after 30 s, as runtime pods are.
+    assert {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"]} == {
+        "node.kubernetes.io/not-ready": 30,
+        "node.kubernetes.io/unreachable": 30,
+    }
     # What the router reads (its own schema) for each backend is a file the pod has, from the right Secret.
     loaded = RouterConfig.model_validate(yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json"))))
     seen = {b.name: _file_in_pod(pod, b.internal_key_file) for b in loaded.backends}
