@@ -18,7 +18,9 @@ The flow for one request:
 A streamed request instead gets the prefill pod's first token at once and the rest from the decode pod,
 which continues that very stream (disaggregation_stream.py).
 If no prefill pod answers, the request goes to the decode pods as an ordinary request; if the transfer
-fails, the decode pod recomputes the prompt itself. Either way the client gets the same completion.
+fails, the decode pod recomputes the prompt itself; if no decode pod is in rotation, the prefill pods serve
+the request alone, and a stream whose last decode pod died is continued on a prefill pod. Either way the
+client gets the same completion.
 
 A client cannot send `kv_transfer_params` itself: the member is dropped from every request the router
 forwards (it names a URL a pod would fetch from).
@@ -105,6 +107,10 @@ async def forward(
     decode_t = role_targets(fleet.config.backends, out.targets, DECODE, endpoints)
     if not prefill_t or not decode_t:
         return await proxy_forward(request, fleet, out, retries)
+    if not fleet.healthy_endpoints(decode_t):
+        # No decode pod in rotation (lost with its node, ejected, draining): prefill pods are whole engines,
+        # so they serve the request alone rather than the client waiting for a replacement decode pod.
+        return await proxy_forward(request, fleet, replace(out, targets=prefill_t), retries)
     if out.stream:  # the first token goes to the client from the prefill pod, the rest from a decode pod
         streamed = await disaggregation_stream.stream(
             request, fleet, out, prefill_payload(out.payload), prefill_t, decode_t, retries

@@ -9,7 +9,8 @@ a continuation of that stream plus `kv_transfer_params` naming the prefill pod's
 `x-tokenfleet-kv-hold` header); it fetches the KV, and its events (the rest, the final usage, `[DONE]`) go
 to the client with their annotations stripped. A decode pod that breaks mid-stream is resumed on another
 decode pod like any stream (runtime/router/resume.py): a continuation of everything the client holds,
-without KV (that pod computes what its own cache lacks). A prefill that ends the completion by itself (a
+without KV (that pod computes what its own cache lacks), and on a prefill pod when no decode pod is left in
+rotation (a node lost with the role's last pod). A prefill that ends the completion by itself (a
 stop after one token, or a client `max_tokens` of 1) is passed through whole. When the prefill stream cannot be continued exactly (e.g.
 `n` > 1) nothing is sent and the caller uses the unstreamed flow.
 """
@@ -150,7 +151,9 @@ async def stream(
         num_delivered_chars=chars,
     )
     params = wire.DecodeParams(remote_url=ep.url, hold_id=hold_id, block_hashes=[]) if hold_id else None
-    return await _decode(client, fleet, out, decode_targets, start, continuation, params, retries)
+    return await _decode(
+        client, fleet, out, decode_targets, prefill_targets, start, continuation, params, retries
+    )
 
 
 async def _decode(
@@ -158,6 +161,7 @@ async def _decode(
     fleet: Fleet,
     out: Outgoing,
     targets: tuple[RouteTarget, ...],
+    fallback: tuple[RouteTarget, ...],
     start: StreamStart,
     continuation: Continuation,
     params: wire.DecodeParams | None,
@@ -165,15 +169,20 @@ async def _decode(
 ) -> tuple[web.StreamResponse, Outcome]:
     """Continue the stream on a decode pod, and on another decode pod (a continuation that computes what
     it lacks) if that one breaks: the client holds the prefill pod's token, so a broken decode stream is
-    resumed like any other (resume.follow), never retried from the start."""
+    resumed like any other (resume.follow), never retried from the start. With no decode pod left in
+    rotation, a `fallback` (prefill) pod continues it the same way: it is a whole engine too."""
     tried: set[str] = set()
     timeout = aiohttp.ClientTimeout(total=None, connect=retries.connect_timeout_seconds, sock_read=None)
     nobody = PromptKey(None, "", None)  # decode pods by load and KV usage: the KV comes with the request
-    decode_out = replace(out, targets=targets, prompt=nobody, session_key=None)
+    # Later resumes (resume.follow) take the first of these targets with a pod in rotation: decode first.
+    decode_out = replace(out, targets=targets + fallback, prompt=nobody, session_key=None)
     splice = Splice(start=start, output_token_ids=list(continuation.output_token_ids), sent_any=True)
     splice.num_chars = continuation.num_delivered_chars
     for _ in range(retries.max_attempts):
         pick = fleet.pick(targets, nobody, None, frozenset(tried))
+        send = params
+        if pick is None:  # a prefill pod computes what it lacks; the hold is for decode pods
+            pick, send = fleet.pick(fallback, nobody, None, frozenset(tried)), None
         if pick is None:
             break
         ep = pick.endpoint
@@ -184,8 +193,8 @@ async def _decode(
             "stream": True,
             CONTINUATION_FIELD: continuation.model_dump(),
         }
-        if params is not None:
-            body[wire.FIELD] = params.model_dump()
+        if send is not None:
+            body[wire.FIELD] = send.model_dump()
         fleet.acquire(ep)
         try:
             try:
@@ -220,7 +229,7 @@ async def _decode(
         return await _end(client, tail, status, outcome.endpoint, outcome.completion_tokens)
     return await _end(
         client,
-        sse_error("no decode endpoint could continue the stream"),
+        sse_error("no decode or prefill endpoint could continue the stream"),
         502,
         None,
         len(splice.output_token_ids),

@@ -1,8 +1,9 @@
 """A decode pod that dies mid-stream, disaggregated: the router in front of one prefill pod and two decode
 pods (real `tokenfleet serve` processes, default model). One decode pod is SIGKILLed while streams run on
 it; each of those streams already holds the prefill pod's first token and some of the decode pod's, and
-is continued on the other decode pod. No client sees an error: every stream has the greedy text and usage
-of the same request answered by one plain pod, one response id and one `[DONE]`. Slow: three model loads.
+is continued on the other decode pod; then the last decode pod is killed too, and the prefill pod serves
+alone. No client sees an error: every stream has the greedy text and usage of the same request answered
+by one plain pod, one response id and one `[DONE]`. Slow: three model loads.
 """
 
 from __future__ import annotations
@@ -128,4 +129,46 @@ async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serv
         assert parsed[-1]["usage"]["completion_tokens"] == tokens == MAX_TOKENS
         blocks = [b.strip() for b in raw.decode().split("\n\n") if b.strip()]
         assert all(b.startswith("data: ") for b in blocks), raw  # no annotation reached the client
+    assert _total(metrics.resumes) >= 1 and _total(metrics.resume_failures) == 0
+
+
+async def test_with_the_last_decode_pod_gone_prefill_pods_serve_alone(pods, serve_app, in_rotation):
+    """A node lost with the decode role's only pod: its streams continue on the prefill pod (a whole engine)
+    and new requests, streamed or not, are served there alone instead of failing until a replacement."""
+    (p_url, _), (d1_url, d1_proc), _ = pods
+    reqs = _requests()[:2]
+    app = _router_app(p_url, [d1_url])
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        plain = await asyncio.gather(*(_plain(s, p_url, path, body) for path, body in reqs))
+        async with serve_app(app) as router_url:
+            await app[ROUTER].tokenizers_loaded()
+            await in_rotation(app, 2)
+            progressed = [asyncio.Event() for _ in reqs]
+            tasks = [
+                asyncio.create_task(_stream(s, router_url, path, body, e))
+                for (path, body), e in zip(reqs, progressed, strict=True)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 300)
+            assert await _running(s, d1_url) >= 1, "no stream was decoding on the pod to be killed"
+            d1_proc.send_signal(signal.SIGKILL)
+            raws = await asyncio.wait_for(asyncio.gather(*tasks), 400)
+            # Afterwards the decode role is empty: whole and streamed requests go to the prefill pod alone.
+            path, body = reqs[0]
+            async with s.post(router_url + path, json=body) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["x-tokenfleet-endpoint"] == p_url
+                whole = (await r.json())["choices"][0]["text"]
+            after = await _stream(s, router_url, path, body, asyncio.Event())
+            metrics = app[ROUTER].metrics
+    assert whole == plain[0][0]
+    for raw, (text, tokens), (path, _) in zip(
+        [*raws, after], [*plain, plain[0]], [*reqs, reqs[0]], strict=True
+    ):
+        chat = path.endswith("chat/completions")
+        events = [b[len("data: ") :] for b in raw.decode().split("\n\n") if b.startswith("data: ")]
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        parsed = [json.loads(e) for e in events[:-1]]
+        assert not [e for e in parsed if "error" in e], raw
+        assert "".join(_text(e, chat) for e in parsed if e.get("choices")) == text
+        assert parsed[-1]["usage"]["completion_tokens"] == tokens == MAX_TOKENS
     assert _total(metrics.resumes) >= 1 and _total(metrics.resume_failures) == 0
