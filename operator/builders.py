@@ -43,6 +43,20 @@ PRE_STOP_SECONDS = 10
 NODE_LOST_TOLERATION_SECONDS = 30
 
 
+def spread_over_nodes(selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Replicas of one Deployment revision on different nodes where the scheduler can: a lost node then
+    takes one replica, not all of them (a preference, never a reason to leave a pod Pending)."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": dict(selector)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+
+
 def node_lost_tolerations() -> list[dict[str, Any]]:
     return [
         {
@@ -395,6 +409,7 @@ def build_deployment(
         + DRAIN_MARGIN_SECONDS,
         "enableServiceLinks": False,
         "tolerations": node_lost_tolerations(),
+        "topologySpreadConstraints": spread_over_nodes(selector_labels(name)),
     }
     if mount.init_containers:
         pod_spec["initContainers"] = list(mount.init_containers)

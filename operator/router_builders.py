@@ -33,6 +33,7 @@ from tokenfleet.operator.builders import (
     node_lost_tolerations,
     pod_security_context,
     service_url,
+    spread_over_nodes,
 )
 from tokenfleet.operator.internal_key import router_key_path, router_key_volume
 from tokenfleet.runtime.config import RuntimeConfig
@@ -215,6 +216,7 @@ def build_router_deployment(
                     "terminationGracePeriodSeconds": 30,
                     "enableServiceLinks": False,
                     "tolerations": node_lost_tolerations(),
+                    "topologySpreadConstraints": spread_over_nodes(router_selector(rp_name)),
                 },
             },
         },

@@ -109,6 +109,16 @@ def test_cpu_deployment_manifest():
     assert pod["volumes"][0] == {"name": "config", "configMap": {"name": "smol-runtime"}}
     assert pod["terminationGracePeriodSeconds"] == 45  # preStop 10 s + drain 30 s + 5
     assert "initContainers" not in pod
+    # Replicas spread over nodes where they can (a preference: never Pending for it), per revision.
+    assert pod["topologySpreadConstraints"] == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
     # A lost node's pods are replaced after 30 s, not Kubernetes' default 300 s.
     assert pod["tolerations"] == [
         {

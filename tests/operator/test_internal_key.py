@@ -93,6 +93,12 @@ def test_a_router_mounts_the_key_of_every_deployment_it_routes_to():
     ]
     config = build_router_config("ns", parse_routing_policy({}), backends)
     pod = _pod(build_router_deployment("front", config, "img:1", ["chat", "code"]))
+    # Active-active routers on different nodes where they can be: one lost node takes one router.
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["labelSelector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": "front",
+        "app.kubernetes.io/component": "router",
+    }
     # Routers on a lost node are replaced elsewhere after 30 s, as runtime pods are.
     assert {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"]} == {
         "node.kubernetes.io/not-ready": 30,
