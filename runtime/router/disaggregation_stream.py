@@ -136,7 +136,13 @@ async def stream(
         fleet.report(ep, False)
         if client.resp is None:
             return None
-        return await _end(client, sse_error(f"the prefill endpoint failed ({type(e).__name__})"), 502, ep.id)
+        if start is None:
+            return await _end(
+                client, sse_error(f"the prefill endpoint failed ({type(e).__name__})"), 502, ep.id
+            )
+        # It died after its first token reached the client, its hold with it: a decode pod continues the
+        # stream from what the client holds and computes the prompt itself.
+        hold_id = None
     finally:
         fleet.release(ep)
     if client.resp is None or start is None:
