@@ -109,6 +109,7 @@ class Engine(_Spec):
     max_num_seqs: runtime_field("scheduler.max_num_seqs")
     max_num_batched_tokens: runtime_field("scheduler.max_num_batched_tokens")
     max_waiting: runtime_field("scheduler.max_waiting")
+    scheduling_policy: runtime_field("scheduler.policy")
     speculative: Speculative = Speculative()
 
 

@@ -103,6 +103,12 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(1024, gt=0, description="Token budget of one step (chunked prefill).")
     max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it requests get 429.")
     enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: a waiting request waits for room in the batch whatever its priority. priority: "
+        "a waiting request preempts running ones of a strictly lower priority (a larger number) when the "
+        "batch or the KV cache is full (vLLM's --scheduling-policy).",
+    )
 
 
 class SpeculativeConfig(_Strict):

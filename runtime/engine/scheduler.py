@@ -9,6 +9,8 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    arrivals — while budget, `max_num_seqs` and free blocks allow: prefix-cache hits start
    `num_computed_tokens` ahead, the rest of the prompt gets a chunk. Strict FCFS: when the head cannot
    be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
+   Under `policy: priority` the head instead preempts running requests of a strictly lower priority
+   (lowest first, newest first) until it fits, as vLLM's priority scheduling does; ties never preempt.
 
 The scheduler is the only one that allocates KV slots. A speculative draft that writes KV (a draft model,
 self-speculation) needs slots for the positions it will propose after the step: a chunk that samples also
@@ -189,7 +191,7 @@ class Scheduler:
             budget, i = self._schedule_running(i, budget, entries, preempted)
 
         if not preempted:
-            budget = self._admit_waiting(budget, entries)
+            budget = self._admit_waiting(budget, entries, preempted)
 
         output = SchedulerOutput(
             scheduled=tuple(entries),
@@ -290,14 +292,22 @@ class Scheduler:
         )
         return budget - num_new - len(spec), i + 1
 
-    def _admit_waiting(self, budget: int, entries: list[ScheduledRequest]) -> int:
-        """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left."""
+    def _admit_waiting(self, budget: int, entries: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left. Under
+        the `priority` policy a head that finds the batch or the cache full preempts running requests of a
+        strictly lower priority first (`_preempt_for`)."""
         chunked = self.config.enable_chunked_prefill
         waiting = self.waiting
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        by_priority = self.config.policy == "priority"
+        while budget > 0:
             request = waiting.peek()
             if request is None:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                if not by_priority or (refund := self._preempt_for(request, entries, preempted)) is None:
+                    break
+                budget += refund
+                continue
             rid = request.request_id
             # A request scoring its prompt computes every position it has not scored yet: a hit would
             # skip them (vLLM likewise skips the prefix cache for prompt logprobs). Only a resumed one,
@@ -318,7 +328,10 @@ class Scheduler:
                 limit = self._stop_info[request.request_id][0]
                 num_slots = min(num_new + self.num_lookahead_tokens, limit - 1 - num_hit_tokens)
             if self.kv.allocate_slots(request, num_slots, hits) is None:
-                break
+                if not by_priority or (refund := self._preempt_for(request, entries, preempted)) is None:
+                    break
+                budget += refund
+                continue
             waiting.pop()
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
@@ -470,6 +483,34 @@ class Scheduler:
     def _preemption_key(self, request: Request) -> tuple[int, float, int]:
         """The largest key is preempted first: lowest priority (largest value), then the newest."""
         return (request.priority, request.arrival_time, self._order[request.request_id])
+
+    def _preempt_for(
+        self, request: Request, entries: list[ScheduledRequest], preempted: list[str]
+    ) -> int | None:
+        """Preempt the running request that yields first (lowest priority, newest) if its priority is
+        strictly lower than `request`'s; the tokens it had been given in this step (None: nothing yields).
+
+        Strictly lower, so requests of one priority never preempt each other, and a preempted request,
+        back in the queue, can never preempt the one that displaced it: no ping-pong. Requests admitted
+        earlier in this step came first in (priority, arrival) order, so they are never the victim.
+        """
+        running = self.running
+        if not running:
+            return None
+        victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
+        victim = running[victim_index]
+        if victim.priority <= request.priority:
+            return None
+        running.pop(victim_index)
+        vid = victim.request_id
+        refund = 0
+        for j in range(len(entries) - 1, -1, -1):
+            if entries[j][0] == vid:  # scheduled earlier in this step: take its tokens back
+                refund = entries.pop(j).num_tokens
+                break
+        self._preempt(victim)
+        preempted.append(vid)
+        return refund
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)  # caches its computed full blocks: resuming may hit them

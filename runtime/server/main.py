@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-waiting", type=int, help="bounded waiting queue; beyond it 429")
     p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="priority: a waiting request preempts running ones of a lower priority when the batch is full",
+    )
+    p.add_argument(
         "--tensor-parallel-size", type=int, help="shard the model over this many worker processes / devices"
     )
     p.add_argument(
@@ -69,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("server", "port"): args.port,
         ("server", "api_key_file"): args.api_key_file,
         ("scheduler", "max_waiting"): args.max_waiting,
+        ("scheduler", "policy"): args.scheduling_policy,
         ("parallel", "tensor_parallel_size"): args.tensor_parallel_size,
         ("server", "enable_sleep_mode"): args.enable_sleep_mode,
     }

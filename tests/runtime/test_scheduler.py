@@ -25,10 +25,11 @@ def make(
     max_model_len: int = 256,
     chunked: bool = True,
     caching: bool = True,
+    policy: str = "fcfs",
 ) -> Scheduler:
     km = KVCacheManager(num_blocks, BS, enable_caching=caching, hash_extra=hash_extra("m"))
     config = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy
     )
     return Scheduler(config, km, max_model_len)
 
@@ -117,6 +118,61 @@ def test_waiting_requests_admitted_by_priority_then_arrival():
         out, _ = step(s)
         order += [x.request_id for x in out.scheduled]
     assert order == ["first", "second", "low"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_under_the_priority_policy_a_full_batch_yields_to_a_higher_priority_request(policy):
+    s = make(max_seqs=2, policy=policy)
+    batch = [mkreq(rid, 4, priority=5, max_tokens=6) for rid in ("b0", "b1")]
+    for r in batch:
+        s.add_request(r)
+    step(s)
+    urgent = mkreq("urgent", 4, priority=0, max_tokens=3)
+    s.add_request(urgent)
+    out, _ = step(s)
+    if policy == "fcfs":  # it waits for room, whatever its priority
+        assert counts(out) == {"b0": 1, "b1": 1} and not out.preempted_ids
+        assert urgent.status is RequestStatus.WAITING
+    else:  # the lowest priority and newest running request yields; its step's token is taken back
+        assert out.preempted_ids == ("b1",) and counts(out) == {"b0": 1, "urgent": 4}
+        assert batch[1].status is RequestStatus.PREEMPTED and batch[1].num_computed_tokens == 0
+    finished = []
+    while s.has_unfinished_requests():
+        finished += [r.request_id for r in step(s)[1]]
+    # Everyone gets every token; the preempted one resumed by recompute once there was room.
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in [*batch, urgent])
+    # fcfs: the urgent request finishes last; priority: before the request it displaced.
+    assert (finished.index("urgent") < finished.index("b1")) == (policy == "priority")
+    assert_all_free(s)
+
+
+def test_under_the_priority_policy_equal_priorities_never_preempt_each_other():
+    s = make(max_seqs=2, policy="priority")
+    for rid in ("a", "b"):
+        s.add_request(mkreq(rid, 4, priority=3, max_tokens=4))
+    step(s)
+    s.add_request(mkreq("c", 4, priority=3, max_tokens=4))
+    out, _ = step(s)
+    assert counts(out) == {"a": 1, "b": 1} and not out.preempted_ids
+
+
+def test_under_the_priority_policy_a_full_kv_cache_yields_to_a_higher_priority_request():
+    # 6 blocks of 4: three 5-token requests hold 2 blocks each and finish within them (3 tokens more).
+    s = make(num_blocks=6, caching=False, policy="priority")
+    low = [mkreq(rid, 5, priority=2, max_tokens=3) for rid in ("l0", "l1", "l2")]
+    for r in low:
+        s.add_request(r)
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    urgent = mkreq("urgent", 5, priority=0, max_tokens=2)
+    s.add_request(urgent)
+    out, _ = step(s)
+    # The batch has room (8 sequences), the cache has none: the newest low-priority request yields it.
+    assert out.preempted_ids == ("l2",) and counts(out) == {"l0": 1, "l1": 1, "urgent": 5}
+    while s.has_unfinished_requests():
+        step(s)
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in [*low, urgent])
+    assert_all_free(s)
 
 
 def _fill(s: Scheduler, specs: list[tuple[str, int]]) -> list[Request]:
@@ -380,9 +436,10 @@ def test_proposals_are_capped_by_max_tokens():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_add_abort_finish_never_leaks(seed):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_add_abort_finish_never_leaks(seed, policy):
     rng = random.Random(seed)
-    s = make(num_blocks=8, budget=12, max_seqs=5, max_model_len=32)
+    s = make(num_blocks=8, budget=12, max_seqs=5, max_model_len=32, policy=policy)
     next_id = 0
     for _ in range(400):
         if rng.random() < 0.4:

@@ -27,6 +27,8 @@ def test_flags_override_the_config_file(tmp_path):
     assert config.scheduler.max_waiting == 7
     assert config.model.name == "m"
     assert parse("--config", str(path), "--max-waiting", "3").scheduler.max_waiting == 3
+    assert parse("--scheduling-policy", "priority").scheduler.policy == "priority"
+    assert parse().scheduler.policy == "fcfs"
 
 
 def test_invalid_options_are_config_errors(tmp_path):
