@@ -43,24 +43,30 @@ PRE_STOP_SECONDS = 10
 NODE_LOST_TOLERATION_SECONDS = 30
 
 
-def spread_over_nodes(selector: dict[str, str], group: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Replicas of one Deployment revision (`selector`) on different nodes where the scheduler can, and,
-    with `group`, all the pods of that group too (a disaggregated model's prefill and decode pods): a lost
-    node then takes one replica, not a whole role or model. Preferences, never a reason to stay Pending."""
-
-    def spread(labels: dict[str, str], keys: list[str]) -> dict[str, Any]:
-        out = {
+def spread_over_nodes(selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Replicas of one Deployment revision on different nodes where the scheduler can: a lost node then
+    takes one replica, not all of them (a preference, never a reason to leave a pod Pending)."""
+    return [
+        {
             "maxSkew": 1,
             "topologyKey": "kubernetes.io/hostname",
             "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": dict(labels)},
+            "labelSelector": {"matchLabels": dict(selector)},
+            "matchLabelKeys": ["pod-template-hash"],
         }
-        return out | {"matchLabelKeys": keys} if keys else out
+    ]
 
-    out = [spread(selector, ["pod-template-hash"])]
-    if group is not None:
-        out.append(spread(group, []))
-    return out
+
+def apart_from(labels: dict[str, str]) -> dict[str, Any]:
+    """An affinity preferring nodes without pods matching `labels` (a disaggregated model's other role):
+    prefill and decode pods on different nodes, so a lost node does not take the whole model. Server-side
+    apply keys spread constraints by (topologyKey, whenUnsatisfiable), so this cannot be a second one."""
+    term = {"labelSelector": {"matchLabels": dict(labels)}, "topologyKey": "kubernetes.io/hostname"}
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 50, "podAffinityTerm": term}]
+        }
+    }
 
 
 def node_lost_tolerations() -> list[dict[str, Any]]:
@@ -415,11 +421,10 @@ def build_deployment(
         + DRAIN_MARGIN_SECONDS,
         "enableServiceLinks": False,
         "tolerations": node_lost_tolerations(),
-        # A role's pods spread among themselves and over the whole model (the other role's pods too).
-        "topologySpreadConstraints": spread_over_nodes(
-            selector_labels(name), None if md_name is None else {f"{GROUP}/model-deployment": md_name}
-        ),
+        "topologySpreadConstraints": spread_over_nodes(selector_labels(name)),
     }
+    if md_name is not None:  # a disaggregated role: away from the model's other pods where it can be
+        pod_spec["affinity"] = apart_from({f"{GROUP}/model-deployment": md_name})
     if mount.init_containers:
         pod_spec["initContainers"] = list(mount.init_containers)
     if gpu:

@@ -56,12 +56,14 @@ def test_each_role_gets_its_deployment_service_and_config_with_its_overrides():
         assert svc["spec"]["selector"].items() <= labels.items()
         # Its pods spread over nodes among themselves, and over the whole model: prefill and decode pods
         # on different nodes where they can be, so one lost node does not take the whole model.
-        spreads = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
-        assert [c["labelSelector"]["matchLabels"] for c in spreads] == [
-            {"app.kubernetes.io/instance": f"chat-{role}", "app.kubernetes.io/component": "runtime"},
-            {f"{GROUP}/model-deployment": "chat"},
-        ]
-        assert all(c["labelSelector"]["matchLabels"].items() <= labels.items() for c in spreads)
+        pod = dep["spec"]["template"]["spec"]
+        (spread,) = pod["topologySpreadConstraints"]
+        assert spread["labelSelector"]["matchLabels"].items() <= labels.items()
+        assert spread["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == f"chat-{role}"
+        (apart,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert apart["podAffinityTerm"]["labelSelector"]["matchLabels"] == {
+            f"{GROUP}/model-deployment": "chat"
+        }
         # So does the role's disruption budget: a drain takes at most one pod of each role at a time.
         budget = _by(children, "PodDisruptionBudget", f"chat-{role}")["spec"]
         assert budget["maxUnavailable"] == 1
