@@ -6,7 +6,9 @@ client holds (`Splice`). When the stream breaks before `data: [DONE]` (connectio
 timeout, or the pod handing it back at its drain deadline), the router sends a continuation to another
 healthy pod: the client's request plus the prompt ids, the tokens already generated and the characters of
 text delivered. That pod produces exactly the rest, with the same `id` and `created` and a usage that
-counts the whole completion, so the client sees one stream and one `[DONE]`.
+counts the whole completion, so the client sees one stream and one `[DONE]`. When no pod is in rotation at
+that moment (a rollout's or a lost node's replacements not probed yet), the stream is held, as a queued
+request is, up to `queueTimeoutSeconds`, and continued on the first pod that comes in.
 
 At most `retries.maxResumes` continuations per request; after that, or for a stream the pod declared not
 resumable (several choices, tool-call parsing, ...), the client gets the error event as before, naming why.
@@ -51,6 +53,8 @@ from tokenfleet.runtime.router.upstream import (
 )
 
 log = logging.getLogger(__name__)
+# How often a stream with no endpoint to continue on looks again (the probes run every second or so).
+ENDPOINT_WAIT_STEP_S = 0.2
 
 _DONE = b"data: [DONE]"
 _STREAM_HEADERS = {"content-type", "cache-control", "x-accel-buffering"}
@@ -336,6 +340,8 @@ async def _continue(
             tried.clear()  # every endpoint was tried once: the original ones may be back (a restarted pod)
             pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset())
         if pick is None:
+            pick = await _wait_for_endpoint(fleet, out)
+        if pick is None:
             return None
         splice.num_resumes += 1
         fleet.metrics.resumes.inc()
@@ -379,6 +385,20 @@ async def _continue(
         splice.resume_base = len(continuation.prompt_token_ids) + len(continuation.output_token_ids)
         splice.expect_cached = True
         return pick, upstream
+    return None
+
+
+async def _wait_for_endpoint(fleet: Fleet, out: Outgoing) -> Pick | None:
+    """No endpoint in rotation right now — a rollout's new pods not probed yet while the old ones hand
+    their streams back, a lost node's replacements still starting: the stream is held as a queued request
+    is, up to the queue timeout, and continued on the first endpoint that comes into rotation."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + fleet.config.routing.queue_timeout_seconds
+    while loop.time() < deadline:
+        await asyncio.sleep(ENDPOINT_WAIT_STEP_S)
+        pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset())
+        if pick is not None:
+            return pick
     return None
 
 
