@@ -25,9 +25,8 @@ from pathlib import Path
 E2E = Path(__file__).resolve().parent.parent / "e2e"
 sys.path.insert(0, str(E2E))
 
-import yaml  # noqa: E402
 from audit_log import read_calls  # noqa: E402
-from conftest import CRD_NAMES, REPO  # noqa: E402
+from cluster import install  # noqa: E402
 from crd_fuzz import field_names, generate, spec_schemas  # noqa: E402
 from crd_fuzz_run import call_figures, run_fuzz  # noqa: E402
 from envtest import ControlPlane  # noqa: E402
@@ -41,16 +40,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of a live process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def install(plane: ControlPlane) -> None:
-    docs = list(yaml.safe_load_all(plane.kubectl("kustomize", str(REPO / "manifests"))))
-    for doc in docs:
-        if doc and doc["kind"] == "Deployment":
-            doc["spec"]["replicas"] = 0  # the operator runs as a local process
-    plane.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
-    for crd in CRD_NAMES:
-        plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
 
 
 def main() -> int:

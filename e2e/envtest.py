@@ -132,6 +132,8 @@ class ControlPlane:
         self.operator_token = os.urandom(16).hex()
         self.port = 0
         self.kubectl_bin = find_kubectl()
+        # (wall-clock start, wall-clock ready) of each API server restart: clients are refused meanwhile.
+        self.apiserver_restarts: list[tuple[float, float]] = []
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> ControlPlane:
@@ -152,27 +154,25 @@ class ControlPlane:
         )  # fmt: skip
         _wait_http(f"{etcd_url}/health", 30, proc=self.procs[-1])
         self._write_credentials()
-        self._spawn(
-            "kube-apiserver",
-            [
-                str(binaries / "kube-apiserver"),
-                f"--etcd-servers={etcd_url}",
-                f"--bind-address={self.host}", f"--advertise-address={self.host}",
-                f"--secure-port={self.port}", f"--cert-dir={self.dir / 'certs'}",
-                f"--token-auth-file={self.dir / 'tokens.csv'}",
-                "--authorization-mode=RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc",
-                f"--service-account-key-file={self.dir / 'sa.pub'}",
-                f"--service-account-signing-key-file={self.dir / 'sa.key'}",
-                "--service-cluster-ip-range=10.0.0.0/24",
-                # No kube-proxy: the `kubernetes` Service's ClusterIP routes nowhere, so the kubelet
-                # hands pods the API server's real address (KUBERNETES_SERVICE_HOST) instead.
-                "--endpoint-reconciler-type=none",
-                # Every request of the operator's identity, one JSON line each (audit_log.py counts them).
-                f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
-                f"--audit-log-path={self.audit_log}",
-            ],
-        )  # fmt: skip
+        self.apiserver_cmd = [
+            str(binaries / "kube-apiserver"),
+            f"--etcd-servers={etcd_url}",
+            f"--bind-address={self.host}", f"--advertise-address={self.host}",
+            f"--secure-port={self.port}", f"--cert-dir={self.dir / 'certs'}",
+            f"--token-auth-file={self.dir / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={self.dir / 'sa.pub'}",
+            f"--service-account-signing-key-file={self.dir / 'sa.key'}",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            # No kube-proxy: the `kubernetes` Service's ClusterIP routes nowhere, so the kubelet
+            # hands pods the API server's real address (KUBERNETES_SERVICE_HOST) instead.
+            "--endpoint-reconciler-type=none",
+            # Every request of the operator's identity, one JSON line each (audit_log.py counts them).
+            f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
+            f"--audit-log-path={self.audit_log}",
+        ]  # fmt: skip
+        self._spawn("kube-apiserver", self.apiserver_cmd)
         _wait_http(f"{self.server}/readyz", 60, token=self.admin_token, proc=self.procs[-1])
         self._write_kubeconfig("admin", self.admin_token)
         self._write_kubeconfig("operator", self.operator_token)
@@ -211,6 +211,20 @@ class ControlPlane:
             what="the controller-manager to create ServiceAccount default/default",
         )
 
+    def restart_apiserver(self) -> float:
+        """SIGKILL the API server and start it again on the same port and data (etcd keeps running), as a
+        control-plane node's restart does; returns the seconds until it was ready again. Every client
+        (controllers, kubelets, the operator, routers' watches) sees refused connections meanwhile."""
+        started, wall = time.monotonic(), time.time()
+        (old,) = [p for p in self.procs if program(p.args) == "kube-apiserver"]
+        old.kill()
+        old.wait()
+        self.procs.remove(old)
+        self._spawn("kube-apiserver", self.apiserver_cmd)
+        _wait_http(f"{self.server}/readyz", 60, token=self.admin_token, proc=self.procs[-1])
+        self.apiserver_restarts.append((wall, time.time()))
+        return time.monotonic() - started
+
     def _alive(self) -> bool:
         for proc in self.procs:
             if proc.poll() is not None:
@@ -241,7 +255,7 @@ class ControlPlane:
         shutil.rmtree(self.dir / "etcd", ignore_errors=True)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
         self.procs.append(
             # KILL: a session that died without its teardown leaves nothing to stop gracefully (tether.py).
             subprocess.Popen(

@@ -79,6 +79,7 @@ class Kubelet:
         workdir: Path,
         owner_pid: int,
         image: Path,
+        indexes: range = range(2, 255),
     ):
         self.api = api
         self.network = network
@@ -95,7 +96,9 @@ class Kubelet:
         self.api_port = int(api.server.rsplit(":", 1)[1])
         self.workers: dict[str, tuple[PodWorker, asyncio.Task]] = {}
         self.finished: set[str] = set()
-        self.free_indexes = list(range(2, 255))
+        # Pod slots on the session's bridge (address, namespace and link names); one kubelet process per
+        # node, each with slots of its own, so that a node can be stopped alone.
+        self.free_indexes = list(indexes)
         self._objects: dict[str, tuple[float, dict[str, Any] | None]] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -295,10 +298,18 @@ class Kubelet:
 
 # ---------------------------------------------------------------------------------------------- the process
 class KubeletProcess:
-    """The kubelet as a child process of the test session; `stop()` ends it and its pods."""
+    """The kubelet as a child process of the test session; `stop()` ends it and its pods (a node that
+    crashed: its Lease goes stale, the node lifecycle controller marks it NotReady and evicts its pods);
+    `start()` again brings the node back."""
 
     def __init__(
-        self, kubeconfig: Path, network: PodNetwork, nodes: list[NodeSpec], workdir: Path, image: Path
+        self,
+        kubeconfig: Path,
+        network: PodNetwork,
+        nodes: list[NodeSpec],
+        workdir: Path,
+        image: Path,
+        indexes: range = range(2, 255),
     ):
         self.workdir = workdir
         self.log_path = workdir / "kubelet.log"
@@ -307,6 +318,7 @@ class KubeletProcess:
             sys.executable, str(HERE / "kubelet.py"), "--kubeconfig", str(kubeconfig),
             "--network", f"{network.tag}/{network.subnet}", "--workdir", str(workdir),
             "--owner-pid", str(os.getpid()), "--image", str(image), *(f"--node={n}" for n in nodes),
+            "--indexes", f"{indexes.start}-{indexes.stop - 1}",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
@@ -344,7 +356,11 @@ def main() -> None:
         "--image", type=Path, required=True, help="the image payload's venv (image_payload.py)"
     )
     parser.add_argument("--node", action="append", type=NodeSpec.parse, required=True)
+    parser.add_argument(
+        "--indexes", default="2-254", help="FIRST-LAST: this kubelet's pod slots on the bridge"
+    )
     args = parser.parse_args()
+    first, last = (int(x) for x in args.indexes.split("-"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     tag, subnet = args.network.split("/", 1)
     network = PodNetwork(tag=tag, subnet=subnet)
@@ -355,7 +371,10 @@ def main() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with KubeApi(args.kubeconfig) as api:
-            await Kubelet(api, network, args.node, args.workdir, args.owner_pid, args.image).run(stop)
+            kubelet = Kubelet(
+                api, network, args.node, args.workdir, args.owner_pid, args.image, range(first, last + 1)
+            )
+            await kubelet.run(stop)
 
     asyncio.run(run())
 

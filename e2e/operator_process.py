@@ -4,8 +4,10 @@ image's."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from tether import tethered
@@ -63,3 +65,27 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+# A log record starts with logging's timestamp; a traceback's lines continue it.
+RECORD_START = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+# After an API server restart its RBAC caches fill for a moment after it answers: every identity is refused
+# then (its /readyz waits for them; clients do not), so 403s near a restart are not a missing rule.
+RESTART_MARGIN_S = 10.0
+
+
+def refused_requests(log: str, apiserver_restarts: list[tuple[float, float]]) -> list[str]:
+    """The operator log's records that mention a 403, except those of a namespace being deleted (it refuses
+    new Events) and those written while the API server was restarting."""
+    refused, when = [], None
+    for line in log.splitlines():
+        if m := RECORD_START.match(line):
+            when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+        if "Forbidden" not in line or "is being terminated" in line:
+            continue
+        restarting = when is not None and any(
+            start <= when <= ready + RESTART_MARGIN_S for start, ready in apiserver_restarts
+        )
+        if not restarting:
+            refused.append(line)
+    return refused

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
+from operator_process import refused_requests
 from pod_env import PodSpecError, container_argv, container_env, quantity
 from pod_volumes import atomic_write
 
@@ -75,3 +77,15 @@ def test_quantities():
     assert quantity("500m") == quantity("0.5") and quantity("4Gi") == 4 * 2**30 and quantity("1k") == 1000
     with pytest.raises(PodSpecError):
         quantity("lots")
+
+
+def test_an_operator_403_counts_unless_the_api_server_was_restarting():
+    restart = time.mktime(time.strptime("2026-12-05 15:07:30", "%Y-%m-%d %H:%M:%S"))
+    log = (
+        "2026-12-05 15:07:32,984 ERROR kopf: GET /apis/x -> APIForbiddenError('x is forbidden')\n"
+        "Reason: Forbidden\n"  # the same record's traceback
+        "2026-12-05 15:09:00,001 ERROR kopf: GET /apis/y -> APIForbiddenError('y is forbidden')\n"
+        "2026-12-05 15:09:01,000 INFO kopf: namespace z is being terminated: Forbidden\n"
+    )
+    assert refused_requests(log, [(restart, restart + 4)]) == [log.splitlines()[2]]
+    assert len(refused_requests(log, [])) == 3

@@ -1,0 +1,45 @@
+"""Chaos under sustained load, the CI-sized schedule (e2e/chaos.py has the load, the faults and the table;
+`bench/chaos.py` runs the long schedule with every fault, the node loss included).
+
+Under a steady mixed load through two routers to a disaggregated ModelDeployment: a RoutingPolicy edit, the
+busiest decode pod SIGKILLed, the prefill pod SIGKILLed, a router SIGKILLed, the operator killed and
+restarted, the API server restarted, a CachePolicy edit. Then: no client-visible error except those whose
+router was killed under them (each says why), every request whole (the tokens asked for, structured output
+that parses), no KV block left taken on any pod, and the fleet back to steady state after every fault.
+"""
+
+from __future__ import annotations
+
+import pytest
+from chaos import UNRESUMABLE, ChaosRun
+
+SCHEDULE = [
+    "edit_routing_policy",
+    "kill_decode_pod",
+    "kill_router",
+    "restart_operator",
+    "kill_prefill_pod",
+    "restart_apiserver",
+    "edit_cache_policy",
+]
+FAULT_BUDGET_S = 150  # a SIGKILLed runtime pod reloads its model on a busy 2-core machine
+
+
+@pytest.mark.slow
+def test_the_fleet_loses_nothing_resumable_under_faults(cluster, pod_network, operator, namespace):
+    run = ChaosRun(cluster, pod_network, operator, namespace, workers=4, seed=0)
+    run.deploy()
+    try:
+        for name in SCHEDULE:
+            result = run.inject(name, budget=FAULT_BUDGET_S)
+            assert result.steady_s is not None, f"{name} ({result.detail}): not steady\n{run.report()}"
+    finally:
+        run.finish()
+        print(run.report())
+    report = run.report()
+    records = [r for r in run.load.records if r.outcome]
+    assert sum(r.outcome == "ok" for r in records) >= 20, report
+    assert any(r.outcome == "disconnected" for r in records), report
+    assert not run.defects(), report
+    assert set(run.errors()) <= set(UNRESUMABLE), report
+    assert run.leaked and not any(run.leaked.values()), report
