@@ -76,8 +76,7 @@ def operator(cluster: ControlPlane, image: Path) -> Iterator[OperatorProcess]:
     finally:
         proc.stop()
         # Least privilege is enough: not one request of the whole session was refused.
-        # (A namespace being deleted refuses new Events with a 403 too: that is not a missing rule.)
-        refused = refused_requests(proc.log(), cluster.apiserver_restarts)
+        refused = refused_requests(proc.session_log(), cluster.apiserver_restarts)
         if refused:
             log = "\n".join(refused)
             print(log[-5000:], file=sys.stderr)

@@ -28,6 +28,7 @@ class OperatorProcess:
         self.resync_seconds = resync_seconds
         self.autoscale_seconds = autoscale_seconds
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where the running process's output starts in the (appended) log file
 
     def command(self) -> list[str]:
         # The payload's console script, exactly as the operator Deployment runs it.
@@ -41,6 +42,7 @@ class OperatorProcess:
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open by the child)
+        self._log_start = log.tell()
         self.proc = subprocess.Popen(
             tethered(self.command()), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -64,7 +66,16 @@ class OperatorProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """What the current (or last) operator process wrote: a restarted one says its start-up lines again."""
+        return self.session_log(self._log_start)
+
+    def session_log(self, start: int = 0) -> str:
+        """Every operator process's output this session (from byte `start`)."""
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
 
 
 # A log record starts with logging's timestamp; a traceback's lines continue it.
@@ -75,17 +86,26 @@ RESTART_MARGIN_S = 10.0
 
 
 def refused_requests(log: str, apiserver_restarts: list[tuple[float, float]]) -> list[str]:
-    """The operator log's records that mention a 403, except those of a namespace being deleted (it refuses
-    new Events) and those written while the API server was restarting."""
-    refused, when = [], None
+    """The operator log's records (a timestamped line and its traceback) that hold an RBAC refusal — the
+    API server's `forbidden: User "..." cannot <verb> ...` — except those written while the API server was
+    restarting. Other 403s are not a missing rule: a namespace being deleted refuses new objects, and so
+    does a CustomResourceDefinition being deleted."""
+    records: list[tuple[float | None, list[str]]] = []
     for line in log.splitlines():
         if m := RECORD_START.match(line):
             when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-        if "Forbidden" not in line or "is being terminated" in line:
+            records.append((when, [line]))
+        elif records:
+            records[-1][1].append(line)
+        else:
+            records.append((None, [line]))
+    refused = []
+    for when, lines in records:
+        if not any("forbidden: User" in line for line in lines):
             continue
-        restarting = when is not None and any(
+        if when is not None and any(
             start <= when <= ready + RESTART_MARGIN_S for start, ready in apiserver_restarts
-        )
-        if not restarting:
-            refused.append(line)
+        ):
+            continue
+        refused.append("\n".join(lines))
     return refused

@@ -79,13 +79,18 @@ def test_quantities():
         quantity("lots")
 
 
-def test_an_operator_403_counts_unless_the_api_server_was_restarting():
+def test_an_operator_403_counts_when_rbac_refused_it_and_the_api_server_was_not_restarting():
     restart = time.mktime(time.strptime("2026-12-05 15:07:30", "%Y-%m-%d %H:%M:%S"))
+    rbac = 'x is forbidden: User "system:serviceaccount:ns:op" cannot watch resource "x"'
     log = (
-        "2026-12-05 15:07:32,984 ERROR kopf: GET /apis/x -> APIForbiddenError('x is forbidden')\n"
+        f"2026-12-05 15:07:32,984 ERROR kopf: GET /apis/x -> APIForbiddenError('{rbac}')\n"
         "Reason: Forbidden\n"  # the same record's traceback
-        "2026-12-05 15:09:00,001 ERROR kopf: GET /apis/y -> APIForbiddenError('y is forbidden')\n"
-        "2026-12-05 15:09:01,000 INFO kopf: namespace z is being terminated: Forbidden\n"
+        f"2026-12-05 15:09:00,001 ERROR kopf: GET /apis/y -> APIForbiddenError('{rbac}')\n"
+        "2026-12-05 15:09:01,000 ERROR kopf: create failed\n"
+        "Reason: Forbidden\n"
+        'HTTP response body: {"message": "p is forbidden: create not allowed while custom resource '
+        'definition is terminating"}\n'
     )
-    assert refused_requests(log, [(restart, restart + 4)]) == [log.splitlines()[2]]
-    assert len(refused_requests(log, [])) == 3
+    (refused,) = refused_requests(log, [(restart, restart + 4)])
+    assert refused.startswith("2026-12-05 15:09:00,001")
+    assert len(refused_requests(log, [])) == 2
