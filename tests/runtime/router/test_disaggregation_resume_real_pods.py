@@ -98,6 +98,32 @@ def _total(counter) -> float:
     return sum(x.value for m in counter.collect() for x in m.samples if x.name.endswith("_total"))
 
 
+def _assert_one_whole_stream(raw: bytes, text: str, tokens: int, chat: bool) -> None:
+    """One id, the plain pod's greedy text and usage, a single `[DONE]`, no error, no annotation."""
+    events = [b[len("data: ") :] for b in raw.decode().split("\n\n") if b.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert not [e for e in parsed if "error" in e], raw
+    assert len({e["id"] for e in parsed}) == 1
+    assert "".join(_text(e, chat) for e in parsed if e.get("choices")) == text
+    assert parsed[-1]["usage"]["completion_tokens"] == tokens == MAX_TOKENS
+    blocks = [b.strip() for b in raw.decode().split("\n\n") if b.strip()]
+    assert all(b.startswith("data: ") for b in blocks), raw
+
+
+async def _kill_under_streams(s, router_url: str, reqs, url: str, proc) -> list[bytes]:
+    """Start `reqs` as streams, SIGKILL the pod at `url` once each has progressed and one decodes there."""
+    progressed = [asyncio.Event() for _ in reqs]
+    tasks = [
+        asyncio.create_task(_stream(s, router_url, path, body, e))
+        for (path, body), e in zip(reqs, progressed, strict=True)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 300)
+    assert await _running(s, url) >= 1, "no stream was decoding on the pod to be killed"
+    proc.send_signal(signal.SIGKILL)
+    return await asyncio.wait_for(asyncio.gather(*tasks), 400)  # no client hangs
+
+
 async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serve_app, in_rotation):
     (p_url, _), (d1_url, _), (d2_url, d2_proc) = pods
     reqs = _requests()
@@ -107,28 +133,11 @@ async def test_a_decode_pod_killed_mid_stream_is_invisible_to_clients(pods, serv
         async with serve_app(app) as router_url:
             await app[ROUTER].tokenizers_loaded()
             await in_rotation(app, 3)
-            progressed = [asyncio.Event() for _ in reqs]
-            tasks = [
-                asyncio.create_task(_stream(s, router_url, path, body, e))
-                for (path, body), e in zip(reqs, progressed, strict=True)
-            ]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 300)
             # Decode pods are picked by load: four streams at once spread over both.
-            assert await _running(s, d2_url) >= 1, "no stream was decoding on the pod to be killed"
-            d2_proc.send_signal(signal.SIGKILL)
-            raws = await asyncio.wait_for(asyncio.gather(*tasks), 400)  # no client hangs
+            raws = await _kill_under_streams(s, router_url, reqs, d2_url, d2_proc)
             metrics = app[ROUTER].metrics
     for raw, (text, tokens), (path, _) in zip(raws, plain, reqs, strict=True):
-        chat = path.endswith("chat/completions")
-        events = [b[len("data: ") :] for b in raw.decode().split("\n\n") if b.startswith("data: ")]
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-        parsed = [json.loads(e) for e in events[:-1]]
-        assert not [e for e in parsed if "error" in e], raw
-        assert len({e["id"] for e in parsed}) == 1
-        assert "".join(_text(e, chat) for e in parsed if e.get("choices")) == text
-        assert parsed[-1]["usage"]["completion_tokens"] == tokens == MAX_TOKENS
-        blocks = [b.strip() for b in raw.decode().split("\n\n") if b.strip()]
-        assert all(b.startswith("data: ") for b in blocks), raw  # no annotation reached the client
+        _assert_one_whole_stream(raw, text, tokens, path.endswith("chat/completions"))
     assert _total(metrics.resumes) >= 1 and _total(metrics.resume_failures) == 0
 
 
@@ -143,15 +152,7 @@ async def test_with_the_last_decode_pod_gone_prefill_pods_serve_alone(pods, serv
         async with serve_app(app) as router_url:
             await app[ROUTER].tokenizers_loaded()
             await in_rotation(app, 2)
-            progressed = [asyncio.Event() for _ in reqs]
-            tasks = [
-                asyncio.create_task(_stream(s, router_url, path, body, e))
-                for (path, body), e in zip(reqs, progressed, strict=True)
-            ]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 300)
-            assert await _running(s, d1_url) >= 1, "no stream was decoding on the pod to be killed"
-            d1_proc.send_signal(signal.SIGKILL)
-            raws = await asyncio.wait_for(asyncio.gather(*tasks), 400)
+            raws = await _kill_under_streams(s, router_url, reqs, d1_url, d1_proc)
             # Afterwards the decode role is empty: whole and streamed requests go to the prefill pod alone.
             path, body = reqs[0]
             async with s.post(router_url + path, json=body) as r:
@@ -161,14 +162,7 @@ async def test_with_the_last_decode_pod_gone_prefill_pods_serve_alone(pods, serv
             after = await _stream(s, router_url, path, body, asyncio.Event())
             metrics = app[ROUTER].metrics
     assert whole == plain[0][0]
-    for raw, (text, tokens), (path, _) in zip(
-        [*raws, after], [*plain, plain[0]], [*reqs, reqs[0]], strict=True
-    ):
-        chat = path.endswith("chat/completions")
-        events = [b[len("data: ") :] for b in raw.decode().split("\n\n") if b.startswith("data: ")]
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-        parsed = [json.loads(e) for e in events[:-1]]
-        assert not [e for e in parsed if "error" in e], raw
-        assert "".join(_text(e, chat) for e in parsed if e.get("choices")) == text
-        assert parsed[-1]["usage"]["completion_tokens"] == tokens == MAX_TOKENS
+    cases = zip([*raws, after], [*plain, plain[0]], [*reqs, reqs[0]], strict=True)
+    for raw, (text, tokens), (path, _) in cases:
+        _assert_one_whole_stream(raw, text, tokens, path.endswith("chat/completions"))
     assert _total(metrics.resumes) >= 1 and _total(metrics.resume_failures) == 0
