@@ -84,14 +84,21 @@ class RouterMetrics:
             registry=r,
         )
         self.rate_limited = Counter(PREFIX + "rate_limited", "429s by limit kind.", ["kind"], registry=r)
+        self.priority_lowered = Counter(
+            PREFIX + "priority_lowered",
+            "Requests that asked for more urgency than their API key's tier allows (served at the tier's).",
+            registry=r,
+        )
         self.queue_waiting = Gauge(
             PREFIX + "queue_waiting", "Requests waiting for capacity in the router.", registry=r
         )
         # The demand signal for scaling, from zero too: requests held because no endpoint of the model
-        # could take them (none ready, all ejected or at their limit).
+        # could take them (none ready, all ejected or at their limit), and requests a fallback serves
+        # meanwhile because the model had no ready endpoint. By the model its pods serve, never an alias.
         self.pending = Gauge(
             PREFIX + "pending_requests",
-            "Requests held in the router's queue, by requested model.",
+            "Requests the model's own pods could not take: held in the router's queue, or served by a "
+            "fallback while none of its endpoints was ready.",
             ["model"],
             registry=r,
         )

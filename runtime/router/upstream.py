@@ -62,8 +62,8 @@ class Outcome:
     endpoint: str | None = None
 
 
-def error_body(message: str, type_: str, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def sse_error(message: str) -> bytes:
@@ -74,7 +74,7 @@ def sse_error(message: str) -> bytes:
 def request_headers(incoming, priority: int) -> dict[str, str]:
     """Headers for the pod. `x-tokenfleet-priority` carries the request's priority number unchanged: it
     means on the pod what it means here (lower = sooner, preempted later), and the pod uses it when the
-    body sets no `priority` of its own."""
+    body sets no `priority` of its own (the router rewrites a body's `priority` to the same number)."""
     headers = {k: incoming[k] for k in _FORWARD_REQUEST if k in incoming}
     headers["x-tokenfleet-priority"] = str(priority)
     return headers
