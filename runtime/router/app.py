@@ -17,9 +17,11 @@ their prefix index; requests in flight keep the route they have.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -36,10 +38,11 @@ from tokenfleet.runtime.router.decision import AT_CAPACITY, NO_READY_ENDPOINT, r
 from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.metrics import RouterMetrics
-from tokenfleet.runtime.router.model_routes import served_models
+from tokenfleet.runtime.router.model_routes import RouteTarget, route_of, served_models, session_draw
 from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.pod_tokenizers import BackendTokenizer
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
+from tokenfleet.runtime.router.priority_classes import PriorityClasses, PriorityError
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
 from tokenfleet.runtime.router.upstream import Outgoing, error_body, request_headers
@@ -66,6 +69,8 @@ class RouterApp:
         self._set_classes(config)
         self._tokenizer_loader = tokenizer_loader
         self.tokenizers: dict[str, Tokenizer | None] = {}  # by model
+        # Requests in flight on a fallback because their primary had no ready endpoint, by the primary's model.
+        self.displaced: collections.Counter[str] = collections.Counter()
         self._built_tokenizers: dict[str, Tokenizer] = {}  # by digest, fetched from pods
         self._backend_tokenizers: dict[str, tuple[BackendTokenizer, asyncio.Task]] = {}  # by backend
         self.pod_auth = PodAuth()
@@ -76,8 +81,7 @@ class RouterApp:
         self.metrics.config_generation.set(config.generation if config.generation is not None else -1)
 
     def _set_classes(self, config: RouterConfig) -> None:
-        self.classes = {c.name: c.priority for c in config.routing.priority_classes}
-        self.tier_priority = {t: c.priority for c in config.routing.priority_classes for t in c.tiers}
+        self.classes = PriorityClasses(config.routing.priority_classes)
 
     async def start(self) -> None:
         # No connection cap: the router's own in-flight limits bound the load; a pool cap would queue blindly.
@@ -206,16 +210,17 @@ class RouterApp:
             return token, tier
         return (f"key:{token}" if token else f"addr:{request.remote}"), "default"
 
-    def priority(self, request: web.Request, tier: str) -> int:
-        """The request's priority number (lower = sooner): the one place a class name becomes a number."""
-        name = request.headers.get(self.config.routing.priority_header)
-        if name is not None:
-            if name not in self.classes:
-                raise _json_error(
-                    400, f"unknown priority class {name!r}", "invalid_request_error", "priority"
-                )
-            return self.classes[name]
-        return self.tier_priority.get(tier, 0)
+    def priority(self, request: web.Request, tier: str, payload: dict) -> int:
+        """The request's priority number (lower = sooner): the one place a class name becomes a number,
+        bounded by the key's tier (priority_classes.py)."""
+        header = request.headers.get(self.config.routing.priority_header)
+        try:
+            resolved = self.classes.resolve(tier, self.keys.enabled, header, payload)
+        except PriorityError as e:
+            raise _json_error(400, str(e), "invalid_request_error", "invalid_value", param=e.param) from e
+        if resolved.lowered:
+            self.metrics.priority_lowered.inc()
+        return resolved.priority
 
     def config_snapshot(self) -> dict:
         """What `/v1/config` shows; API keys are counted, never shown."""
@@ -241,7 +246,7 @@ class RouterApp:
 
 
 def _json_error(
-    status: int, message: str, type_: str, code: str | None = None, headers=None
+    status: int, message: str, type_: str, code: str | None = None, headers=None, param: str | None = None
 ) -> web.HTTPException:
     exc_type = web.HTTPException
     for cls in (
@@ -254,7 +259,9 @@ def _json_error(
         if cls.status_code == status:
             exc_type = cls
     return exc_type(
-        text=json.dumps(error_body(message, type_, code)), content_type="application/json", headers=headers
+        text=json.dumps(error_body(message, type_, code, param)),
+        content_type="application/json",
+        headers=headers,
     )
 
 
@@ -302,10 +309,18 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     model = payload.get("model") or (models[0] if len(models) == 1 else None)
     if not isinstance(model, str):
         raise _json_error(400, "`model` is required", "invalid_request_error", "model")
-    targets = fleet.targets(model)
+    session_key = request.headers.get(router.config.routing.session_header) or _str_or_none(
+        payload.get("user")
+    )
+    # One draw per request decides its route's splits, every time the targets are resolved again.
+    draw = session_draw(session_key) if session_key is not None else random.random()
+    targets = fleet.targets(model, draw)
     if not targets:
         raise _json_error(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
     payload["model"] = model
+    priority = router.priority(request, tier, payload)
+    if "priority" in payload:  # the pod prefers the body's over the header's: make it the router's number
+        payload["priority"] = priority
 
     tokenizer = router.tokenizers.get(targets[0].model)
     token_ids = prompt_token_ids(request.path, body, tokenizer) if tokenizer is not None else None
@@ -323,21 +338,30 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             headers={"Retry-After": retry_after_header(rate.retry_after)},
         )  # fmt: skip
 
-    priority = router.priority(request, tier)
     routing = router.config.routing
+    # Held requests count under the model the chosen backends serve, not the alias the client sent: that
+    # is the deployment whose autoscaler must see the demand (an alias wakes a deployment at zero).
+    pending_key = targets[0].model
+    spill = _spill_to_fallback(fleet, model, draw, pending_key)
     try:
-        # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
-        await fleet.gate.wait_for(
-            lambda: fleet.has_capacity(fleet.targets(model)), priority, routing.queue_timeout_seconds, model
-        )
+        if spill is None:
+            # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
+            await fleet.gate.wait_for(
+                lambda: fleet.has_capacity(fleet.targets(model, draw)),
+                priority,
+                routing.queue_timeout_seconds,
+                pending_key,
+            )
     except QueueFull as e:
-        router.metrics.requests.labels(model, "429").inc()
-        raise _json_error(
-            429, str(e), "rate_limit_error", "overloaded",
-            headers={"Retry-After": retry_after_header(e.retry_after)},
-        ) from e  # fmt: skip
+        spill = _fallbacks_now(fleet, fleet.targets(model, draw))
+        if spill is None:
+            router.metrics.requests.labels(model, "429").inc()
+            raise _json_error(
+                429, str(e), "rate_limit_error", "overloaded",
+                headers={"Retry-After": retry_after_header(e.retry_after)},
+            ) from e  # fmt: skip
     except QueueTimeout as e:
-        targets = fleet.targets(model)
+        targets = fleet.targets(model, draw)
         # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
         why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
         if refusal_status(why) == 429:
@@ -351,7 +375,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
             headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
         ) from e  # fmt: skip
-    targets = fleet.targets(model)
+    targets = spill if spill is not None else fleet.targets(model, draw)
     if not targets:
         raise _json_error(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
@@ -362,13 +386,39 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         headers=request_headers(request.headers, priority),
         targets=tuple(targets),
         prompt=prompt,
-        session_key=request.headers.get(router.config.routing.session_header)
-        or _str_or_none(payload.get("user")),
+        session_key=session_key,
     )
-    resp, outcome = await disaggregation.forward(request, fleet, out, routing.retries)  # or plain proxy
+    # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected): the
+    # request still counts as the primary's pending demand while it runs, or the primary would never wake.
+    displaced = not fleet.healthy_endpoints([t for t in targets if not t.fallback])
+    if displaced:
+        router.displaced[pending_key] += 1
+    try:
+        resp, outcome = await disaggregation.forward(request, fleet, out, routing.retries)  # or plain proxy
+    finally:
+        if displaced:
+            router.displaced[pending_key] -= 1
     router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
     router.metrics.requests.labels(model, str(outcome.status)).inc()
     return resp
+
+
+def _fallbacks_now(fleet: Fleet, targets: list[RouteTarget]) -> list[RouteTarget] | None:
+    """The fallback targets when one of them can take a request now (the primary is passed over)."""
+    fallbacks = [t for t in targets if t.fallback]
+    return fallbacks if fallbacks and fleet.has_capacity(fallbacks) else None
+
+
+def _spill_to_fallback(fleet: Fleet, model: str, draw: float, pending_key: str) -> list[RouteTarget] | None:
+    """Fallbacks to use at once because the route's primary cannot take the request now and has
+    `maxQueued` requests waiting already."""
+    route = route_of(model, fleet.config.routing)
+    if route is None or route.max_queued is None or fleet.gate.num_waiting(pending_key) < route.max_queued:
+        return None
+    targets = fleet.targets(model, draw)
+    if fleet.has_capacity([t for t in targets if not t.fallback]):
+        return None
+    return _fallbacks_now(fleet, targets)
 
 
 def _str_or_none(v) -> str | None:
@@ -428,8 +478,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
     metrics = router.metrics
     if router.fleet is not None:  # gauges of the queue, read now (a model whose queue emptied shows 0)
         gate = router.fleet.gate
-        for model in {*served_models(router.config.routing, router.config.backends), *gate.waiting_by_key()}:
-            metrics.pending.labels(model).set(gate.num_waiting(model))
+        models = {*served_models(router.config.routing, router.config.backends), *gate.waiting_by_key()}
+        for model in models | {m for m, n in router.displaced.items() if n}:
+            metrics.pending.labels(model).set(gate.num_waiting(model) + router.displaced[model])
         metrics.queue_waiting.set(gate.num_waiting())
     if router.watcher is not None:
         metrics.config_restart_pending.set(1 if router.watcher.pending_restart else 0)

@@ -67,14 +67,49 @@ class Balance(_Spec):
     window: int = Field(256, ge=8, description="Recent routing decisions the work bound counts.")
 
 
+class WeightedBackend(_Spec):
+    backend: str = Field(min_length=1, description="A backend (ModelDeployment) name.")
+    weight: float = Field(ge=0, description="Its share of the route's requests (relative to the others).")
+
+
+# How many fallback hops a request may take from the model it named: a chain an operator can still read.
+MAX_FALLBACK_DEPTH = 3
+
+
 class ModelRoute(_Spec):
-    model: str = Field(description="The model name clients send.")
+    model: str = Field(min_length=1, description="The model name clients send (a served name or an alias).")
     backends: tuple[str, ...] = Field(
-        (), description="Backend names serving it; empty = every backend of `model`."
+        (), description="Backend names serving it; empty (and no `split`) = every backend of `model`."
+    )
+    split: tuple[WeightedBackend, ...] = Field(
+        (),
+        max_length=64,
+        description="Weighted backends instead of `backends` (a canary: 95/5). Each request goes to one, "
+        "chosen by its session key (the same session stays on the same backend) or at random without one.",
     )
     fallback: tuple[str, ...] = Field(
-        (), description="Models tried in order when no backend of `model` is healthy."
+        (),
+        description="Models tried in order when the chosen backend has no ready endpoint, fails before the "
+        "first byte, or has `maxQueued` requests waiting; a fallback's own route (its split and fallbacks) "
+        f"applies, at most {MAX_FALLBACK_DEPTH} hops from the model the client named.",
     )
+    max_queued: int | None = Field(
+        None,
+        ge=0,
+        description="Requests that may wait in the router for this route's backend before new ones go to "
+        "a fallback that can take them now; null = they wait (up to the queue's bounds) for the primary.",
+    )
+
+    @model_validator(mode="after")
+    def _check_split(self) -> ModelRoute:
+        if self.split and self.backends:
+            raise ValueError(f"modelRoutes[{self.model}]: give `backends` or `split`, not both")
+        names = [w.backend for w in self.split]
+        if len(names) != len(set(names)):
+            raise ValueError(f"modelRoutes[{self.model}].split: a backend appears twice")
+        if self.split and not sum(w.weight for w in self.split) > 0:
+            raise ValueError(f"modelRoutes[{self.model}].split: the weights must sum to a positive number")
+        return self
 
 
 class PriorityClass(_Spec):
@@ -156,7 +191,31 @@ class RoutingSpec(_Spec):
         names = [c.name for c in self.priority_classes]
         if len(names) != len(set(names)):
             raise ValueError("priorityClasses names must be unique")
+        routes = [r.model for r in self.model_routes]
+        if len(routes) != len(set(routes)):
+            raise ValueError("modelRoutes: a model appears twice")
+        _check_fallback_chains(self.model_routes)
         return self
+
+
+def _check_fallback_chains(routes: tuple[ModelRoute, ...]) -> None:
+    """No cycle and no chain longer than MAX_FALLBACK_DEPTH hops; the error names the field that closes it."""
+    by_model = {r.model: r for r in routes}
+
+    def walk(model: str, path: tuple[str, ...]) -> None:
+        route = by_model.get(model)
+        for i, fb in enumerate(route.fallback if route is not None else ()):
+            field = f"modelRoutes[{model}].fallback[{i}]"
+            if fb in path:
+                raise ValueError(f"{field}: {fb!r} closes a cycle ({' -> '.join((*path, fb))})")
+            if len(path) >= MAX_FALLBACK_DEPTH + 1:
+                raise ValueError(
+                    f"{field}: the chain {' -> '.join((*path, fb))} is longer than {MAX_FALLBACK_DEPTH} hops"
+                )
+            walk(fb, (*path, fb))
+
+    for route in routes:
+        walk(route.model, (route.model,))
 
 
 class Backend(_Spec):
@@ -234,10 +293,17 @@ class RouterConfig(_Spec):
         if len(names) != len(set(names)):
             raise ValueError("backend names must be unique")
         known = set(names)
+        served = {b.model for b in self.backends} | {r.model for r in self.routing.model_routes}
         for route in self.routing.model_routes:
-            missing = [b for b in route.backends if b not in known]
+            missing = [b for b in (*route.backends, *(w.backend for w in route.split)) if b not in known]
             if missing:
-                raise ValueError(f"modelRoutes[{route.model}]: unknown backends {missing}")
+                field = "split" if route.split else "backends"
+                raise ValueError(f"modelRoutes[{route.model}].{field}: unknown backends {missing}")
+            for i, fb in enumerate(route.fallback):
+                if fb not in served:
+                    raise ValueError(
+                        f"modelRoutes[{route.model}].fallback[{i}]: no backend or route serves {fb!r}"
+                    )
         return self
 
     @classmethod

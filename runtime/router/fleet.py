@@ -253,8 +253,9 @@ class Fleet:
 
     # --- the decision -------------------------------------------------------------------------------
 
-    def targets(self, model: str) -> list[RouteTarget]:
-        return route_targets(model, self.config.routing, self.config.backends)
+    def targets(self, model: str, draw: float = 0.0) -> list[RouteTarget]:
+        """`model`'s targets under the current policy; `draw` decides its splits (model_routes.py)."""
+        return route_targets(model, self.config.routing, self.config.backends, draw)
 
     def healthy_endpoints(
         self, targets: Sequence[RouteTarget], exclude: frozenset[str] = frozenset()

@@ -2,6 +2,9 @@
 
 Retry rule: a connection failure, a timeout before the response headers, a 5xx, or a 429 from the pod
 (its queue is full) sends the request to another endpoint, at most `retries.maxAttempts` attempts in all.
+When the model's route has a fallback, the last attempt goes there: a primary that failed every attempt
+before the first byte is passed over for it (a route's other endpoints are tried first, being the model
+the client asked for).
 Once the first byte has reached the client nothing can be retried: a stream that breaks then ends with an
 SSE error event and `data: [DONE]`, so a client never waits on a dead pod. Non-streaming replies are read
 whole before anything is sent (they are one JSON object), which keeps them retryable until complete.
@@ -47,8 +50,12 @@ async def forward(
 ) -> tuple[web.StreamResponse, Outcome]:
     tried: set[str] = set()
     last_error: Retry | None = None
+    fallbacks = tuple(t for t in out.targets if t.fallback)
     for attempt in range(retries.max_attempts):
-        pick = fleet.pick(out.targets, out.prompt, out.session_key, frozenset(tried))
+        targets = out.targets
+        if attempt > 0 and attempt == retries.max_attempts - 1 and fallbacks:
+            targets = fallbacks  # the primary failed every attempt so far: its fallback gets the last one
+        pick = fleet.pick(targets, out.prompt, out.session_key, frozenset(tried))
         if pick is None:
             break
         if attempt > 0:
