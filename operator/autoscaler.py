@@ -49,7 +49,6 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 from tokenfleet.operator.api import GROUP, VERSION, ModelDeploymentSpec, parse_model_deployment
 from tokenfleet.operator.autoscaling_policy import (
     AutoscalingSpec,
@@ -62,7 +61,13 @@ from tokenfleet.operator.autoscaling_status import autoscaling_status, history_f
 from tokenfleet.operator.builders import RUNTIME_PORT, model_mount, selector_string
 from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
-from tokenfleet.operator.pod_metrics import MetricsParseError, PodMetrics, parse_metrics, pod_sample
+from tokenfleet.operator.pod_metrics import (
+    MetricsParseError,
+    PodMetrics,
+    parse_metrics,
+    pod_sample,
+    router_pending,
+)
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
 from tokenfleet.runtime.errors import ConfigError
@@ -75,7 +80,6 @@ SCRAPE_TIMEOUT_SECONDS = 2.0
 MAX_METRICS_BYTES = 4 << 20
 # The tokens/s rate is taken over the TTFT window when there is one, else over this.
 RATE_WINDOW_SECONDS = 60.0
-ROUTER_PENDING = "tokenfleet:router_pending_requests"
 
 
 # ------------------------------------------------------------------------------------------------------ pods
@@ -132,21 +136,6 @@ async def fetch_text(session: aiohttp.ClientSession, url: str) -> str | None:
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
     return body.decode("utf-8", errors="replace")
-
-
-def router_pending(text: str, model: str) -> float:
-    """Requests a router holds for `model` (its pending gauge); raises MetricsParseError on malformed text."""
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError, IndexError) as e:
-        raise MetricsParseError(f"malformed router /metrics: {e}") from e
-    return sum(
-        s.value
-        for family in families
-        if family.name == ROUTER_PENDING
-        for s in family.samples
-        if s.labels.get("model") == model
-    )
 
 
 class ScrapeBook:

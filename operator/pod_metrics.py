@@ -1,4 +1,5 @@
-"""A pod's `/metrics` text -> the figures the autoscaler needs -> one `PodSample` for the policy.
+"""A pod's `/metrics` text -> the figures the autoscaler needs -> one `PodSample` for the policy; and a
+router's `/metrics` text -> the requests it holds for a model (`router_pending`).
 
 Parsing goes through prometheus-client's own text parser (families, label sets, `_bucket`/`_count`
 suffixes, escaping) rather than regexes. Only `tokenfleet:` series are read, and `vllm:` ones under the
@@ -24,6 +25,9 @@ PREFIX = "tokenfleet:"
 VLLM_PREFIX = "vllm:"
 TTFT = PREFIX + "time_to_first_token_seconds"
 GENERATION_TOKENS = PREFIX + "generation_tokens"
+# The routers' gauge of requests held because no endpoint can take them: the demand that brings a model
+# back from zero replicas.
+ROUTER_PENDING = "tokenfleet:router_pending_requests"
 
 
 class MetricsParseError(ValueError):
@@ -69,6 +73,21 @@ def parse_metrics(text: str) -> PodMetrics:
                 per[le] = per.get(le, 0.0) + sample.value
     histograms = {name: tuple(sorted(per.items())) for name, per in buckets.items()}
     return PodMetrics(gauges, counters, histograms)
+
+
+def router_pending(text: str, model: str) -> float:
+    """Requests a router holds for `model` (its pending gauge); raises MetricsParseError on malformed text."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as e:
+        raise MetricsParseError(f"malformed router /metrics: {e}") from e
+    return sum(
+        s.value
+        for family in families
+        if family.name == ROUTER_PENDING
+        for s in family.samples
+        if s.labels.get("model") == model
+    )
 
 
 def _delta(new: float, old: float) -> float:

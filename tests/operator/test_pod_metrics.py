@@ -1,4 +1,5 @@
-"""Pod /metrics -> autoscaler sample, on the text the runtime server really exposes."""
+"""Pod /metrics -> autoscaler sample, and router /metrics -> requests held, on the text the runtime server and
+the router really expose."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from tokenfleet.operator.pod_metrics import (
     histogram_quantile,
     parse_metrics,
     pod_sample,
+    router_pending,
 )
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta, RequestMetrics
+from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.server.metrics import ServerMetrics
 
 
@@ -97,3 +100,14 @@ def test_histogram_quantile_matches_prometheus_interpolation():
 def test_malformed_text_is_a_parse_error():
     with pytest.raises(MetricsParseError):
         parse_metrics('tokenfleet:num_requests_waiting{model_name="m" 3\n')
+
+
+def test_router_pending_reads_one_models_gauge_from_the_routers_exposition():
+    router = RouterMetrics()
+    router.pending.labels("chat").set(3)
+    router.pending.labels("other").set(5)  # someone else's demand is not ours
+    text = router.render().decode()
+    assert router_pending(text, "chat") == 3
+    assert router_pending(text, "absent") == 0
+    with pytest.raises(MetricsParseError):
+        router_pending('tokenfleet:router_pending_requests{model="chat" 3\n', "chat")
