@@ -2,18 +2,13 @@
 
 A kopf timer per such ModelDeployment runs one decision every interval:
 1. read the ModelDeployment fresh and list its pods (the Deployment's label selector);
-2. classify each pod: Ready with an IP -> scraped; not Ready and never started (its startup probe has not
-   passed, no restart) -> starting, capacity on the way; anything else (a crash loop, a pod that went
-   unready, a failed scrape) -> unknown, which never lets the fleet shrink; terminating and finished pods
-   do not count (they are leaving);
-3. scrape every Ready runtime pod's `/metrics`, and the `/metrics` of the routers of its RoutingPolicy, all
-   at once (aiohttp, bounded timeout): the routers' `tokenfleet:router_pending_requests{model}` gauge is the
-   demand that brings a model back from zero (requests they hold because no endpoint can take them);
-4. call the one policy, `autoscaling_policy.decide`, with the history kept in `status.autoscaling`
+2. observe them and the routers of its RoutingPolicy (fleet_scrape.py: classify, scrape `/metrics`; the
+   recent scrapes kept in the object's kopf memo);
+3. call the one policy, `autoscaling_policy.decide`, with the history kept in `status.autoscaling`
    (level-based: a restarted operator continues the same windows and cooldowns);
-5. before a scale-down, set each Ready pod's `controller.kubernetes.io/pod-deletion-cost` to its requests
+4. before a scale-down, set each Ready pod's `controller.kubernetes.io/pod-deletion-cost` to its requests
    in flight (deletion_cost.py), so the ReplicaSet removes the idlest pods;
-6. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
+5. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
    Event with the reason whenever the count changes: the status records only a count that was written.
 
 Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
@@ -32,9 +27,6 @@ only after it applied: a spec changed since it was read (switched to aggregated,
 refuses it (422) and the decision is dropped, so no status records a decision that was never applied. Each
 part is decided on its own: one role's failure leaves the other's decision standing. The routers' held
 requests count as decode demand only (`scale_targets`).
-
-Recent scrapes of each pod are kept in the object's kopf memo (rates and TTFT percentiles are differences
-over a window); after a restart the first decisions simply have no rate or TTFT figure yet.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,167 +50,16 @@ from tokenfleet.operator.autoscaling_policy import (
     decide,
 )
 from tokenfleet.operator.autoscaling_status import autoscaling_status, history_from_status
-from tokenfleet.operator.builders import RUNTIME_PORT, model_mount, selector_string
+from tokenfleet.operator.builders import model_mount, selector_string
 from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
-from tokenfleet.operator.pod_metrics import (
-    MetricsParseError,
-    PodMetrics,
-    parse_metrics,
-    pod_sample,
-    router_pending,
-)
+from tokenfleet.operator.fleet_scrape import ScrapeBook, observe, scrape_session
 from tokenfleet.operator.reconcile import OperatorContext
-from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
+from tokenfleet.operator.router_builders import router_selector
 from tokenfleet.runtime.errors import ConfigError
 
 MD = (GROUP, VERSION, "modeldeployments")
 DEFAULT_INTERVAL_SECONDS = 15.0
-# A scrape that takes longer than this counts as failed (the pod is unknown): a decision must not wait on
-# one slow pod, and every pod is scraped at once.
-SCRAPE_TIMEOUT_SECONDS = 2.0
-MAX_METRICS_BYTES = 4 << 20
-# The tokens/s rate is taken over the TTFT window when there is one, else over this.
-RATE_WINDOW_SECONDS = 60.0
-
-
-# ------------------------------------------------------------------------------------------------------ pods
-@dataclass(frozen=True, slots=True)
-class PodView:
-    """A pod as the autoscaler counts it; `url` is its /metrics for a Ready pod."""
-
-    name: str
-    state: PodState
-    url: str | None = None
-
-
-def _http_port(pod: Mapping[str, Any], default: int) -> int:
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http" and port.get("containerPort"):
-                return int(port["containerPort"])
-    return default
-
-
-def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodView | None:
-    """How a pod counts; None for a pod that is leaving (terminating, or finished for good)."""
-    meta, status = pod["metadata"], pod.get("status") or {}
-    if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
-        return None
-    name = meta["name"]
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
-    )
-    ip = status.get("podIP")
-    if ready and ip:
-        host = f"[{ip}]" if ":" in ip else ip
-        return PodView(name, PodState.READY, f"http://{host}:{_http_port(pod, default_port)}/metrics")
-    containers = status.get("containerStatuses") or []
-    # `started` turns true when the startup probe passes (model loaded): before that and without a restart,
-    # the pod is still cold-starting; after it, not being Ready means something is wrong.
-    if not ready and not any(c.get("started") or c.get("restartCount") for c in containers):
-        return PodView(name, PodState.STARTING)
-    return PodView(name, PodState.UNKNOWN)
-
-
-async def fetch_text(session: aiohttp.ClientSession, url: str) -> str | None:
-    """The body of one /metrics scrape, or None when it failed (status, timeout, connection, size)."""
-    body = bytearray()
-    try:
-        async with session.get(url) as response:
-            if response.status != 200:
-                return None
-            # Chunk by chunk to the end (a single read may stop at whatever has arrived), bounded.
-            async for chunk in response.content.iter_chunked(1 << 16):
-                body += chunk
-                if len(body) > MAX_METRICS_BYTES:
-                    return None
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return None
-    return body.decode("utf-8", errors="replace")
-
-
-class ScrapeBook:
-    """Recent scrapes of each pod, oldest first: enough to reach one scrape at least a window back."""
-
-    def __init__(self) -> None:
-        self._by_pod: dict[str, list[tuple[float, PodMetrics]]] = {}
-        self._scopes: dict[str, ScrapeBook] = {}
-
-    def add(self, pod: str, t: float, metrics: PodMetrics, window: float) -> list[tuple[float, PodMetrics]]:
-        series = self._by_pod.setdefault(pod, [])
-        series.append((t, metrics))
-        # pod_sample differences the newest scrape against the newest one at least `window` older.
-        base = max((i for i, (ti, _) in enumerate(series[:-1]) if t - ti >= window), default=0)
-        del series[:base]
-        return series
-
-    def scoped(self, scope: str) -> ScrapeBook:
-        """A book of its own for one part of the fleet (a role), whose decisions retain only its pods."""
-        return self._scopes.setdefault(scope, ScrapeBook())
-
-    def retain(self, pods: Iterable[str]) -> None:
-        keep = set(pods)
-        for name in [n for n in self._by_pod if n not in keep]:
-            del self._by_pod[name]
-
-    def __len__(self) -> int:
-        return len(self._by_pod)
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    samples: tuple[PodSample, ...]
-    pending_requests: int
-    router_failures: int  # router pods whose /metrics could not be read
-
-
-async def observe(
-    session: aiohttp.ClientSession,
-    pods: list[Mapping[str, Any]],
-    routers: list[Mapping[str, Any]],
-    model: str,
-    spec: AutoscalingSpec,
-    book: ScrapeBook,
-    now: float,
-) -> Observation:
-    """Classify and scrape the runtime pods and the routers (all scrapes at once) into the policy's inputs."""
-    views = [v for v in (pod_view(p) for p in pods) if v is not None]
-    router_urls = [
-        v.url for v in (pod_view(p, ROUTER_PORT) for p in routers) if v is not None and v.url is not None
-    ]
-    scraped = [v for v in views if v.url is not None]
-    texts = await asyncio.gather(
-        *(fetch_text(session, v.url) for v in scraped),  # type: ignore[arg-type]
-        *(fetch_text(session, url) for url in router_urls),
-    )
-    pod_texts = dict(zip((v.name for v in scraped), texts[: len(scraped)], strict=True))
-    ttft = spec.targets.ttft
-    window = ttft.window_seconds if ttft is not None else RATE_WINDOW_SECONDS
-    quantile = ttft.percentile if ttft is not None else 0.9
-    samples = []
-    for view in views:
-        text = pod_texts.get(view.name)
-        if view.state is not PodState.READY:
-            samples.append(PodSample(view.name, view.state))
-            continue
-        try:
-            metrics = parse_metrics(text) if text is not None else None
-        except MetricsParseError:
-            metrics = None
-        if metrics is None:
-            samples.append(PodSample(view.name, PodState.UNKNOWN))  # never a reason to scale down
-            continue
-        samples.append(pod_sample(view.name, book.add(view.name, now, metrics, window), window, quantile))
-    book.retain(v.name for v in views)
-    pending, failures = 0.0, 0
-    for text in texts[len(scraped) :]:
-        try:
-            pending += router_pending(text, model) if text is not None else 0.0
-        except MetricsParseError:
-            text = None
-        failures += text is None
-    return Observation(tuple(samples), round(pending), failures)
 
 
 # ------------------------------------------------------------------------------------------------ a decision
@@ -487,8 +328,7 @@ def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_
         memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any
     ) -> None:
         book = memo.setdefault("autoscaler_scrapes", ScrapeBook())  # the per-object memo
-        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with scrape_session() as session:
             try:
                 await autoscale_all(memo.ctx, namespace, name, book, session, time.time(), logger)
             except Exception as e:  # an API hiccup: the next tick decides again from stored state

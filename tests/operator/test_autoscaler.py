@@ -25,12 +25,9 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import parse_model_deployment
 from tokenfleet.operator.autoscaler import (
-    SCRAPE_TIMEOUT_SECONDS,
-    ScrapeBook,
     autoscale,
     autoscale_roles,
     autoscaling_changed,
-    pod_view,
     scale_targets,
 )
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
@@ -48,6 +45,7 @@ from tokenfleet.operator.builders import (
     selector_string,
 )
 from tokenfleet.operator.crdgen import build_crd
+from tokenfleet.operator.fleet_scrape import ScrapeBook, scrape_session
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import router_labels
 from tokenfleet.runtime.engine.outputs import EngineStats
@@ -242,7 +240,7 @@ async def servers():
 
 @pytest.fixture
 async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)) as s:
+    async with scrape_session() as s:
         yield s
 
 
@@ -510,26 +508,6 @@ async def test_without_autoscaling_nothing_is_touched(session):
 
 
 # ------------------------------------------------------------------------------------------------- the pieces
-def test_pod_classification():
-    def pod(**status: Any) -> dict[str, Any]:
-        return {"metadata": {"name": "p"}, "spec": {}, "status": status}
-
-    ready = [{"type": "Ready", "status": "True"}]
-    assert pod_view(pod(podIP="10.0.0.7", conditions=ready)).url == "http://10.0.0.7:8000/metrics"
-    assert pod_view(pod(podIP="fd00::7", conditions=ready)).url == "http://[fd00::7]:8000/metrics"
-    assert pod_view(pod(phase="Pending")).state is PodState.STARTING  # not even scheduled yet
-    loading = [{"name": "runtime", "started": False, "restartCount": 0}]
-    assert pod_view(pod(phase="Running", containerStatuses=loading)).state is PodState.STARTING
-    went_unready = [{"name": "runtime", "started": True, "restartCount": 0}]
-    assert pod_view(pod(phase="Running", containerStatuses=went_unready)).state is PodState.UNKNOWN
-    crashed = [{"name": "runtime", "started": False, "restartCount": 2}]
-    assert pod_view(pod(phase="Running", containerStatuses=crashed)).state is PodState.UNKNOWN
-    leaving = pod(podIP="10.0.0.7", conditions=ready)
-    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert pod_view(leaving) is None
-    assert pod_view(pod(phase="Failed")) is None
-
-
 def test_stored_history_decides_exactly_like_the_full_one():
     """Merging runs (and the RFC 3339 round trip) never changes a decision: replay a noisy load through the
     policy twice, once carrying its History as is, once through status and back every period."""

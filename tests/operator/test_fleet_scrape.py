@@ -1,0 +1,29 @@
+"""Which pods the autoscaler counts, and how (the scrapes themselves run over real HTTP in
+test_autoscaler.py's loop tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.operator.autoscaling_policy import PodState
+from tokenfleet.operator.fleet_scrape import pod_view
+
+
+def test_pod_classification():
+    def pod(**status: Any) -> dict[str, Any]:
+        return {"metadata": {"name": "p"}, "spec": {}, "status": status}
+
+    ready = [{"type": "Ready", "status": "True"}]
+    assert pod_view(pod(podIP="10.0.0.7", conditions=ready)).url == "http://10.0.0.7:8000/metrics"
+    assert pod_view(pod(podIP="fd00::7", conditions=ready)).url == "http://[fd00::7]:8000/metrics"
+    assert pod_view(pod(phase="Pending")).state is PodState.STARTING  # not even scheduled yet
+    loading = [{"name": "runtime", "started": False, "restartCount": 0}]
+    assert pod_view(pod(phase="Running", containerStatuses=loading)).state is PodState.STARTING
+    went_unready = [{"name": "runtime", "started": True, "restartCount": 0}]
+    assert pod_view(pod(phase="Running", containerStatuses=went_unready)).state is PodState.UNKNOWN
+    crashed = [{"name": "runtime", "started": False, "restartCount": 2}]
+    assert pod_view(pod(phase="Running", containerStatuses=crashed)).state is PodState.UNKNOWN
+    leaving = pod(podIP="10.0.0.7", conditions=ready)
+    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert pod_view(leaving) is None
+    assert pod_view(pod(phase="Failed")) is None
