@@ -210,6 +210,12 @@ class RouterApp:
             return token, tier
         return (f"key:{token}" if token else f"addr:{request.remote}"), "default"
 
+    def tenant(self, request: web.Request, key: str) -> str:
+        """Whose share a request counts against: the configured tenant header's value, else the API key."""
+        header = self.config.routing.fair_share.tenant_header
+        named = request.headers.get(header) if header is not None else None
+        return f"tenant:{named}" if named else key
+
     def priority(self, request: web.Request, tier: str, payload: dict) -> int:
         """The request's priority number (lower = sooner): the one place a class name becomes a number,
         bounded by the key's tier (priority_classes.py)."""
@@ -338,69 +344,80 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             headers={"Retry-After": retry_after_header(rate.retry_after)},
         )  # fmt: skip
 
-    routing = router.config.routing
-    # Held requests count under the model the chosen backends serve, not the alias the client sent: that
-    # is the deployment whose autoscaler must see the demand (an alias wakes a deployment at zero).
-    pending_key = targets[0].model
-    spill = _spill_to_fallback(fleet, model, draw, pending_key)
+    tenant = router.tenant(request, key)
+    fleet.fair.join(tenant)  # waiting or in flight, it is an active tenant until it leaves
     try:
-        if spill is None:
-            # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
-            await fleet.gate.wait_for(
-                lambda: fleet.has_capacity(fleet.targets(model, draw)),
-                priority,
-                routing.queue_timeout_seconds,
-                pending_key,
+        routing = router.config.routing
+        # Held requests count under the model the chosen backends serve, not the alias the client sent: that
+        # is the deployment whose autoscaler must see the demand (an alias wakes a deployment at zero).
+        pending_key = targets[0].model
+        spill = _spill_to_fallback(fleet, model, draw, pending_key)
+        try:
+            if spill is None:
+                # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
+                await fleet.gate.wait_for(
+                    lambda: fleet.has_capacity(fleet.targets(model, draw)),
+                    priority,
+                    routing.queue_timeout_seconds,
+                    pending_key,
+                    tenant,
+                )
+        except QueueFull as e:
+            spill = _fallbacks_now(fleet, fleet.targets(model, draw))
+            if spill is None:
+                router.metrics.requests.labels(model, "429").inc()
+                raise _json_error(
+                    429, str(e), "rate_limit_error", "overloaded",
+                    headers={"Retry-After": retry_after_header(e.retry_after)},
+                ) from e  # fmt: skip
+        except QueueTimeout as e:
+            targets = fleet.targets(model, draw)
+            # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
+            why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
+            if refusal_status(why) == 429:
+                router.metrics.requests.labels(model, "429").inc()
+                raise _json_error(
+                    429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",
+                    headers={"Retry-After": retry_after_header(e.retry_after)},
+                ) from e  # fmt: skip
+            router.metrics.requests.labels(model, "503").inc()
+            raise _json_error(
+                503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
+                headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
+            ) from e  # fmt: skip
+        targets = spill if spill is not None else fleet.targets(model, draw)
+        if not targets:
+            raise _json_error(
+                404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found"
             )
-    except QueueFull as e:
-        spill = _fallbacks_now(fleet, fleet.targets(model, draw))
-        if spill is None:
-            router.metrics.requests.labels(model, "429").inc()
-            raise _json_error(
-                429, str(e), "rate_limit_error", "overloaded",
-                headers={"Retry-After": retry_after_header(e.retry_after)},
-            ) from e  # fmt: skip
-    except QueueTimeout as e:
-        targets = fleet.targets(model, draw)
-        # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
-        why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
-        if refusal_status(why) == 429:
-            router.metrics.requests.labels(model, "429").inc()
-            raise _json_error(
-                429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",
-                headers={"Retry-After": retry_after_header(e.retry_after)},
-            ) from e  # fmt: skip
-        router.metrics.requests.labels(model, "503").inc()
-        raise _json_error(
-            503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
-            headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
-        ) from e  # fmt: skip
-    targets = spill if spill is not None else fleet.targets(model, draw)
-    if not targets:
-        raise _json_error(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
-    out = Outgoing(
-        path=request.path,
-        payload=payload,
-        stream=bool(payload.get("stream")),
-        headers=request_headers(request.headers, priority),
-        targets=tuple(targets),
-        prompt=prompt,
-        session_key=session_key,
-    )
-    # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected): the
-    # request still counts as the primary's pending demand while it runs, or the primary would never wake.
-    displaced = not fleet.healthy_endpoints([t for t in targets if not t.fallback])
-    if displaced:
-        router.displaced[pending_key] += 1
-    try:
-        resp, outcome = await disaggregation.forward(request, fleet, out, routing.retries)  # or plain proxy
-    finally:
+        out = Outgoing(
+            path=request.path,
+            payload=payload,
+            stream=bool(payload.get("stream")),
+            headers=request_headers(request.headers, priority),
+            targets=tuple(targets),
+            prompt=prompt,
+            session_key=session_key,
+        )
+        # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected):
+        # the request still counts as the primary's demand while it runs, or the primary would never wake.
+        displaced = not fleet.healthy_endpoints([t for t in targets if not t.fallback])
         if displaced:
-            router.displaced[pending_key] -= 1
-    router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
-    router.metrics.requests.labels(model, str(outcome.status)).inc()
-    return resp
+            router.displaced[pending_key] += 1
+        try:
+            fleet.fair.charge_prompt(tenant, num_prompt_tokens, tier)
+            # Disaggregated, or the plain proxy.
+            resp, outcome = await disaggregation.forward(request, fleet, out, routing.retries)
+        finally:
+            if displaced:
+                router.displaced[pending_key] -= 1
+        router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
+        fleet.fair.charge_output(tenant, outcome.completion_tokens, tier)
+        router.metrics.requests.labels(model, str(outcome.status)).inc()
+        return resp
+    finally:
+        fleet.fair.leave(tenant)
 
 
 def _fallbacks_now(fleet: Fleet, targets: list[RouteTarget]) -> list[RouteTarget] | None:

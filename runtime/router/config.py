@@ -140,6 +140,33 @@ class RateLimits(Limit):
     tiers: dict[str, Limit] = Field(default_factory=dict)
 
 
+class FairShareSpec(_Spec):
+    """Fair share between tenants in the router's queue (virtual token counters, fair_share.py)."""
+
+    enabled: bool = Field(
+        False, description="Within a priority, the tenant that has received the least service goes first."
+    )
+    tenant_header: str | None = Field(
+        None,
+        description="A header naming the tenant (set by a trusted gateway in front); default: the API key "
+        "(the client address when keys are off).",
+    )
+    input_token_weight: float = Field(1.0, ge=0, description="Service counted per prompt token.")
+    output_token_weight: float = Field(2.0, ge=0, description="Service counted per generated token.")
+    tier_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Share per API key tier (default 1): a tenant of weight 2 gets twice the service of one "
+        "of weight 1 when both wait.",
+    )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> FairShareSpec:
+        bad = sorted(t for t, w in self.tier_weights.items() if not w > 0)
+        if bad:
+            raise ValueError(f"fairShare.tierWeights: weights must be positive ({', '.join(bad)})")
+        return self
+
+
 class Retries(_Spec):
     max_attempts: int = Field(3, ge=1, le=10, description="Attempts per request, the first included.")
     connect_timeout_seconds: float = Field(5.0, gt=0)
@@ -167,6 +194,7 @@ class RoutingSpec(_Spec):
     model_routes: tuple[ModelRoute, ...] = ()
     priority_classes: tuple[PriorityClass, ...] = ()
     rate_limits: RateLimits = RateLimits()
+    fair_share: FairShareSpec = FairShareSpec()
     retries: Retries = Retries()
     router: RouterReplicas = RouterReplicas()
     session_header: str = Field("x-session-id", description="session-affinity key; else the body's `user`.")

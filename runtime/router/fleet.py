@@ -25,6 +25,7 @@ import aiohttp
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
+from tokenfleet.runtime.router.fair_share import FairShare
 from tokenfleet.runtime.router.health import Probe
 from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.metrics import RouterMetrics
@@ -84,7 +85,9 @@ class Fleet:
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
         self.approx = ApproximatePrefixIndex(config.discovery.approximate_index_blocks)
         self.strategy = make_strategy(config.routing, clock=clock)
+        self.fair = FairShare()
         self.gate = PriorityGate(config.routing.max_queued, clock)
+        self._set_fair_share(config)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
@@ -108,7 +111,15 @@ class Fleet:
         self.config = config
         self.strategy = make_strategy(config.routing, self.strategy)
         self.gate.max_queued = config.routing.max_queued
+        self._set_fair_share(config)
         self.gate.release()  # limits may have grown, or routes changed
+
+    def _set_fair_share(self, config: RouterConfig) -> None:
+        spec = config.routing.fair_share
+        fair = self.fair
+        fair.input_weight, fair.output_weight = spec.input_token_weight, spec.output_token_weight
+        fair.tier_weights = dict(spec.tier_weights)
+        self.gate.queue.order = fair.counter if spec.enabled else None
 
     # --- membership ---------------------------------------------------------------------------------
 

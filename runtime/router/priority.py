@@ -15,6 +15,9 @@ not refused. It is bounded twice: at most `max_queued` waiters (beyond that, 429
 Retry-After when none was ready). `num_waiting(key)` is the demand signal per model: the router exports
 it as `tokenfleet:router_pending_requests{model}`, which is what a scale-from-zero controller watches.
 
+Within a priority, waiters go in arrival order — or, with fair share on (`order`, fair_share.py), the
+tenant that has received the least service goes first, in arrival order within the tenant.
+
 The policy (order, bound, deadlines) is `WaitQueue`: pure, on an injected clock, so the simulator queues its
 requests in the same structure on its virtual clock; `PriorityGate` is the asyncio waiting around it.
 """
@@ -45,13 +48,15 @@ class QueueTimeout(Overloaded):
 
 @dataclass(eq=False, slots=True)
 class Waiter(Generic[T]):
-    """One queued request: ordered by (priority, arrival); gone at `deadline` on the queue's clock."""
+    """One queued request: ordered by (priority, [its tenant's share], arrival); gone at `deadline` on the
+    queue's clock."""
 
     priority: int
     arrival: int
     deadline: float
     key: str
     item: T
+    tenant: str = ""
 
 
 class WaitQueue(Generic[T]):
@@ -59,12 +64,19 @@ class WaitQueue(Generic[T]):
     waiters, each with its deadline. The live gate below holds asyncio futures in it; the simulator holds
     its requests in it on the virtual clock."""
 
-    def __init__(self, max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_queued: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        order: Callable[[str], float] | None = None,
+    ) -> None:
         self._heap: list[tuple[int, int, Waiter[T]]] = []
         self._arrivals = itertools.count()
         self._waiting: Counter[str] = Counter()
         self.max_queued = max_queued
         self.clock = clock
+        # Within a priority: a tenant's rank (lower goes first), e.g. its fair-share counter; None = arrival.
+        self.order = order
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -80,18 +92,26 @@ class WaitQueue(Generic[T]):
     def waiting_by_key(self) -> dict[str, int]:
         return {k: n for k, n in self._waiting.items() if n}
 
-    def push(self, item: T, priority: int, timeout: float, key: str = "") -> Waiter[T]:
+    def push(self, item: T, priority: int, timeout: float, key: str = "", tenant: str = "") -> Waiter[T]:
         """Queue `item`; QueueFull when `max_queued` wait already."""
         if len(self._heap) >= self.max_queued:
             raise QueueFull(f"{self.max_queued} requests are queued in the router; retry later")
-        w = Waiter(priority, next(self._arrivals), self.clock() + timeout, key, item)
+        w = Waiter(priority, next(self._arrivals), self.clock() + timeout, key, item, tenant)
         heapq.heappush(self._heap, (priority, w.arrival, w))
         self._waiting[key] += 1
         return w
 
     def ordered(self) -> list[Waiter[T]]:
         """The waiters, first to go first."""
-        return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], e[1]))]
+        order = self.order
+        if order is None:
+            return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], e[1]))]
+        # Counters move as requests are served, so the order is taken now, not kept in the heap.
+        ranks: dict[str, float] = {}
+        for _, _, w in self._heap:
+            if w.tenant not in ranks:
+                ranks[w.tenant] = order(w.tenant)
+        return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], ranks[e[2].tenant], e[1]))]
 
     def remove(self, waiter: Waiter[T]) -> bool:
         """Take `waiter` out (it goes, or gives up); False when it was not queued."""
@@ -116,9 +136,14 @@ class WaitQueue(Generic[T]):
 class PriorityGate:
     """The live router's admission: a `WaitQueue` of asyncio futures, each with its `can_take` check."""
 
-    def __init__(self, max_queued: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_queued: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        order: Callable[[str], float] | None = None,
+    ) -> None:
         # Items: (can_take, the future the waiter sleeps on now, or None while it runs its check).
-        self.queue: WaitQueue[list] = WaitQueue(max_queued, clock)
+        self.queue: WaitQueue[list] = WaitQueue(max_queued, clock, order)
 
     @property
     def max_queued(self) -> int:
@@ -136,13 +161,13 @@ class PriorityGate:
         return self.queue.waiting_by_key()
 
     async def wait_for(
-        self, can_take: Callable[[], bool], priority: int, timeout: float, key: str = ""
+        self, can_take: Callable[[], bool], priority: int, timeout: float, key: str = "", tenant: str = ""
     ) -> None:
         """Return once `can_take()` holds and no earlier waiter (lower priority number, or the same and
         older) could go first; raise QueueFull or QueueTimeout otherwise."""
         if not self._sleeping() and can_take():
             return
-        waiter = self.queue.push([can_take, None], priority, timeout, key)
+        waiter = self.queue.push([can_take, None], priority, timeout, key, tenant)
         loop = asyncio.get_running_loop()
         try:
             while True:
