@@ -346,6 +346,9 @@ class Generator:
                 ("spec.priorityClasses", {"priorityClasses": [{"name": "a", "priority": 1},
                                                               {"name": "a", "priority": 2}]}),
                 ("spec.modelRoutes", {"modelRoutes": [{"model": "m", "backends": ["no-such-backend"]}]}),
+                ("spec.modelRoutes", {"modelRoutes": [{"model": "a", "backends": [], "fallback": ["b"]},
+                                                      {"model": "b", "backends": [], "fallback": ["a"]}]}),
+                ("spec.modelRoutes", {"modelRoutes": [{"model": "m", "split": [{"backend": "x", "weight": 0}]}]}),
             ],
         }  # fmt: skip
         field, patch = rng.choice(combos[kind])

@@ -9,8 +9,9 @@ One story (one fleet, each step needs the previous one):
    when it was removed (checked, not assumed), and that stream ends well (drained, or handed back and
    continued on the other pod);
 3. minReplicas edited to 0, no traffic -> 0 pods;
-4. a request arrives -> the router holds it, the operator sees the demand, 0 -> 1, the request is served
-   after the cold start.
+4. a request for the model's alias (a RoutingPolicy modelRoute) arrives -> the router holds it, counting it
+   under the deployment's served model, the operator sees the demand, 0 -> 1, the request is served after
+   the cold start.
 Across the whole run not one request fails (429 and 503 count as failures here).
 
 Every wait has its budget in WAITS, and the test's timeout is their sum: a slow step fails with its own
@@ -63,7 +64,13 @@ ROUTING_POLICY = {
     "kind": "RoutingPolicy",
     "metadata": {"name": "front"},
     # Held requests must outlast a cold start (decision period + scheduling + model load).
-    "spec": {"strategy": "least-load", "router": {"replicas": 1}, "queueTimeoutSeconds": 300},
+    "spec": {
+        "strategy": "least-load",
+        "router": {"replicas": 1},
+        "queueTimeoutSeconds": 300,
+        # An alias: a request for it at zero replicas must wake `chat` (the router counts it under `chat`).
+        "modelRoutes": [{"model": "assistant", "backends": ["chat"]}],
+    },
 }
 MODEL_DEPLOYMENT = {
     "apiVersion": "serving.tokenfleet.dev/v1alpha1",
@@ -220,13 +227,14 @@ def test_step_load_scales_out_and_back_to_zero_and_from_zero_without_a_failed_re
     until("no runtime pod left", lambda: cluster.pods(ns, RUNTIME) == [] or None)
     until("Ready at zero", lambda: _md(cluster, ns)["status"]["phase"] == "Ready")
 
-    # 4. A request for the model at zero: held by the router, 0 -> 1, served after the cold start.
+    # 4. A request for the model's alias at zero: held by the router, 0 -> 1, served after the cold start,
+    # the reply naming the model that served it.
     started = time.monotonic()
-    body = {"model": "chat", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    body = {"model": "assistant", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
     out, _ = post_json(f"{router_url}/v1/completions", body, timeout=WAITS["the request at zero served"])
     cold_s = time.monotonic() - started
-    print(f"first request at zero replicas served after {cold_s:.0f}s")
-    assert out["choices"][0]["text"].startswith(" Paris")
+    print(f"first request at zero replicas (through the alias) served after {cold_s:.0f}s")
+    assert out["choices"][0]["text"].startswith(" Paris") and out["model"] == "chat"
     assert _replicas(cluster, ns) == 1
 
     reasons = [r for r, _ in _scale_events(cluster, ns)]

@@ -577,6 +577,21 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
             }
         ],
     },
+    # Fallback cycles and chain depth need a walk over the list, which CEL cannot do: the operator checks
+    # them (RoutingSpec) and reports the path of the bad field in the policy's status.
+    "RoutingPolicy": {
+        "modelRoutes": [
+            {
+                "rule": "self.all(r, !has(r.split) || size(r.split) == 0 || !has(r.backends) || "
+                "size(r.backends) == 0)",
+                "message": "modelRoutes: a route gives `backends` or `split`, not both",
+            },
+            {
+                "rule": "self.all(r, !has(r.split) || size(r.split) == 0 || r.split.exists(w, w.weight > 0.0))",
+                "message": "modelRoutes: a split's weights must sum to a positive number",
+            },
+        ],
+    },
 }
 
 KINDS: dict[str, dict[str, Any]] = {

@@ -519,3 +519,38 @@ def test_a_refused_inference_pool_does_not_hold_back_the_model_deployment(clock,
     assert kube.names("Deployment") == ["chat"] and kube.names("InferencePool") == []
     assert kube.obj("ModelDeployment", "chat")["status"]["phase"] == "Progressing"
     assert any("InferencePool chat refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_routing_policy_whose_fallbacks_form_a_cycle_is_reported_with_the_path_then_fixed(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    kube.create("ModelDeployment", "a", {"routingPolicyRef": "front", "model": {"servedName": "llama"}})
+    routes = [
+        {"model": "chat", "backends": ["a"], "fallback": ["help"]},
+        {"model": "help", "fallback": ["chat"]},
+    ]
+    kube.create("RoutingPolicy", "front", {"modelRoutes": routes})
+    with pytest.raises(kopf.PermanentError, match="closes a cycle"):
+        reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    condition = kube.obj("RoutingPolicy", "front")["status"]["conditions"][0]
+    assert condition["status"] == "False"
+    assert (
+        "modelRoutes[help].fallback[0]: 'chat' closes a cycle (chat -> help -> chat)" in condition["message"]
+    )
+    assert events[-1][1:3] == ("Warning", "InvalidSpec")
+    assert kube.names("Deployment") == []  # no router for a policy that cannot route
+    # A fallback naming a model nothing serves: the same, naming that field.
+    kube.obj("RoutingPolicy", "front")["spec"] = {"modelRoutes": [{"model": "chat", "fallback": ["ghost"]}]}
+    with pytest.raises(kopf.PermanentError, match="ghost"):
+        reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    message = kube.obj("RoutingPolicy", "front")["status"]["conditions"][0]["message"]
+    assert "modelRoutes[chat].fallback[0]: no backend or route serves 'ghost'" in message
+    # Fixed: a canary split with a fallback routes.
+    split = [{"backend": "a", "weight": 95}]
+    kube.obj("RoutingPolicy", "front")["spec"] = {
+        "modelRoutes": [{"model": "chat", "split": split, "fallback": ["llama"]}]
+    }
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    assert kube.obj("RoutingPolicy", "front")["status"]["conditions"][0]["status"] == "True"
+    config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
+    assert config["routing"]["modelRoutes"][0]["split"] == [{"backend": "a", "weight": 95.0}]
