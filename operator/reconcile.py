@@ -556,7 +556,9 @@ def _reconcile_routing_policy(
         else:
             backends.append(build_backend(md_name, namespace, config, builtin))
     try:
-        router_config = build_router_config(namespace, spec, backends, body["metadata"].get("generation"))
+        router_config = build_router_config(
+            namespace, spec, backends, body["metadata"].get("generation"), rp_name=name
+        )
     except ValueError as e:  # e.g. a modelRoute naming a backend that does not exist (yet)
         _write_policy_status(ctx, "RoutingPolicy", body, used_by, None, f"router config: {e}")
         return

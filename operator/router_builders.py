@@ -37,7 +37,14 @@ from tokenfleet.operator.builders import (
 )
 from tokenfleet.operator.internal_key import router_key_path, router_key_volume
 from tokenfleet.runtime.config import RuntimeConfig
-from tokenfleet.runtime.router.config import Backend, Discovery, RouterConfig, RoutingSpec, restart_only
+from tokenfleet.runtime.router.config import (
+    Backend,
+    Discovery,
+    Peers,
+    RouterConfig,
+    RoutingSpec,
+    restart_only,
+)
 
 ROUTER_PORT = 8080
 ROUTER_CONFIG_FILE = "router.yaml"
@@ -94,7 +101,11 @@ def build_backend(
 
 
 def build_router_config(
-    namespace: str, spec: RoutingSpec, backends: list[Backend], generation: int | None = None
+    namespace: str,
+    spec: RoutingSpec,
+    backends: list[Backend],
+    generation: int | None = None,
+    rp_name: str | None = None,
 ) -> RouterConfig:
     # Sorted: the file (and so the ConfigMap) must not change when the API lists objects in another order.
     ordered = tuple(sorted(backends, key=lambda b: b.name))
@@ -104,6 +115,8 @@ def build_router_config(
         routing=spec,
         backends=ordered,
         discovery=Discovery(mode="kubernetes", namespace=namespace),
+        # The replicas find each other through their own Service's endpoints, to hold one quota.
+        peers=Peers(service=router_names(rp_name).service, port=ROUTER_PORT) if rp_name else Peers(),
         api_key_file=api_key_path(spec.api_key_secret),
         generation=generation,
     )

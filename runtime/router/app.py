@@ -44,10 +44,13 @@ from tokenfleet.runtime.router.pod_tokenizers import BackendTokenizer
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
 from tokenfleet.runtime.router.priority_classes import PriorityClasses, PriorityError
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
+from tokenfleet.runtime.router.quota_peers import USAGE_PATH, QuotaPeers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
 from tokenfleet.runtime.router.upstream import Outgoing, error_body, request_headers
 
 log = logging.getLogger(__name__)
+
+PEERS_WATCH = "#peers"  # the key of the peers' EndpointSlice watch (never a backend name: those have no '#')
 
 TokenizerLoader = Callable[[str], Tokenizer | None]
 
@@ -74,6 +77,8 @@ class RouterApp:
         self._built_tokenizers: dict[str, Tokenizer] = {}  # by digest, fetched from pods
         self._backend_tokenizers: dict[str, tuple[BackendTokenizer, asyncio.Task]] = {}  # by backend
         self.pod_auth = PodAuth()
+        self.quota_peers: QuotaPeers | None = None
+        self._peer_task: asyncio.Task | None = None
         self.fleet: Fleet | None = None
         self.watcher: ConfigWatcher | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -94,6 +99,7 @@ class RouterApp:
         self.fleet = Fleet(self.config, self.metrics, self._session, self.pod_auth)
         for backend in self.config.backends:
             self._start_backend(backend)
+        self._start_peers()
         if self.config_path is not None:
             # The watcher compares against the file as read (command-line overrides are restart-only).
             self.watcher = ConfigWatcher(
@@ -104,6 +110,30 @@ class RouterApp:
                 what="router config",
             )
             self.watcher.start()
+
+    def _start_peers(self) -> None:
+        """Share rate-limit spending with the other replicas, when there are any to find."""
+        peers = self.config.peers
+        if not peers.urls and peers.service is None:
+            return
+        assert self._session is not None
+        quota = self.quota_peers = QuotaPeers(self.limiter, self._session, peers.interval_seconds)
+        quota.set_urls(peers.urls)
+        if peers.service is not None and self.config.discovery.mode == "kubernetes":
+            namespace = self.config.discovery.namespace or "default"
+            service = Backend(
+                name=peers.service, model="", url=f"http://{peers.service}.{namespace}.svc:{peers.port}"
+            )
+            watch = EndpointSliceWatch(
+                service,
+                namespace,
+                lambda _, urls: quota.set_urls([*peers.urls, *urls]),
+                asyncio.get_running_loop(),
+                read_roles=False,
+            )
+            watch.start()
+            self._watches[PEERS_WATCH] = watch
+        self._peer_task = asyncio.create_task(quota.run())
 
     def _start_backend(self, backend: Backend) -> None:
         assert self.fleet is not None and self._session is not None
@@ -185,6 +215,8 @@ class RouterApp:
         if self.watcher is not None:
             await self.watcher.stop()
         tasks = [t for _, t in self._backend_tokenizers.values()]
+        if self._peer_task is not None:
+            tasks.append(self._peer_task)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -258,6 +290,7 @@ def _json_error(
     for cls in (
         web.HTTPBadRequest,
         web.HTTPUnauthorized,
+        web.HTTPForbidden,
         web.HTTPNotFound,
         web.HTTPTooManyRequests,
         web.HTTPServiceUnavailable,
@@ -272,6 +305,14 @@ def _json_error(
 
 
 ROUTER = web.AppKey("router", RouterApp)
+RATE_HEADERS = web.RequestKey("rate_headers", tuple)
+
+
+async def _add_rate_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* headers on every reply to a rate-limited request: success, 429 and errors,
+    streamed or not (the hook runs when any response's headers go out)."""
+    for name, value in request.get(RATE_HEADERS, ()):
+        response.headers[name] = value
 
 
 def _in_daemon_thread(fn, *args) -> asyncio.Future:
@@ -336,6 +377,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     num_prompt_tokens = len(token_ids) if token_ids is not None else max(len(prompt_text(payload)) // 4, 1)
 
     rate = router.limiter.check(key, tier, num_prompt_tokens, time.monotonic())
+    request[RATE_HEADERS] = rate.headers  # on the reply whatever it is (see _add_rate_headers)
     if not rate.allowed:
         router.metrics.rate_limited.labels(rate.kind or "unknown").inc()
         router.metrics.requests.labels(model, "429").inc()
@@ -469,6 +511,17 @@ async def handle_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [merged[k] for k in sorted(merged)]})
 
 
+async def handle_usage(request: web.Request) -> web.Response:
+    """This router's rate-limit spending per key digest, for its peers only (quota_peers.py)."""
+    router = request.app[ROUTER]
+    peers = router.quota_peers
+    if peers is None or not peers.may_read(request.remote):
+        raise _json_error(403, "only this router's peers read its usage", "permission_error", "forbidden")
+    return web.json_response(
+        {"router": peers.router_id, "usage": router.limiter.usage_report(time.monotonic())}
+    )
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -520,12 +573,14 @@ def build_app(
         await router.stop()
 
     app.cleanup_ctx.append(lifecycle)
+    app.on_response_prepare.append(_add_rate_headers)
     app.add_routes(
         [
             web.post("/v1/completions", handle_generate),
             web.post("/v1/chat/completions", handle_generate),
             web.get("/v1/models", handle_models),
             web.get("/v1/config", handle_config),
+            web.get(USAGE_PATH, handle_usage),
             web.get("/health", handle_health),
             web.get("/ready", handle_ready),
             web.get("/metrics", handle_metrics),

@@ -300,12 +300,25 @@ class Discovery(_Spec):
     approximate_index_blocks: int = Field(200_000, ge=1, description="LRU bound of the approximate index.")
 
 
+class Peers(_Spec):
+    """The other replicas of this router: they share what each admitted per API key, so a RoutingPolicy's
+    rate limits hold fleet-wide rather than per router (quota_peers.py)."""
+
+    urls: tuple[str, ...] = Field((), description="Peer routers' base URLs (static; may include this one).")
+    service: str | None = Field(
+        None, description="The routers' Service: its EndpointSlices list the replicas (kubernetes discovery)."
+    )
+    port: int = Field(8080, ge=1, le=65535, description="The routers' port behind that Service.")
+    interval_seconds: float = Field(0.5, gt=0, description="How often each peer's usage is read.")
+
+
 class RouterConfig(_Spec):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     routing: RoutingSpec = RoutingSpec()
     backends: tuple[Backend, ...] = ()
     discovery: Discovery = Discovery()
+    peers: Peers = Peers()
     api_keys: tuple[str, ...] = Field((), description="`KEY` or `KEY:TIER`; empty and no file = no auth.")
     api_key_file: str | None = Field(
         None, description="Same format, one per line (a mounted Secret); re-read when it changes."

@@ -172,8 +172,10 @@ class EndpointSliceWatch:
         default_namespace: str | None,
         on_change: Callable[[Backend, list[str]], None],
         loop: asyncio.AbstractEventLoop,
+        read_roles: bool = True,
     ) -> None:
         self.backend = backend
+        self._read_roles = read_roles and backend.role == "both"
         service, namespace, port = backend.service
         self._service = service
         self._namespace = namespace or default_namespace or "default"
@@ -190,7 +192,7 @@ class EndpointSliceWatch:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"eps-{self._service}", daemon=True)
         self._thread.start()
-        if self.backend.role == "both":  # its Service may select pods of both roles: read their labels
+        if self._read_roles:  # its Service may select pods of both roles: read their labels
             threading.Thread(target=self._run_pods, name=f"roles-{self._service}", daemon=True).start()
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ from tokenfleet.operator.router_builders import (
     build_router_config_map,
     build_router_deployment,
     build_router_role_binding,
+    build_router_service,
 )
 from tokenfleet.runtime.router.config import RouterConfig
 
@@ -133,3 +134,9 @@ async def test_the_router_exports_the_generation_the_operator_reads(tmp_path):
     assert applied_generation(metrics.render().decode()) == 7
     metrics.config_generation.set(-1)  # a hand-written file names no generation
     assert applied_generation(metrics.render().decode()) is None
+
+
+def test_router_replicas_find_each_other_through_their_service_to_hold_one_quota():
+    cfg = build_router_config("ns", parse_routing_policy({}), [_backend("a")], rp_name="chat")
+    assert (cfg.peers.service, cfg.peers.port) == ("chat-router", 8080)
+    assert build_router_service("chat")["metadata"]["name"] == "chat-router"
