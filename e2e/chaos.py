@@ -264,6 +264,19 @@ class ChaosRun:
         except OSError:
             return 0.0
 
+    def routers_share_one_quota(self) -> bool:
+        """Each ready router reads the other's rate-limit usage (and only the other: it skips itself)."""
+        ids = {}
+        for pod in [p for p in self._pods(ROUTER) if ready(p)]:
+            try:
+                url = f"http://{pod['status']['podIP']}:8080/v1/config"
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    quota = json.loads(resp.read())["quota_peers"]
+            except (OSError, ValueError, KeyError):
+                return False
+            ids[quota["router"]] = set(quota["peers"].values())
+        return len(ids) == 2 and all(peers == set(ids) - {me} for me, peers in ids.items())
+
     def kill_router(self) -> tuple[str, Callable[[], bool]]:
         pod = self.rng.choice([p for p in self._pods(ROUTER) if ready(p)])
         name, ip = pod["metadata"]["name"], pod["status"]["podIP"]

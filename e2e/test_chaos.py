@@ -10,6 +10,8 @@ that parses), no KV block left taken on any pod, and the fleet back to steady st
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from chaos import UNRESUMABLE, ChaosRun
 
@@ -33,6 +35,11 @@ def test_the_fleet_loses_nothing_resumable_under_faults(cluster, pod_network, op
         for name in SCHEDULE:
             result = run.inject(name, budget=FAULT_BUDGET_S)
             assert result.steady_s is not None, f"{name} ({result.detail}): not steady\n{run.report()}"
+        # The replacement router found the survivor through the routers' Service: one quota again.
+        deadline = time.monotonic() + 20
+        while not run.routers_share_one_quota():
+            assert time.monotonic() < deadline, "the two routers do not read each other's rate-limit usage"
+            time.sleep(0.5)
     finally:
         run.finish()
         print(run.report())

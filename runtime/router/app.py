@@ -279,6 +279,7 @@ class RouterApp:
             "live_fields": sorted(LIVE_FIELDS),
             "tokenizers": self.tokenizer_states(),
             "pod_auth": self.pod_auth.state(),
+            "quota_peers": self.quota_peers.state() if self.quota_peers is not None else None,
             "restart_fields": list(RESTART_FIELDS),
         }
 

@@ -59,6 +59,17 @@ class QuotaPeers:
         for gone in set(self._seen) - set(self.urls):
             del self._seen[gone]
 
+    def state(self) -> dict:
+        """For /v1/config: who the peers are and how reading them goes."""
+        peers = {url: seen[0] for url, seen in self._seen.items()}
+        return {
+            "router": self.router_id,
+            "urls": self.urls,
+            "peers": peers,
+            "reads": self.reads,
+            "failures": self.failures,
+        }
+
     def may_read(self, remote: str | None) -> bool:
         """Only the peers (and this host) read the usage: it says how much each key spends."""
         return remote is not None and (remote in self.hosts or remote in ("127.0.0.1", "::1"))
