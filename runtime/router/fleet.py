@@ -25,7 +25,7 @@ import aiohttp
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
-from tokenfleet.runtime.router.fair_share import FairShare
+from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.health import Probe
 from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.metrics import RouterMetrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tokenfleet.runtime.router.fair_share import FairShare
+from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.priority import WaitQueue
 
 from .conftest import until
@@ -42,7 +42,7 @@ def test_an_idle_tenant_earns_no_credit_and_a_busy_one_keeps_its_debt():
 
 
 def test_idle_tenants_are_forgotten_beyond_the_bound(monkeypatch):
-    monkeypatch.setattr("tokenfleet.runtime.router.fair_share.MAX_IDLE_TENANTS", 3)
+    monkeypatch.setattr("tokenfleet.runtime.engine.fair_share.MAX_IDLE_TENANTS", 3)
     fair = FairShare()
     for t in "abcd":
         fair.join(t)

@@ -1,4 +1,5 @@
-"""Fair share between tenants in the router's queue: a virtual token counter per tenant (the VTC idea).
+"""Fair share between tenants: a virtual token counter per tenant (the VTC idea), for any queue that
+serves several tenants — the router's, where it holds requests back, and the engine's waiting queue.
 
 A tenant is a client API key (or the value of a configured header, when a trusted gateway in front names
 tenants). Each tenant's counter is the service it has received: prompt tokens x `input_weight` when its
@@ -11,7 +12,7 @@ A tenant that had nothing waiting and nothing in flight starts again at the smal
 active tenants (if its own is lower): idling earns no credit to burst with later, and a newcomer does not
 owe the history of the others. Priority bands stay strict — fairness orders requests within a band.
 
-Pure and on no clock: the live router and the simulator call the same object.
+Pure and on no clock: the live router, the engine's scheduler and the simulator call the same object.
 """
 
 from __future__ import annotations
