@@ -438,7 +438,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             path=request.path,
             payload=payload,
             stream=bool(payload.get("stream")),
-            headers=request_headers(request.headers, priority),
+            headers=request_headers(request.headers, priority, tenant),
             targets=tuple(targets),
             prompt=prompt,
             session_key=session_key,

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
-from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.health import Probe
 from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.metrics import RouterMetrics

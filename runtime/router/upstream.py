@@ -12,6 +12,7 @@ import aiohttp
 from tokenfleet.runtime.openai.resume import CONTINUATION_FIELD
 from tokenfleet.runtime.router.fleet import Pick, PromptKey
 from tokenfleet.runtime.router.model_routes import RouteTarget
+from tokenfleet.runtime.router.ratelimit import key_digest
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself on the way out.
 _DROP_RESPONSE = {
@@ -71,12 +72,17 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
-def request_headers(incoming, priority: int) -> dict[str, str]:
+def request_headers(incoming, priority: int, tenant: str | None = None) -> dict[str, str]:
     """Headers for the pod. `x-tokenfleet-priority` carries the request's priority number unchanged: it
     means on the pod what it means here (lower = sooner, preempted later), and the pod uses it when the
-    body sets no `priority` of its own (the router rewrites a body's `priority` to the same number)."""
+    body sets no `priority` of its own (the router rewrites a body's `priority` to the same number).
+    `x-tokenfleet-tenant` names whose share the request counts against, as a digest (never the API key
+    itself): the pod's own fair share ranks tenants as the router's queue does. Pods trust both headers
+    only from a caller with the internal key."""
     headers = {k: incoming[k] for k in _FORWARD_REQUEST if k in incoming}
     headers["x-tokenfleet-priority"] = str(priority)
+    if tenant is not None:
+        headers["x-tokenfleet-tenant"] = key_digest(tenant)
     return headers
 
 

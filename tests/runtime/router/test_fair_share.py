@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.priority import WaitQueue
+from tokenfleet.runtime.router.ratelimit import key_digest
 
 from .conftest import until
 from .test_proxy import backend, completion, post
@@ -84,6 +85,12 @@ async def test_a_tenant_behind_anothers_flood_goes_next(serve_app, start_router,
         pod.gate.set()
         assert all(r[0] == 200 for r in await asyncio.gather(first, *queued))
     order = [r["headers"]["Authorization"].removeprefix("Bearer ") for r in pod.requests]
+    # The pod learns the tenant as a digest, for its own fair share (it trusts it only from a router
+    # holding the internal key); the raw key is never sent as the tenant.
+    assert {r["headers"]["x-tokenfleet-tenant"] for r in pod.requests} == {
+        key_digest("flood"),
+        key_digest("light"),
+    }
     # With fair share the light tenant goes as soon as the flood's counter is above its own: the running
     # request's output is charged when it ends, just after its slot is handed on, so one more flood request
     # may go first (a tie: both counters at the flood's prompt). Without, it waits behind the whole flood.
