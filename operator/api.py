@@ -429,6 +429,11 @@ class AutoscalingStatus(_Spec):
         {},
         description="Fleet-wide figures of the latest decision (per-replica averages, pod counts, pending).",
     )
+    cold_start_seconds: float | None = Field(
+        None,
+        description="Creation to Ready of the newest Ready pod, as measured: what a request held at zero "
+        "replicas waits for (a RoutingPolicy's queueTimeoutSeconds should cover it).",
+    )
     history: AutoscalingHistory = AutoscalingHistory()
 
 

@@ -53,7 +53,7 @@ from tokenfleet.operator.autoscaling_status import autoscaling_status, history_f
 from tokenfleet.operator.builders import model_mount, selector_string
 from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
-from tokenfleet.operator.fleet_scrape import ScrapeBook, observe, scrape_session
+from tokenfleet.operator.fleet_scrape import ScrapeBook, cold_start_seconds, observe, scrape_session
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import router_selector
 from tokenfleet.runtime.errors import ConfigError
@@ -210,7 +210,7 @@ async def _decide(
     }
     if routers:
         observed["router_scrape_failures"] = seen.router_failures
-    status = autoscaling_status(decision, target.previous, scaled, now, observed)
+    status = autoscaling_status(decision, target.previous, scaled, now, observed, cold_start_seconds(pods))
     if decision.replicas < target.replicas:
         # Before the count drops: the ReplicaSet then removes the pods with the fewest requests in flight.
         await _mark_deletion_costs(ctx, namespace, pods, seen.samples, logger)

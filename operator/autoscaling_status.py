@@ -91,10 +91,12 @@ def autoscaling_status(
     scaled: bool,
     now: float,
     observed: Mapping[str, float] | None = None,
+    cold_start: float | None = None,
 ) -> dict[str, Any]:
     """`status.autoscaling` after a decision, as a merge patch over `previous` (signals that are gone since are
     set to null, so they are removed); `scaled`: the decision changed the replica count. `observed`: figures
-    the caller saw besides the policy's own (which win on a clash), e.g. pending requests at zero replicas."""
+    the caller saw besides the policy's own (which win on a clash), e.g. pending requests at zero replicas.
+    `cold_start`: the newest Ready pod's creation-to-Ready seconds (kept from `previous` at zero pods)."""
     previous = previous or {}
     merged = {**(observed or {}), **decision.signals}
     signals: dict[str, float | None] = {_camel(k): float(v) for k, v in sorted(merged.items())}
@@ -107,5 +109,8 @@ def autoscaling_status(
         "lastScaleTime": to_rfc3339(now) if scaled else previous.get("lastScaleTime"),
         "lastScaleReason": decision.reason if scaled else previous.get("lastScaleReason"),
         "signals": signals,
+        "coldStartSeconds": round(cold_start, 1)
+        if cold_start is not None
+        else previous.get("coldStartSeconds"),
         "history": history_to_status(decision.history),
     }

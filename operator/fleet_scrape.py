@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from tokenfleet.operator.autoscaling_policy import AutoscalingSpec, PodSample, PodState
+from tokenfleet.operator.autoscaling_status import from_rfc3339
 from tokenfleet.operator.builders import RUNTIME_PORT
 from tokenfleet.operator.pod_metrics import (
     MetricsParseError,
@@ -85,6 +86,29 @@ def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodVie
     if not ready and not any(c.get("started") or c.get("restartCount") for c in containers):
         return PodView(name, PodState.STARTING)
     return PodView(name, PodState.UNKNOWN)
+
+
+def cold_start_seconds(pods: list[Mapping[str, Any]]) -> float | None:
+    """Creation to Ready of the newest Ready pod: what a request held at zero replicas waits for (scheduling,
+    image, model load, probes), measured on this fleet rather than guessed. None without a Ready pod."""
+    newest: tuple[str, float] | None = None
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        ready = next(
+            (
+                c
+                for c in status.get("conditions") or []
+                if c.get("type") == "Ready" and c.get("status") == "True"
+            ),
+            None,
+        )
+        created = meta.get("creationTimestamp")
+        if ready is None or not created or not ready.get("lastTransitionTime"):
+            continue
+        seconds = from_rfc3339(ready["lastTransitionTime"]) - from_rfc3339(created)
+        if newest is None or created > newest[0]:
+            newest = (created, max(seconds, 0.0))
+    return newest[1] if newest is not None else None
 
 
 # --------------------------------------------------------------------------------------------------- scrapes

@@ -60,7 +60,9 @@ from tokenfleet.operator.router_builders import (
 )
 from tokenfleet.operator.router_status import fetch_metrics, routers_status
 from tokenfleet.operator.status import (
+    COLD_START_COVERED,
     ReconcileOutcome,
+    cold_start_coverage,
     model_deployment_status,
     policy_status,
     status_changed,
@@ -501,13 +503,18 @@ def _write_policy_status(
     endpoint: str | None,
     error: str | None,
     routers: list[dict[str, Any]] | None = None,
+    covered: dict[str, str] | None = None,
 ) -> None:
     meta = body["metadata"]
-    status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error, routers)
+    status = policy_status(int(meta.get("generation") or 0), used_by, endpoint, error, routers, covered)
     if status_changed(body.get("status"), status):
         ctx.kube.patch_status(kind, meta["namespace"], meta["name"], status)
         if error:
             ctx.event(body, "Warning", "InvalidSpec", error)
+        before = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+        was = before.get(COLD_START_COVERED, {})
+        if covered is not None and covered["status"] == "False" and was.get("message") != covered["message"]:
+            ctx.event(body, "Warning", covered["reason"], covered["message"])
     if error:
         raise kopf.PermanentError(error)
 
@@ -535,6 +542,7 @@ def _reconcile_routing_policy(
     backends = []
     used_by = []
     key_owners = []  # the ModelDeployments whose internal keys the routers mount
+    at_zero = []  # those that may scale to zero: the routers hold their requests through a cold start
     md_specs = watched.model_deployment_specs(namespace)
     for md_name in watched.users_of(namespace, "routingPolicyRef", name):
         used_by.append(md_name)
@@ -551,6 +559,8 @@ def _reconcile_routing_policy(
             continue
         builtin = source_kind(md_spec.model.source) == "builtin"
         key_owners.append(md_name)
+        if md_spec.autoscaling is not None and md_spec.autoscaling.min_replicas == 0:
+            at_zero.append(md_name)
         if md_spec.disaggregation is not None:  # one backend per role's Service
             backends += router_backends(md_name, namespace, md_spec, cache, builtin)
         else:
@@ -574,7 +584,15 @@ def _reconcile_routing_policy(
     # Routers apply policy edits live: report which generation each router pod runs.
     selector = ",".join(f"{k}={v}" for k, v in router_selector(name).items())
     routers = routers_status(ctx.kube.list("Pod", namespace, selector), fetch_metrics)
-    _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None, routers)
+    cold_starts = {md: _cold_start(ctx, namespace, md) for md in at_zero}
+    covered = cold_start_coverage(spec.queue_timeout_seconds, cold_starts)
+    _write_policy_status(ctx, "RoutingPolicy", body, used_by, endpoint, None, routers, covered)
+
+
+def _cold_start(ctx: OperatorContext, namespace: str, md_name: str) -> float | None:
+    body = ctx.kube.get("ModelDeployment", namespace, md_name) or {}
+    value = ((body.get("status") or {}).get("autoscaling") or {}).get("coldStartSeconds")
+    return float(value) if isinstance(value, int | float) else None
 
 
 def reconcile_routers(

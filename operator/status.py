@@ -165,26 +165,66 @@ def status_changed(previous: dict[str, Any] | None, new: dict[str, Any]) -> bool
     return any(previous.get(key) != value for key, value in new.items())
 
 
+COLD_START_COVERED = "QueueTimeoutCoversColdStart"
+
+
+def cold_start_coverage(queue_timeout: float, cold_starts: dict[str, float | None]) -> dict[str, str] | None:
+    """A RoutingPolicy's condition on its ModelDeployments that may scale to zero: does a request held while
+    one wakes outlast the cold start measured on it (`status.autoscaling.coldStartSeconds`)? None when
+    no deployment behind the policy may scale to zero."""
+    if not cold_starts:
+        return None
+    short = {md: c for md, c in sorted(cold_starts.items()) if c is not None and c >= queue_timeout}
+    if short:
+        worst = ", ".join(f"{md} {c:.0f}s" for md, c in short.items())
+        return {
+            "type": COLD_START_COVERED,
+            "status": "False",
+            "reason": "QueueTimeoutBelowColdStart",
+            "message": f"queueTimeoutSeconds {queue_timeout:g} is not longer than the measured cold start of "
+            f"{worst} (plus up to one autoscaler interval): a request that wakes it from zero times out (503) "
+            "before a pod is ready; raise queueTimeoutSeconds or keep minReplicas >= 1",
+        }
+    unknown = sorted(md for md, c in cold_starts.items() if c is None)
+    if unknown:
+        return {
+            "type": COLD_START_COVERED,
+            "status": "Unknown",
+            "reason": "NotMeasured",
+            "message": f"no cold start measured yet for {', '.join(unknown)}",
+        }
+    return {
+        "type": COLD_START_COVERED,
+        "status": "True",
+        "reason": "Covered",
+        "message": f"queueTimeoutSeconds {queue_timeout:g} covers every measured cold start",
+    }
+
+
 def policy_status(
     generation: int,
     used_by: list[str],
     endpoint: str | None,
     error: str | None,
     routers: list[dict[str, Any]] | None = None,
+    covered: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     extra = {} if routers is None else {"routers": routers}  # RoutingPolicy: generation per router pod
+    conditions = [
+        {
+            "type": "ConfigValid",
+            "status": "False" if error else "True",
+            "reason": "InvalidSpec" if error else "Valid",
+            "message": error or "the spec is valid",
+            "observedGeneration": generation,
+        }
+    ]
+    if covered is not None:
+        conditions.append({**covered, "observedGeneration": generation})
     return {
         **extra,
         "observedGeneration": generation,
         "usedBy": sorted(used_by),
         "endpoint": endpoint,
-        "conditions": [
-            {
-                "type": "ConfigValid",
-                "status": "False" if error else "True",
-                "reason": "InvalidSpec" if error else "Valid",
-                "message": error or "the spec is valid",
-                "observedGeneration": generation,
-            }
-        ],
+        "conditions": conditions,
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenfleet.operator.autoscaling_policy import PodState
-from tokenfleet.operator.fleet_scrape import pod_view
+from tokenfleet.operator.fleet_scrape import cold_start_seconds, pod_view
 
 
 def test_pod_classification():
@@ -27,3 +27,18 @@ def test_pod_classification():
     leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert pod_view(leaving) is None
     assert pod_view(pod(phase="Failed")) is None
+
+
+def _pod(created: str, ready_at: str | None) -> dict[str, Any]:
+    conditions = [{"type": "Ready", "status": "True", "lastTransitionTime": ready_at}] if ready_at else []
+    return {"metadata": {"name": created, "creationTimestamp": created}, "status": {"conditions": conditions}}
+
+
+def test_the_cold_start_is_the_newest_ready_pods_creation_to_ready():
+    pods = [
+        _pod("2026-01-01T00:00:00Z", "2026-01-01T00:01:40Z"),
+        _pod("2026-01-01T00:10:00Z", "2026-01-01T00:10:42Z"),
+        _pod("2026-01-01T00:20:00Z", None),  # still starting: not a measurement
+    ]
+    assert cold_start_seconds(pods) == 42.0
+    assert cold_start_seconds(pods[2:]) is None

@@ -554,3 +554,28 @@ def test_a_routing_policy_whose_fallbacks_form_a_cycle_is_reported_with_the_path
     assert kube.obj("RoutingPolicy", "front")["status"]["conditions"][0]["status"] == "True"
     config = yaml.safe_load(kube.obj("ConfigMap", "front-router")["data"]["router.yaml"])
     assert config["routing"]["modelRoutes"][0]["split"] == [{"backend": "a", "weight": 95.0}]
+
+
+def test_a_queue_timeout_shorter_than_a_measured_cold_start_is_warned_on_the_routing_policy(clock, events):
+    kube = FakeKube()
+    ctx = _ctx(kube, events, clock)
+    autoscaling = {"minReplicas": 0, "maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 1}}
+    kube.create("ModelDeployment", "a", {"routingPolicyRef": "front", "autoscaling": autoscaling})
+    kube.create("RoutingPolicy", "front", {"queueTimeoutSeconds": 30})
+
+    def condition():
+        conds = kube.obj("RoutingPolicy", "front")["status"]["conditions"]
+        return next(c for c in conds if c["type"] == "QueueTimeoutCoversColdStart")
+
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    assert (condition()["status"], condition()["reason"]) == ("Unknown", "NotMeasured")
+    kube.obj("ModelDeployment", "a")["status"] = {"autoscaling": {"coldStartSeconds": 45.2}}
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    assert condition()["status"] == "False" and "a 45s" in condition()["message"]
+    assert events[-1][1:3] == ("Warning", "QueueTimeoutBelowColdStart")
+    warned = len(events)
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)  # a resync: no second Event
+    assert len(events) == warned
+    kube.obj("RoutingPolicy", "front")["spec"] = {"queueTimeoutSeconds": 120}
+    reconcile_routing_policy(ctx, kube.watched(), NS, "front", LOG)
+    assert (condition()["status"], condition()["reason"]) == ("True", "Covered")
