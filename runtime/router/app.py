@@ -394,46 +394,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         # Held requests count under the model the chosen backends serve, not the alias the client sent: that
         # is the deployment whose autoscaler must see the demand (an alias wakes a deployment at zero).
         pending_key = targets[0].model
-        spill = _spill_to_fallback(fleet, model, draw, pending_key)
-        try:
-            if spill is None:
-                # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
-                await fleet.gate.wait_for(
-                    lambda: fleet.has_capacity(fleet.targets(model, draw)),
-                    priority,
-                    routing.queue_timeout_seconds,
-                    pending_key,
-                    tenant,
-                )
-        except QueueFull as e:
-            spill = _fallbacks_now(fleet, fleet.targets(model, draw))
-            if spill is None:
-                router.metrics.requests.labels(model, "429").inc()
-                raise _json_error(
-                    429, str(e), "rate_limit_error", "overloaded",
-                    headers={"Retry-After": retry_after_header(e.retry_after)},
-                ) from e  # fmt: skip
-        except QueueTimeout as e:
-            targets = fleet.targets(model, draw)
-            # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
-            why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
-            if refusal_status(why) == 429:
-                router.metrics.requests.labels(model, "429").inc()
-                raise _json_error(
-                    429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",
-                    headers={"Retry-After": retry_after_header(e.retry_after)},
-                ) from e  # fmt: skip
-            router.metrics.requests.labels(model, "503").inc()
-            raise _json_error(
-                503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
-                headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
-            ) from e  # fmt: skip
+        spill = await _admit(router, model, draw, priority, tenant, pending_key)
         targets = spill if spill is not None else fleet.targets(model, draw)
         if not targets:
             raise _json_error(
                 404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found"
             )
-
         out = Outgoing(
             path=request.path,
             payload=payload,
@@ -445,7 +411,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         )
         # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected):
         # the request still counts as the primary's demand while it runs, or the primary would never wake.
-        displaced = not fleet.healthy_endpoints([t for t in targets if not t.fallback])
+        primary = [t for t in fleet.targets(model, draw) if not t.fallback]
+        displaced = bool(primary) and not fleet.healthy_endpoints(primary)
         if displaced:
             router.displaced[pending_key] += 1
         try:
@@ -461,6 +428,51 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return resp
     finally:
         fleet.fair.leave(tenant)
+
+
+async def _admit(
+    router: RouterApp, model: str, draw: float, priority: int, tenant: str, pending_key: str
+) -> list[RouteTarget] | None:
+    """Wait in the queue until a target can take the request; the fallbacks to use instead when the primary
+    is over its `maxQueued` or the queue is full and a fallback can take it now. Raises the 429 or 503."""
+    fleet = router.fleet
+    assert fleet is not None
+    routing = router.config.routing
+    spill = _spill_to_fallback(fleet, model, draw, pending_key)
+    try:
+        if spill is None:
+            # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
+            await fleet.gate.wait_for(
+                lambda: fleet.has_capacity(fleet.targets(model, draw)),
+                priority,
+                routing.queue_timeout_seconds,
+                pending_key,
+                tenant,
+            )
+    except QueueFull as e:
+        spill = _fallbacks_now(fleet, fleet.targets(model, draw))
+        if spill is None:
+            router.metrics.requests.labels(model, "429").inc()
+            raise _json_error(
+                429, str(e), "rate_limit_error", "overloaded",
+                headers={"Retry-After": retry_after_header(e.retry_after)},
+            ) from e  # fmt: skip
+    except QueueTimeout as e:
+        targets = fleet.targets(model, draw)
+        # 429 when endpoints were up but all at their in-flight limit, 503 when none was ready.
+        why = AT_CAPACITY if fleet.healthy_endpoints(targets) else NO_READY_ENDPOINT
+        if refusal_status(why) == 429:
+            router.metrics.requests.labels(model, "429").inc()
+            raise _json_error(
+                429, "all endpoints are at capacity; retry later", "rate_limit_error", "overloaded",
+                headers={"Retry-After": retry_after_header(e.retry_after)},
+            ) from e  # fmt: skip
+        router.metrics.requests.labels(model, "503").inc()
+        raise _json_error(
+            503, f"no ready endpoint serves {model!r}", "service_unavailable", "no_healthy_endpoint",
+            headers={"Retry-After": retry_after_header(fleet.retry_after(targets))},
+        ) from e  # fmt: skip
+    return spill
 
 
 def _fallbacks_now(fleet: Fleet, targets: list[RouteTarget]) -> list[RouteTarget] | None:
