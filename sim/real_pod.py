@@ -98,12 +98,15 @@ async def real_router(
     local_tokenizer: bool = True,
     backend: dict | None = None,
     api_keys: list[str] | None = None,
+    port: int | None = None,
+    peers: list[str] | None = None,
 ):
     """The real router (in this process) in front of `urls`: its URL, once every pod is in rotation (and,
     with `kv_events`, its KV-event stream is followed). `routing`: a strategy name or a whole routing spec.
     `model`: the name the pods serve; without `local_tokenizer` the router has none of its own and learns it
     from the pods (then it also waits for that). `backend`: extra Backend fields (e.g. `internalKeyFile`);
-    `api_keys`: the keys the router asks its clients for.
+    `api_keys`: the keys the router asks its clients for. `port` / `peers`: where it listens and the other
+    replicas it shares its rate-limit spending with (active-active routers holding one quota).
 
     Endpoints start out of rotation until their first probe answers: requests sent before that would all
     go to the pods probed first, which no routing strategy would choose."""
@@ -125,12 +128,13 @@ async def real_router(
             "routing": spec,
             "discovery": {"kvEvents": kv_events, "probeIntervalSeconds": probe_interval},
             "apiKeys": api_keys or [],
+            "peers": {"urls": peers or []},
         }
     )
     app = build_app(cfg, (lambda source: tokenizer) if local_tokenizer else None)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
+    port = port or free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         await app[ROUTER].tokenizers_loaded()
