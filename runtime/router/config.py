@@ -120,6 +120,13 @@ class PriorityClass(_Spec):
         "(the request body's `priority` has the same meaning); 0 is the default.",
     )
     tiers: tuple[str, ...] = Field((), description="API key tiers that get this class by default.")
+    min_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="The least fraction of the requests the router sends that go to this class while it has "
+        "requests waiting, however much more urgent work waits (so a lower class never starves).",
+    )
 
 
 class SecretKeyRef(_Spec):
@@ -219,6 +226,8 @@ class RoutingSpec(_Spec):
         names = [c.name for c in self.priority_classes]
         if len(names) != len(set(names)):
             raise ValueError("priorityClasses names must be unique")
+        if sum(c.min_share for c in self.priority_classes) > 1:
+            raise ValueError("priorityClasses: the minShare values must not add up to more than 1")
         routes = [r.model for r in self.model_routes]
         if len(routes) != len(set(routes)):
             raise ValueError("modelRoutes: a model appears twice")

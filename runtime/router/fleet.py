@@ -87,7 +87,7 @@ class Fleet:
         self.strategy = make_strategy(config.routing, clock=clock)
         self.fair = FairShare()
         self.gate = PriorityGate(config.routing.max_queued, clock)
-        self._set_fair_share(config)
+        self._set_queue_policy(config)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
 
@@ -111,15 +111,21 @@ class Fleet:
         self.config = config
         self.strategy = make_strategy(config.routing, self.strategy)
         self.gate.max_queued = config.routing.max_queued
-        self._set_fair_share(config)
+        self._set_queue_policy(config)
         self.gate.release()  # limits may have grown, or routes changed
 
-    def _set_fair_share(self, config: RouterConfig) -> None:
+    def _set_queue_policy(self, config: RouterConfig) -> None:
+        """The queue's order within a band (tenants' counters) and the bands' minimum shares."""
         spec = config.routing.fair_share
         fair = self.fair
         fair.input_weight, fair.output_weight = spec.input_token_weight, spec.output_token_weight
         fair.tier_weights = dict(spec.tier_weights)
         self.gate.queue.order = fair.counter if spec.enabled else None
+        shares: dict[int, float] = {}
+        for c in config.routing.priority_classes:
+            if c.min_share > 0:
+                shares[c.priority] = max(shares.get(c.priority, 0.0), c.min_share)
+        self.gate.queue.min_shares = shares
 
     # --- membership ---------------------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ Retry-After when none was ready). `num_waiting(key)` is the demand signal per mo
 it as `tokenfleet:router_pending_requests{model}`, which is what a scale-from-zero controller watches.
 
 Within a priority, waiters go in arrival order — or, with fair share on (`order`, fair_share.py), the
-tenant that has received the least service goes first, in arrival order within the tenant.
+tenant that has received the least service goes first, in arrival order within the tenant. Priorities are
+strict, except that a band may be given a minimum share (`min_shares`: its fraction of the last
+SHARE_WINDOW requests sent): while it gets less and has waiters, its waiters go first, so a flood of
+urgent work cannot starve a lower band completely.
 
 The policy (order, bound, deadlines) is `WaitQueue`: pure, on an injected clock, so the simulator queues its
 requests in the same structure on its virtual clock; `PriorityGate` is the asyncio waiting around it.
@@ -28,7 +31,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -36,6 +39,10 @@ from typing import Generic, TypeVar
 from tokenfleet.runtime.errors import Overloaded
 
 T = TypeVar("T")
+
+
+# Requests sent (by priority) that the minimum shares are measured over.
+SHARE_WINDOW = 200
 
 
 class QueueFull(Overloaded):
@@ -77,6 +84,21 @@ class WaitQueue(Generic[T]):
         self.clock = clock
         # Within a priority: a tenant's rank (lower goes first), e.g. its fair-share counter; None = arrival.
         self.order = order
+        self.min_shares: dict[int, float] = {}  # priority -> its minimum fraction of requests sent
+        self._sent: deque[int] = deque(maxlen=SHARE_WINDOW)  # the priorities of the latest requests sent
+
+    def sent(self, priority: int) -> None:
+        """A request of `priority` went to an endpoint (queued or not): what minimum shares count."""
+        self._sent.append(priority)
+
+    def starving(self) -> set[int]:
+        """Bands with waiters that got less than their minimum share of the latest requests sent."""
+        if not self.min_shares:
+            return set()
+        counts = Counter(self._sent)
+        sent = max(len(self._sent), 1)
+        waiting = {w.priority for _, _, w in self._heap}
+        return {p for p, share in self.min_shares.items() if p in waiting and counts[p] < share * sent}
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -105,13 +127,20 @@ class WaitQueue(Generic[T]):
         """The waiters, first to go first."""
         order = self.order
         if order is None:
-            return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], e[1]))]
-        # Counters move as requests are served, so the order is taken now, not kept in the heap.
-        ranks: dict[str, float] = {}
-        for _, _, w in self._heap:
-            if w.tenant not in ranks:
-                ranks[w.tenant] = order(w.tenant)
-        return [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], ranks[e[2].tenant], e[1]))]
+            waiters = [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], e[1]))]
+        else:
+            # Counters move as requests are served, so the order is taken now, not kept in the heap.
+            ranks: dict[str, float] = {}
+            for _, _, w in self._heap:
+                if w.tenant not in ranks:
+                    ranks[w.tenant] = order(w.tenant)
+            waiters = [w for _, _, w in sorted(self._heap, key=lambda e: (e[0], ranks[e[2].tenant], e[1]))]
+        starving = self.starving()
+        if starving:
+            waiters = [w for w in waiters if w.priority in starving] + [
+                w for w in waiters if w.priority not in starving
+            ]
+        return waiters
 
     def remove(self, waiter: Waiter[T]) -> bool:
         """Take `waiter` out (it goes, or gives up); False when it was not queued."""
@@ -166,6 +195,7 @@ class PriorityGate:
         """Return once `can_take()` holds and no earlier waiter (lower priority number, or the same and
         older) could go first; raise QueueFull or QueueTimeout otherwise."""
         if not self._sleeping() and can_take():
+            self.queue.sent(priority)
             return
         waiter = self.queue.push([can_take, None], priority, timeout, key, tenant)
         loop = asyncio.get_running_loop()
@@ -183,6 +213,7 @@ class PriorityGate:
                         fut.cancel()
                     waiter.item[1] = None
                 if can_take():
+                    self.queue.sent(priority)
                     return
         finally:
             self.queue.remove(waiter)

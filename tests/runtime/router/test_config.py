@@ -75,3 +75,9 @@ def test_api_keys_with_tiers(tmp_path):
     keyfile.write_text("# comment\nk2:gold\n\nk3\n")
     cfg = RouterConfig(api_keys=("k1",), api_key_file=str(keyfile))
     assert cfg.key_tiers() == {"k1": "default", "k2": "gold", "k3": "default"}
+
+
+def test_minimum_shares_of_priority_classes_cannot_exceed_the_whole():
+    classes = [{"name": "a", "priority": 0, "minShare": 0.6}, {"name": "b", "priority": 5, "minShare": 0.5}]
+    with pytest.raises(ValueError, match="minShare"):
+        RouterConfig.model_validate({"routing": {"priorityClasses": classes}})

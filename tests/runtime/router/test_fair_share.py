@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.router.config import FairShareSpec
 from tokenfleet.runtime.router.priority import WaitQueue
 from tokenfleet.runtime.router.ratelimit import key_digest
 
@@ -95,3 +96,37 @@ async def test_a_tenant_behind_anothers_flood_goes_next(serve_app, start_router,
     # request's output is charged when it ends, just after its slot is handed on, so one more flood request
     # may go first (a tie: both counters at the flood's prompt). Without, it waits behind the whole flood.
     assert order.index("light") <= 2 if enabled else order.index("light") == 5, order
+
+
+def test_a_band_with_a_minimum_share_is_not_starved_by_more_urgent_work():
+    q: WaitQueue[str] = WaitQueue()
+    q.min_shares = {10: 0.2}
+    sent = []
+    for i in range(100):  # both bands always have waiters; one request is sent at a time
+        q.push(f"urgent{i}", -10, 60)
+        q.push(f"batch{i}", 10, 60)
+        first = q.ordered()[0]
+        q.remove(first)
+        q.sent(first.priority)
+        sent.append(first.priority)
+    assert 0.19 <= sent.count(10) / len(sent) <= 0.21
+    q.min_shares = {}  # strict priorities: the urgent band always goes first
+    assert q.ordered()[0].priority == -10
+
+
+async def test_the_policy_sets_the_queues_order_and_shares_live(serve_app, start_router, make_pod, tmp_path):
+    pod = make_pod()
+    classes = [
+        {"name": "batch", "priority": 10, "minShare": 0.1},
+        {"name": "bulk", "priority": 10, "minShare": 0.2},
+    ]
+    async with serve_app(pod.app()) as pod_url:
+        routing = {"priorityClasses": classes, "fairShare": {"enabled": True}}
+        async with start_router([backend("a", pod_url)], routing) as (_, router):
+            queue = router.fleet.gate.queue
+            assert queue.min_shares == {10: 0.2} and queue.order == router.fleet.fair.counter
+            routing_off = router.config.routing.model_copy(
+                update={"fair_share": FairShareSpec(enabled=False)}
+            )
+            router.fleet.apply(router.config.model_copy(update={"routing": routing_off}))  # a live edit
+            assert queue.order is None
