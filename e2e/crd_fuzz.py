@@ -338,6 +338,7 @@ class Generator:
                 ("spec.disaggregation.prefill.autoscaling.minReplicas",
                  {"disaggregation": {"prefill": {"autoscaling": {**autoscaling, "minReplicas": 0}}}}),
                 ("spec.engine.speculative.draftModel", {"engine": {"speculative": {"method": "draft"}}}),
+                ("spec.model.cacheClaim", {"model": {"source": "smollm2-135m-instruct", "cacheClaim": "models"}}),
             ],
             "CachePolicy": [
                 ("spec.cpuOffload.sizeGiB", {"cpuOffload": {"enabled": True, "sizeGiB": 0}}),

@@ -51,6 +51,13 @@ class _Spec(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- ModelDeployment
+class SecretEntry(_Spec):
+    """One entry of a Secret in the resource's namespace."""
+
+    name: str = Field(pattern=REF_PATTERN, max_length=253, description="The Secret's name.")
+    key: str = Field("token", min_length=1, description="Its entry.")
+
+
 class ModelSpec(_Spec):
     """Which model the runtime pods serve and how it is loaded."""
 
@@ -63,6 +70,30 @@ class ModelSpec(_Spec):
     served_name: str | None = Field(
         None, description="Name clients send as `model`; defaults to the source name."
     )
+    hf_token_secret: SecretEntry | None = Field(
+        None,
+        description="hf:// only: a Secret entry holding a Hugging Face token (gated or private models), given "
+        "to the download as HF_TOKEN (never to the serving container).",
+    )
+    cache_claim: str | None = Field(
+        None,
+        pattern=REF_PATTERN,
+        max_length=253,
+        description="hf:// only: a PersistentVolumeClaim the download goes into (hf/ORG/NAME/REVISION on it) "
+        "instead of an emptyDir lost with every pod: a pod whose files are already there (ReadWriteMany "
+        "storage, or one claim per node) downloads nothing.",
+    )
+
+    @model_validator(mode="after")
+    def _check_hf_fields(self) -> ModelSpec:
+        if not self.source.startswith("hf://"):
+            given = [
+                f for f, v in (("hfTokenSecret", self.hf_token_secret), ("cacheClaim", self.cache_claim)) if v
+            ]
+            if given:
+                raise ValueError(f"model.{given[0]}: only an hf:// source is downloaded")
+        return self
+
     dtype: runtime_field("model.dtype", "Compute dtype; auto = float32 on CPU, bfloat16 on GPU.")
     quantization: runtime_field("model.quantization", "Weight quantization applied at load time.")
     max_model_len: runtime_field("model.max_model_len", "Context length; defaults to the model's.")
@@ -535,6 +566,13 @@ def _autoscaling_rules(at: str, min_one: bool = False) -> dict[str, list[dict[st
 # the validators above, so a cluster without CEL still reports them (as a condition instead of a rejection).
 CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
     "ModelDeployment": {
+        "model": [
+            {
+                "rule": "(!has(self.hfTokenSecret) && !has(self.cacheClaim)) || "
+                "(has(self.source) && self.source.startsWith('hf://'))",
+                "message": "model.hfTokenSecret and model.cacheClaim: only an hf:// source is downloaded",
+            }
+        ],
         "": [
             {
                 "rule": "!has(self.tensorParallelSize) || !has(self.resources) || !has(self.resources.gpus) || "

@@ -152,23 +152,35 @@ def model_mount(spec: ModelDeploymentSpec, security_context: dict[str, Any]) -> 
             mounts=({"name": "model", "mountPath": path, "readOnly": True},),
         )
     repo, _, revision = source.removeprefix("hf://").partition("@")
-    path = f"{MODELS_DIR}/{repo}"
+    claim = spec.model.cache_claim
+    # On a shared cache each revision has its own directory: deployments of two revisions of one repo
+    # must not download over each other's files.
+    path = f"{MODELS_DIR}/hf/{repo}/{revision or 'main'}" if claim else f"{MODELS_DIR}/{repo}"
     command = ["hf", "download", repo, "--local-dir", path]
     if revision:
         command += ["--revision", revision]
+    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}]
+    token = spec.model.hf_token_secret
+    if token is not None:
+        ref = {"name": token.name, "key": token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     fetch = {
         "name": "fetch-model",
         "image": spec.image,
         "command": command,
-        "env": [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}],
+        "env": env,
         "volumeMounts": [{"name": "model", "mountPath": MODELS_DIR}],
         "securityContext": security_context,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
     }
+    # `hf download` into a local dir keeps metadata per file (commit, etag) and skips a file whose recorded
+    # etag matches the Hub's, resuming partial ones: on the cache claim only what is missing or changed is
+    # fetched (one metadata request per file still goes to the Hub).
+    volume = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
     return ModelMount(
         model_path=path,
         served_name=spec.model.served_name or repo,
-        volumes=({"name": "model", "emptyDir": {}},),
+        volumes=({"name": "model", **volume},),
         mounts=({"name": "model", "mountPath": MODELS_DIR, "readOnly": True},),
         init_containers=(fetch,),
     )

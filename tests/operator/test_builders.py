@@ -169,6 +169,32 @@ def test_hf_source_uses_an_init_container():
     assert {"name": "model", "emptyDir": {}} in pod["volumes"]
 
 
+def test_hf_source_with_a_token_and_a_cache_claim():
+    model = {
+        "source": "hf://meta-llama/Llama-3.2-1B@v2",
+        "hfTokenSecret": {"name": "hf"},
+        "cacheClaim": "model-cache",
+    }
+    md, cfg = _runtime({"model": model})
+    assert cfg.model.model == "/models/hf/meta-llama/Llama-3.2-1B/v2"  # one directory per revision
+    pod = build_deployment("llama", md, cfg)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][3:5] == ["--local-dir", "/models/hf/meta-llama/Llama-3.2-1B/v2"]
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert token in init["env"]
+    assert all(e["name"] != "HF_TOKEN" for c in pod["containers"] for e in c.get("env", []))  # download only
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    assert pod["securityContext"]["fsGroup"] == 1000  # the non-root download can write to the claim
+    main = next(c for c in pod["containers"] if c["name"] == "runtime")
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]
+
+
+@pytest.mark.parametrize("field", [{"hfTokenSecret": {"name": "hf"}}, {"cacheClaim": "model-cache"}])
+def test_download_settings_on_a_source_that_is_not_downloaded_are_refused(field):
+    with pytest.raises(ConfigError, match="only an hf:// source is downloaded"):
+        parse_model_deployment({"model": {"source": "pvc://models/llama", **field}})
+
+
 def test_hostpath_source_mounts_the_same_path():
     md, cfg = _runtime({"model": {"source": "file:///data/smol.gguf"}})
     assert (cfg.model.model, cfg.model.name) == ("/data/smol.gguf", "smol")
