@@ -109,6 +109,13 @@ class SchedulerConfig(_Strict):
         "a waiting request preempts running ones of a strictly lower priority (a larger number) when the "
         "batch or the KV cache is full (vLLM's --scheduling-policy).",
     )
+    fair_share: bool = Field(
+        False,
+        description="Within a priority, admit the waiting request of the tenant that has received the least "
+        "service (prompt tokens computed + 2 x generated tokens), first come first served within a tenant; "
+        "priorities stay strict. The tenant: the x-tokenfleet-tenant header from a trusted caller, else the "
+        "client's API key.",
+    )
 
 
 class SpeculativeConfig(_Strict):

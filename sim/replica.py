@@ -149,6 +149,7 @@ class SimReplica:
             params,
             priority=sreq.priority,
             arrival_time=now,
+            tenant=sreq.tenant,
             block_hashes=list(sreq.block_hashes),  # the router's hashes: the same function, computed once
         )
         if resumed_at is not None:

@@ -39,6 +39,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     resume: ResumeFrom | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +117,11 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: ResumeFrom | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Validate and enqueue now (errors raise here); iterate the result for the output deltas.
-        `resume` continues a stream begun elsewhere (see ResumeFrom)."""
+        `resume` continues a stream begun elsewhere (see ResumeFrom); `tenant`: whose fair share it
+        counts against (`scheduler.fair_share`)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
         if self._thread is None:
@@ -136,7 +139,16 @@ class AsyncEngine:
         self._queues[request_id] = q
         self._submitted += 1
         self._inbox.put(
-            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, time.monotonic(), resume)
+            _Add(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                priority,
+                cache_salt,
+                time.monotonic(),
+                resume,
+                tenant,
+            )
         )
         return self._stream(request_id, q)
 
@@ -266,6 +278,7 @@ class AsyncEngine:
                     cmd.cache_salt,
                     cmd.arrival_time,
                     cmd.resume,
+                    cmd.tenant,
                 )
             except Exception as e:  # validated up front; this is a rare race (e.g. a duplicate id)
                 self._post(cmd.request_id, e)

@@ -157,9 +157,11 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Queue a request; raises (and keeps nothing) when the scheduler refuses it. With `resume` it
-        continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting)."""
+        continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting).
+        `tenant`: whose share it counts against under `scheduler.fair_share` (None: the anonymous one)."""
         if self.sleep_level:  # the server answers 503 `sleeping` before this; offline callers get told
             raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
         request = Request(
@@ -170,6 +172,7 @@ class EngineCore:
             priority=priority,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
+            tenant=tenant,
             grammar=self.grammars.new_state(params.structured_output),
         )
         if resume is not None:

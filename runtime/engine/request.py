@@ -58,6 +58,9 @@ class Request:
     priority: int = 0  # lower value = more important (vLLM convention)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
+    # Whose share of the engine this request counts against under `scheduler.fair_share` (None: the one
+    # anonymous tenant); the server sets it from a trusted tenant header or the client's key digest.
+    tenant: str | None = None
     # A continuation of a stream begun on another pod starts with the tokens generated there and the number
     # of characters of their text the client already holds (the detokenizer resumes from both).
     output_token_ids: list[int] = field(default_factory=list)

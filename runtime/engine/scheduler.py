@@ -11,6 +11,8 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
    Under `policy: priority` the head instead preempts running requests of a strictly lower priority
    (lowest first, newest first) until it fits, as vLLM's priority scheduling does; ties never preempt.
+   Under `fair_share`, within a priority the waiting request of the least-served tenant goes first (see
+   "Fair share" below); priorities stay strict and preemption is unchanged.
 
 The scheduler is the only one that allocates KV slots. A speculative draft that writes KV (a draft model,
 self-speculation) needs slots for the positions it will propose after the step: a chunk that samples also
@@ -24,6 +26,14 @@ two integer compares against its table's `fast_limit` (block_table.py), without 
 manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` finds a request and
 its stop figures with one lookup and handles a single sampled token without the speculative path.
 
+Fair share (`fair_share`, fair_share.py): each tenant (`Request.tenant`) has a virtual token counter, the
+service it received, charged as each step is scheduled: the prompt tokens of its chunks (cache hits are not
+service the pod computed; a prompt recomputed after a preemption is not charged twice: the preemption was
+the engine's choice) and the token each chunk that samples generates (accepted speculative proposals when
+`update` learns of them). Running requests are charged before admissions and each admitted one at once, so
+every pick of the step sees the service given so far. A flood from one tenant then cannot hold another's
+requests behind it in the waiting queue. With it off, none of this runs: one heap, no charges.
+
 A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
 rule covers resumption. Synchronous, deterministic, no torch, no clock: one engine thread owns all of this
 state, and a simulator can drive it on virtual time.
@@ -35,12 +45,13 @@ import itertools
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.admission import AdmissionLimits
+from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request, RequestStatus
 from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, ScheduledRequest, SchedulerOutput
-from tokenfleet.runtime.engine.waiting_queue import WaitingQueue
+from tokenfleet.runtime.engine.waiting_queue import FairWaitingQueue, WaitingQueue
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
@@ -72,7 +83,14 @@ class Scheduler:
         )
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue()
+        # Fair share between tenants, or None (the default: then no step pays anything for it).
+        self.fair: FairShare | None = FairShare() if config.fair_share else None
+        self.waiting: WaitingQueue | FairWaitingQueue = (
+            WaitingQueue() if self.fair is None else FairWaitingQueue(self.fair)
+        )
+        # Under fair share, per preempted request: prompt tokens already charged (a resumption recomputes
+        # them; the tenant is charged only past this).
+        self._prompt_charged: dict[str, int] = {}
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
         # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit, the
@@ -142,6 +160,8 @@ class Scheduler:
         )
         order = self._order[rid] = next(self._counter)
         self.waiting.push(request, order)
+        if self.fair is not None:
+            self.fair.join(request.tenant or "")  # left in `_release`, whichever way it ends
         if (
             request.prompt_logprobs is not None
             and len(request.prompt_logprobs) < request.num_prompt_tokens - 1
@@ -190,6 +210,8 @@ class Scheduler:
                     break
             budget, i = self._schedule_running(i, budget, entries, preempted)
 
+        if self.fair is not None and entries:
+            self._charge_running(entries)  # before admissions: their picks see this step's service
         if not preempted:
             budget = self._admit_waiting(budget, entries, preempted)
 
@@ -340,6 +362,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)
+            if self.fair is not None:  # charged now: the next pick in this same step sees it
+                self._charge_entry(request, num_hit_tokens, end, end == num_tokens, 1)
             entries.append(
                 ScheduledRequest(
                     rid,
@@ -466,6 +490,8 @@ class Scheduler:
             request.num_computed_tokens = num_tokens - 1
         if request.spec_token_ids:
             request.spec_token_ids = []  # consumed; the proposer sets fresh ones for the next step
+        if self.fair is not None and len(new_token_ids) > 1:  # one was charged when it was scheduled
+            self.fair.charge_output(request.tenant or "", len(new_token_ids) - 1)
         if status is None and len(new_token_ids) <= num_spec:
             # Rejected proposals: give back the slots past what the next step (and its draft) uses.
             keep = min(num_tokens + self.num_lookahead_tokens, limit - 1)
@@ -506,13 +532,22 @@ class Scheduler:
         refund = 0
         for j in range(len(entries) - 1, -1, -1):
             if entries[j][0] == vid:  # scheduled earlier in this step: take its tokens back
-                refund = entries.pop(j).num_tokens
+                entry = entries.pop(j)
+                refund = entry.num_tokens
+                if self.fair is not None:  # and the service charged for them before admissions
+                    start = entry.start_pos
+                    self._charge_entry(victim, start, start + len(entry.token_ids), entry.sample, -1)
                 break
         self._preempt(victim)
         preempted.append(vid)
         return refund
 
     def _preempt(self, request: Request) -> None:
+        if self.fair is not None:
+            rid = request.request_id
+            done = min(request.num_computed_tokens, request.num_prompt_tokens)
+            if done > self._prompt_charged.get(rid, 0):
+                self._prompt_charged[rid] = done
         self.kv.free(request)  # caches its computed full blocks: resuming may hit them
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -529,7 +564,50 @@ class Scheduler:
         del self._order[rid]
         del self._stop_info[rid]
         self._scoring.pop(rid, None)
+        if self.fair is not None:
+            self.fair.leave(request.tenant or "")
+            self._prompt_charged.pop(rid, None)
         if request.status is RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(rid)
         else:
             self._finished_ids.append(rid)
+
+    # ---- fair share: charging service (only with `fair_share` on) -------------------------------------------
+
+    def _prompt_tokens_to_charge(self, request: Request, start: int, end: int) -> int:
+        """Prompt tokens among positions start..end-1 that its tenant was not charged for before a
+        preemption."""
+        charged = self._prompt_charged.get(request.request_id, 0) if self._prompt_charged else 0
+        n = min(end, len(request.prompt_token_ids)) - (start if start > charged else charged)
+        return n if n > 0 else 0
+
+    def _charge_entry(self, request: Request, start: int, end: int, sample: bool, sign: int) -> None:
+        """Charge (sign 1) or refund (sign -1) one chunk: its prompt tokens and the token it samples."""
+        fair = self.fair
+        assert fair is not None
+        tenant = request.tenant or ""
+        if start < len(request.prompt_token_ids):
+            fair.charge_prompt(tenant, sign * self._prompt_tokens_to_charge(request, start, end))
+        if sample:
+            fair.charge_output(tenant, sign)
+
+    def _charge_running(self, entries: list[ScheduledRequest]) -> None:
+        """Charge the chunks scheduled for running requests, summed per tenant (mostly one decode token
+        each: this runs for every running request in every step)."""
+        fair = self.fair
+        assert fair is not None
+        requests = self._requests
+        prompt: dict[str, int] = {}
+        output: dict[str, int] = {}
+        for rid, token_ids, start, _, sample, _ in entries:
+            request = requests[rid]
+            tenant = request.tenant or ""
+            if start < len(request.prompt_token_ids):
+                n = self._prompt_tokens_to_charge(request, start, start + len(token_ids))
+                prompt[tenant] = prompt.get(tenant, 0) + n
+            if sample:
+                output[tenant] = output.get(tenant, 0) + 1
+        for tenant, n in prompt.items():
+            fair.charge_prompt(tenant, n)
+        for tenant, n in output.items():
+            fair.charge_output(tenant, n)

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="priority: a waiting request preempts running ones of a lower priority when the batch is full",
     )
     p.add_argument(
+        "--fair-share",
+        action="store_true",
+        default=None,
+        help="within a priority, admit the waiting request of the least-served tenant first",
+    )
+    p.add_argument(
         "--tensor-parallel-size", type=int, help="shard the model over this many worker processes / devices"
     )
     p.add_argument(
@@ -75,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("server", "api_key_file"): args.api_key_file,
         ("scheduler", "max_waiting"): args.max_waiting,
         ("scheduler", "policy"): args.scheduling_policy,
+        ("scheduler", "fair_share"): args.fair_share,
         ("parallel", "tensor_parallel_size"): args.tensor_parallel_size,
         ("server", "enable_sleep_mode"): args.enable_sleep_mode,
     }

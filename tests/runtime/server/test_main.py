@@ -29,6 +29,7 @@ def test_flags_override_the_config_file(tmp_path):
     assert parse("--config", str(path), "--max-waiting", "3").scheduler.max_waiting == 3
     assert parse("--scheduling-policy", "priority").scheduler.policy == "priority"
     assert parse().scheduler.policy == "fcfs"
+    assert parse("--fair-share").scheduler.fair_share and not parse().scheduler.fair_share
 
 
 def test_invalid_options_are_config_errors(tmp_path):

@@ -1,0 +1,225 @@
+"""Fair share between tenants in the scheduler's waiting queue (`scheduler.fair_share`), null model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from tokenfleet.runtime.config import SchedulerConfig
+from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
+from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
+from tokenfleet.runtime.engine.request import Request, RequestStatus
+from tokenfleet.runtime.engine.sampling_params import SamplingParams
+from tokenfleet.runtime.engine.scheduler import Scheduler
+from tokenfleet.runtime.engine.waiting_queue import FairWaitingQueue, WaitingQueue
+
+BS = 4
+TOKEN = 7
+
+_arrival = itertools.count()
+_first = itertools.count(100, 1000)
+
+
+def make(
+    fair: bool = True, max_seqs: int = 8, budget: int = 32, policy: str = "fcfs", caching: bool = True
+) -> Scheduler:
+    km = KVCacheManager(64, BS, enable_caching=caching, hash_extra=hash_extra("m"))
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, fair_share=fair
+    )
+    return Scheduler(config, km, max_model_len=256)
+
+
+def mkreq(rid: str, tenant: str | None, n: int = 4, priority: int = 0, max_tokens: int = 2, prompt=None):
+    base = next(_first)
+    return Request(
+        rid,
+        list(prompt) if prompt is not None else list(range(base, base + n)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        priority=priority,
+        arrival_time=float(next(_arrival)),
+        tenant=tenant,
+    )
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    fin = s.update(out, {x.request_id: [TOKEN] for x in out.scheduled if x.sample})
+    return out, fin
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    order: list[str] = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        order += [x.request_id for x in out.scheduled if x.request_id not in order]
+    return order
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_late_tenant_is_not_stuck_behind_another_tenants_flood(fair):
+    s = make(fair=fair, max_seqs=1)
+    for i in range(6):
+        s.add_request(mkreq(f"a{i}", "A"))
+    s.add_request(mkreq("b0", "B"))
+    order = admission_order(s)
+    if fair:  # b0 goes as soon as A's first request leaves room: A has had service, B none
+        assert order == ["a0", "b0", "a1", "a2", "a3", "a4", "a5"]
+    else:
+        assert order == ["a0", "a1", "a2", "a3", "a4", "a5", "b0"]
+
+
+def test_tenants_alternate_by_service_and_keep_their_own_arrival_order():
+    s = make(max_seqs=1)
+    for i in range(3):
+        s.add_request(mkreq(f"a{i}", "A"))
+    for i in range(3):
+        s.add_request(mkreq(f"b{i}", None))  # None is the anonymous tenant, one like any other
+    assert admission_order(s) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_priority_bands_stay_strict_under_fair_share():
+    s = make(max_seqs=1)
+    s.add_request(mkreq("b-low", "B", priority=1))
+    for i in range(3):
+        s.add_request(mkreq(f"a{i}", "A", priority=0))
+    s.add_request(mkreq("b-high", "B", priority=0))
+    # A's service never lets B's lower-priority request pass, only B's request of the same priority.
+    assert admission_order(s) == ["a0", "b-high", "a1", "a2", "b-low"]
+
+
+def test_prompt_chunks_and_generated_tokens_are_charged_as_they_happen():
+    s = make(budget=16)
+    r = mkreq("a", "A", n=40, max_tokens=3)
+    s.add_request(r)
+    counter = s.fair.counter
+    step(s)
+    assert counter("A") == 16  # the first chunk, when scheduled (input weight 1)
+    step(s)
+    assert counter("A") == 32
+    step(s)
+    assert counter("A") == 40 + 2  # the last chunk and the token sampled after it (output weight 2)
+    step(s)
+    assert counter("A") == 40 + 4
+    step(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH and counter("A") == 40 + 6
+    assert not s.fair.active
+
+
+def test_accepted_speculative_tokens_are_charged_as_generated():
+    s = make()
+    r = mkreq("a", "A", n=4, max_tokens=10)
+    s.add_request(r)
+    step(s)
+    r.spec_token_ids = [TOKEN, TOKEN, TOKEN]
+    out = s.schedule()
+    assert out.scheduled[0].spec_token_ids == (TOKEN,) * 3
+    s.update(out, {"a": [TOKEN, TOKEN, 5]})  # two proposals accepted, then the token sampled after them
+    assert r.num_output_tokens == 4 and s.fair.counter("A") == 4 + 2 * 4
+
+
+def test_prefix_cache_hits_are_not_charged():
+    s = make()
+    shared = list(range(500, 516))  # four full blocks
+    s.add_request(mkreq("a", "A", prompt=[*shared, 1, 2, 3, 4], max_tokens=1))
+    step(s)
+    s.add_request(mkreq("b", "B", prompt=[*shared, 5, 6, 7, 8], max_tokens=1))
+    out, _ = step(s)
+    assert out.scheduled[0].start_pos == 16
+    assert s.fair.counter("A") == 20 + 2 and s.fair.counter("B") == 4 + 2
+
+
+def test_an_aborted_waiting_request_leaves_its_tenant_inactive():
+    s = make(max_seqs=1)
+    s.add_request(mkreq("a0", "A", max_tokens=4))
+    step(s)
+    s.add_request(mkreq("b0", "B"))
+    assert s.fair.active == {"A": 1, "B": 1}
+    assert s.abort("b0")
+    assert s.fair.active == {"A": 1} and s.num_waiting == 0 and "b0" not in s.waiting
+    assert s.abort("a0")  # a running one too
+    assert not s.fair.active
+    out, _ = step(s)
+    assert not out.scheduled and set(out.aborted_ids) == {"a0", "b0"}
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_preempted_request_resumes_without_paying_its_prompt_twice(caching):
+    # A low-priority request of A finishes its prompt when B's urgent request takes the only seat.
+    s = make(max_seqs=1, budget=16, policy="priority", caching=caching)
+    low = mkreq("a-low", "A", n=20, priority=1, max_tokens=2)
+    s.add_request(low)
+    step(s)
+    assert s.fair.counter("A") == 16
+    s.add_request(mkreq("b-urgent", "B", priority=0))
+    out, _ = step(s)
+    assert out.preempted_ids == ("a-low",) and [x.request_id for x in out.scheduled] == ["b-urgent"]
+    assert s.fair.counter("A") == 16  # its last chunk, taken back in this step, is not charged
+    while s.has_unfinished_requests():
+        step(s)
+    assert low.num_preemptions == 1 and low.num_output_tokens == 2
+    # Each prompt token and generated token once, whether the resumption hit the cache or recomputed.
+    assert s.fair.counter("A") == 20 + 2 * 2
+    assert s.fair.counter("B") == 16 + 4 + 2 * 2  # it joined at A's count: no credit for arriving late
+
+
+def test_a_returning_tenant_starts_at_the_least_served_active_counter():
+    s = make(max_seqs=1)
+    s.add_request(mkreq("a0", "A", max_tokens=1))
+    step(s)  # A served 4 + 2, then gone
+    s.add_request(mkreq("b0", "B", n=8, max_tokens=3))
+    step(s)
+    s.add_request(mkreq("a1", "A"))  # A is lifted to B's count: idling earned it no credit
+    assert s.fair.counter("A") == s.fair.counter("B") == 8 + 2
+
+
+def test_fair_waiting_queue_interface():
+    fair = FairShare()
+    q = FairWaitingQueue(fair)
+    reqs = [mkreq("a0", "A"), mkreq("a1", "A"), mkreq("b0", "B"), mkreq("c0", None, priority=-1)]
+    for order, r in enumerate(reqs):
+        q.push(r, order)
+    assert len(q) == 4 and "a1" in q and "zz" not in q
+    assert q.pop().request_id == "c0"  # the best priority first, whatever its tenant's service
+    fair.charge_prompt("A", 10)
+    assert q.peek().request_id == "b0"
+    assert q.remove("b0") and not q.remove("b0")
+    assert [q.pop().request_id, q.pop().request_id] == ["a0", "a1"]
+    assert len(q) == 0 and q.peek() is None
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_without_fair_share_the_scheduler_keeps_the_single_heap_and_charges_nothing():
+    s = make(fair=False)
+    assert s.fair is None and type(s.waiting) is WaitingQueue
+    s.add_request(mkreq("a0", "A"))
+    step(s)
+    assert s.fair is None
+
+
+def test_the_engine_passes_each_requests_tenant_to_the_scheduler(default_model):
+    from tokenfleet.runtime.config import RuntimeConfig
+    from tokenfleet.runtime.engine.engine_core import EngineCore
+
+    config = RuntimeConfig.model_validate(
+        {
+            "model": {"dtype": "float32", "attention_backend": "torch"},
+            "scheduler": {"max_num_seqs": 1, "fair_share": True},
+            "cache": {"num_blocks": 64},
+        }
+    )
+    core = EngineCore(config, loaded=default_model)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            core.add_request(f"a{i}", [10 + i, 20, 30], params, tenant="A")
+        core.add_request("b0", [40, 50, 60], params)  # no tenant: the anonymous one
+        order: list[str] = []
+        while core.has_unfinished():
+            order += [d.request_id for d in core.step() if d.request_id not in order]
+        assert order == ["a0", "b0", "a1", "a2"]
+        assert set(core.scheduler.fair.counters) == {"A", ""} and not core.scheduler.fair.active
+    finally:
+        core.shutdown()
