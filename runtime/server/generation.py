@@ -51,6 +51,7 @@ class Generation:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: ResumeFrom | None = None,
+        tenant: str | None = None,
     ):
         self._engine = engine
         self._metrics = metrics
@@ -60,6 +61,7 @@ class Generation:
         self._priority = priority
         self._cache_salt = cache_salt
         self._resume = resume  # continue a stream begun on another pod (one choice only)
+        self._tenant = tenant  # whose fair share the engine counts it against (None: anonymous)
         self.choices: list[ChoiceState] = []
         self._streams: list[AsyncIterator[RequestDelta]] = []
         self._pumps: list[asyncio.Task] = []
@@ -86,6 +88,8 @@ class Generation:
                 for j in range(n):
                     index = p * n + j
                     extra = {"resume": self._resume} if self._resume is not None else {}
+                    if self._tenant is not None:
+                        extra["tenant"] = self._tenant
                     stream = self._engine.add_request(
                         self.engine_id(index),
                         prompt.token_ids,

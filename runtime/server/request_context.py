@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from tokenfleet.runtime.openai.protocol import PromptTokensDetails, Usage
+from tokenfleet.runtime.server.auth import bearer_token
 from tokenfleet.runtime.server.generation import ChoiceState
 from tokenfleet.runtime.server.state import ServerState
 
@@ -77,6 +79,7 @@ CONTEXT_KEY = web.RequestKey("tokenfleet.context", RequestContext)
 
 
 PRIORITY_HEADER = "x-tokenfleet-priority"  # set by the router from its priority classes
+TENANT_HEADER = "x-tokenfleet-tenant"  # names the tenant a trusted router or gateway serves
 
 
 def request_priority(request: web.Request, body_priority: int, body_sets_it: bool) -> int:
@@ -92,3 +95,24 @@ def request_priority(request: web.Request, body_priority: int, body_sets_it: boo
         return int(request.headers.get(PRIORITY_HEADER, body_priority))
     except ValueError:
         return body_priority
+
+
+def request_tenant(request: web.Request) -> str | None:
+    """Whose fair share (`scheduler.fair_share`) the request counts against: the tenant header from a
+    trusted caller (the same rule as the priority header: a client must not pose as another tenant),
+    else the digest of the client's API key when this pod checks keys (never the key itself: tenants are
+    kept in memory and may be logged), else None, the one anonymous tenant."""
+    ctx = request.get(CONTEXT_KEY)
+    trusted = ctx is None or ctx.trusted
+    if trusted:
+        named = request.headers.get(TENANT_HEADER)
+        if named:
+            return named
+    state = ctx.state if ctx is not None else None
+    if state is None or not state.api_keys.enabled:
+        return None
+    authorization = request.headers.get("Authorization")
+    token = bearer_token(authorization)
+    if token is None or state.internal_key.check(authorization):
+        return None  # the internal key is a router's or a pod's, not a tenant's
+    return hashlib.blake2b(token.encode(), digest_size=16).hexdigest()

@@ -12,7 +12,7 @@ from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.openai.translate import Prompt
 from tokenfleet.runtime.server.generation import Generation
 from tokenfleet.runtime.server.logprobs import TokenRenderer
-from tokenfleet.runtime.server.request_context import RequestContext, request_priority
+from tokenfleet.runtime.server.request_context import RequestContext, request_priority, request_tenant
 from tokenfleet.runtime.server.resume import StreamWire, speculative, why_not_resumable
 
 
@@ -50,6 +50,7 @@ async def start_generation(
         request_priority(request, req.priority, "priority" in req.model_fields_set),
         req.cache_salt,
         wire.resume_from(params, engine),
+        request_tenant(request),
     )
     return Started(
         gen=gen,

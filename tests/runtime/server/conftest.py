@@ -52,9 +52,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.submitted: list[tuple[str, list[int], object]] = []
         self.priorities: dict[str, int] = {}
+        self.tenants: dict[str, str | None] = {}
         self.dead: str | None = None
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None, tenant=None):
         if self.dead:
             raise EngineDeadError(self.dead)
         if len(self.active) >= self.max_waiting:
@@ -63,6 +64,7 @@ class FakeEngine:
             raise ContextLengthExceeded("prompt too long", param="prompt")
         self.active.add(request_id)
         self.priorities[request_id] = priority
+        self.tenants[request_id] = tenant
         self.submitted.append((request_id, list(prompt_token_ids), params))
         return self._stream(request_id, list(prompt_token_ids), params)
 

@@ -8,6 +8,8 @@ as before.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import ConfigError
@@ -104,6 +106,35 @@ async def test_priority_header_is_trusted_only_from_the_internal_key(make_client
         )
         assert resp.status == 200
     assert list(fake_engine.priorities.values()) == [0, -7]
+
+
+async def test_tenant_header_is_trusted_only_from_the_internal_key(make_client, fake_engine, keyed_config):
+    client = await make_client(fake_engine, keyed_config)
+    for headers in (CLIENT, INTERNAL, CLIENT, INTERNAL):
+        resp = await client.post(
+            "/v1/completions", json=BODY, headers={**headers, "x-tokenfleet-tenant": "acme"}
+        )
+        assert resp.status == 200
+    for headers in (CLIENT, INTERNAL):
+        assert (await client.post("/v1/completions", json=BODY, headers=headers)).status == 200
+    client_digest = hashlib.blake2b(b"client-key", digest_size=16).hexdigest()
+    # A client key cannot pose as another tenant: it counts as itself, by its digest (never the raw key);
+    # the internal key is a router's, not a tenant's: a router naming no tenant sends an anonymous request.
+    assert list(fake_engine.tenants.values()) == [
+        client_digest,
+        "acme",
+        client_digest,
+        "acme",
+        client_digest,
+        None,
+    ]
+
+
+async def test_without_client_keys_the_tenant_is_the_header_or_anonymous(make_client, fake_engine):
+    client = await make_client(fake_engine)
+    for headers in ({"x-tokenfleet-tenant": "acme"}, {}):
+        assert (await client.post("/v1/completions", json=BODY, headers=headers)).status == 200
+    assert list(fake_engine.tenants.values()) == ["acme", None]
 
 
 async def test_without_an_internal_key_the_pod_behaves_as_before(make_client, fake_engine):
