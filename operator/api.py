@@ -141,6 +141,7 @@ class Engine(_Spec):
     max_num_batched_tokens: runtime_field("scheduler.max_num_batched_tokens")
     max_waiting: runtime_field("scheduler.max_waiting")
     scheduling_policy: runtime_field("scheduler.policy")
+    fair_share: runtime_field("scheduler.fair_share")
     speculative: Speculative = Speculative()
 
 
