@@ -8,9 +8,13 @@ request is sent to a pod, output tokens x `output_weight` when it finishes, divi
 counter goes next, first come first served within a tenant: a flood from one tenant cannot push another's
 requests behind it, and the flood still gets whatever capacity the others leave.
 
-A tenant that had nothing waiting and nothing in flight starts again at the smallest counter among the
-active tenants (if its own is lower): idling earns no credit to burst with later, and a newcomer does not
-owe the history of the others. Priority bands stay strict — fairness orders requests within a band.
+A tenant that had nothing waiting and nothing in flight starts again at most RETURN_CREDIT below the
+smallest counter among the active tenants (if its own is lower): idling earns no more credit than that to
+burst with later, and a newcomer does not owe the history of the others. That small credit is what lets a
+light tenant's request go ahead of a flood the moment it arrives — with counters equal it would queue
+behind the flood's earlier requests — and the engine preempts for a tenant RETURN_CREDIT behind (the same
+amount, so a returning light tenant is served at once). Priority bands stay strict — fairness orders
+requests within a band.
 
 Pure and on no clock: the live router, the engine's scheduler and the simulator call the same object.
 """
@@ -22,6 +26,10 @@ from collections.abc import Mapping
 
 # Tenants remembered while inactive; beyond it, those that would be lifted anyway on return are forgotten.
 MAX_IDLE_TENANTS = 4096
+# Service (weighted tokens: a prompt token 1, a generated one 2 by default) a tenant back from idle may be
+# behind the least-served active one. A few steps of a busy batch: it puts the returning tenant first and
+# lets the engine preempt for it, yet two tenants of equal demand cannot swap a slot every step.
+RETURN_CREDIT = 64.0
 
 
 class FairShare:
@@ -44,11 +52,11 @@ class FairShare:
         """A request of `tenant` arrives (it waits or runs until `leave`)."""
         if not self.active[tenant]:
             floor = min((self.counters.get(t, 0.0) for t, n in self.active.items() if n), default=None)
-            if floor is not None and self.counter(tenant) < floor:
-                self.counters[tenant] = floor
+            if floor is not None and self.counter(tenant) < floor - RETURN_CREDIT:
+                self.counters[tenant] = floor - RETURN_CREDIT
             self.counters.setdefault(tenant, 0.0)
             if len(self.counters) > MAX_IDLE_TENANTS:
-                self._forget_idle(floor)
+                self._forget_idle(floor - RETURN_CREDIT if floor is not None else None)
         self.active[tenant] += 1
 
     def leave(self, tenant: str) -> None:

@@ -11,8 +11,9 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
    Under `policy: priority` the head instead preempts running requests of a strictly lower priority
    (lowest first, newest first) until it fits, as vLLM's priority scheduling does; ties never preempt.
-   Under `fair_share`, within a priority the waiting request of the least-served tenant goes first (see
-   "Fair share" below); priorities stay strict and preemption is unchanged.
+   Under `fair_share`, within a priority the waiting request of the least-served tenant goes first and may
+   preempt a much more served tenant's running request of the same priority (see "Fair share" below);
+   priorities stay strict.
 
 The scheduler is the only one that allocates KV slots. A speculative draft that writes KV (a draft model,
 self-speculation) needs slots for the positions it will propose after the step: a chunk that samples also
@@ -32,7 +33,11 @@ service the pod computed; a prompt recomputed after a preemption is not charged 
 the engine's choice) and the token each chunk that samples generates (accepted speculative proposals when
 `update` learns of them). Running requests are charged before admissions and each admitted one at once, so
 every pick of the step sees the service given so far. A flood from one tenant then cannot hold another's
-requests behind it in the waiting queue. With it off, none of this runs: one heap, no charges.
+requests behind it in the waiting queue. And when the batch or the cache is full, a waiting request of a
+tenant that received at least FAIR_PREEMPT_MARGIN less service than a running request's tenant (same
+priority) preempts it — the most-served tenant's newest first — so a light tenant behind a flood waits one
+step, not for a flood's request to finish; the margin keeps two tenants from trading a slot back and
+forth. With it off, none of this runs: one heap, no charges.
 
 A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
 rule covers resumption. Synchronous, deterministic, no torch, no clock: one engine thread owns all of this
@@ -45,7 +50,7 @@ import itertools
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.admission import AdmissionLimits
-from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.engine.fair_share import RETURN_CREDIT, FairShare
 from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
@@ -56,6 +61,13 @@ from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
 _new_tuple = tuple.__new__
+
+
+# Service by which a running request's tenant must be ahead of a waiting request's for fair share to
+# preempt it: the credit a tenant back from idle gets (fair_share.py), so such a tenant is served at once,
+# while two backlogged tenants swap a slot at most once per that much service (each swap recomputes what
+# the prefix cache lost).
+FAIR_PREEMPT_MARGIN = RETURN_CREDIT
 
 
 class Scheduler:
@@ -320,13 +332,14 @@ class Scheduler:
         strictly lower priority first (`_preempt_for`)."""
         chunked = self.config.enable_chunked_prefill
         waiting = self.waiting
-        by_priority = self.config.policy == "priority"
+        # Either rule may make room: a more urgent priority, or (fair share) a much less served tenant.
+        preempts = self.config.policy == "priority" or self.fair is not None
         while budget > 0:
             request = waiting.peek()
             if request is None:
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                if not by_priority or (refund := self._preempt_for(request, entries, preempted)) is None:
+                if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
                     break
                 budget += refund
                 continue
@@ -350,7 +363,7 @@ class Scheduler:
                 limit = self._stop_info[request.request_id][0]
                 num_slots = min(num_new + self.num_lookahead_tokens, limit - 1 - num_hit_tokens)
             if self.kv.allocate_slots(request, num_slots, hits) is None:
-                if not by_priority or (refund := self._preempt_for(request, entries, preempted)) is None:
+                if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
                     break
                 budget += refund
                 continue
@@ -513,21 +526,29 @@ class Scheduler:
     def _preempt_for(
         self, request: Request, entries: list[ScheduledRequest], preempted: list[str]
     ) -> int | None:
-        """Preempt the running request that yields first (lowest priority, newest) if its priority is
-        strictly lower than `request`'s; the tokens it had been given in this step (None: nothing yields).
+        """Make room for `request` by preempting one running request: under `policy: priority` the one that
+        yields first (lowest priority, newest) if its priority is strictly lower; else, under fair share,
+        the newest of a much more served tenant of the same priority (`_fair_victim`). The tokens the victim
+        had been given in this step (None: nothing yields).
 
-        Strictly lower, so requests of one priority never preempt each other, and a preempted request,
-        back in the queue, can never preempt the one that displaced it: no ping-pong. Requests admitted
-        earlier in this step came first in (priority, arrival) order, so they are never the victim.
+        Strictly lower, so requests of one priority never preempt each other on priority, and a preempted
+        request, back in the queue, can never preempt the one that displaced it: no ping-pong (fair share's
+        margin does the same for tenants). Requests admitted earlier in this step came first in (priority,
+        arrival) order, so they are never the priority victim.
         """
         running = self.running
         if not running:
             return None
-        victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
-        victim = running[victim_index]
-        if victim.priority <= request.priority:
+        victim_index = None
+        if self.config.policy == "priority":
+            j = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
+            if running[j].priority > request.priority:
+                victim_index = j
+        if victim_index is None and self.fair is not None:
+            victim_index = self._fair_victim(request)
+        if victim_index is None:
             return None
-        running.pop(victim_index)
+        victim = running.pop(victim_index)
         vid = victim.request_id
         refund = 0
         for j in range(len(entries) - 1, -1, -1):
@@ -541,6 +562,26 @@ class Scheduler:
         self._preempt(victim)
         preempted.append(vid)
         return refund
+
+    def _fair_victim(self, request: Request) -> int | None:
+        """Fair share's preemption: the newest running request of the same priority whose tenant has
+        received at least FAIR_PREEMPT_MARGIN more service than `request`'s (the most-served tenant first),
+        else None. The margin is the hysteresis: the preempted tenant stays ahead in service, so it cannot
+        take the slot straight back, and two tenants swap a slot at most once per that much service."""
+        fair = self.fair
+        assert fair is not None
+        floor = fair.counter(request.tenant or "") + FAIR_PREEMPT_MARGIN
+        best, best_key = None, None
+        for j, r in enumerate(self.running):
+            if r.priority != request.priority:
+                continue
+            served = fair.counter(r.tenant or "")
+            if served < floor:
+                continue
+            key = (served, r.arrival_time, self._order[r.request_id])
+            if best_key is None or key > best_key:
+                best, best_key = j, key
+        return best
 
     def _preempt(self, request: Request) -> None:
         if self.fair is not None:

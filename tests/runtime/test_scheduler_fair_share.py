@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 from tokenfleet.runtime.config import SchedulerConfig
-from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.engine.fair_share import RETURN_CREDIT, FairShare
 from tokenfleet.runtime.engine.kv_cache.block_hash import hash_extra
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.request import Request, RequestStatus
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
-from tokenfleet.runtime.engine.scheduler import Scheduler
+from tokenfleet.runtime.engine.scheduler import FAIR_PREEMPT_MARGIN, Scheduler
 from tokenfleet.runtime.engine.waiting_queue import FairWaitingQueue, WaitingQueue
 
 BS = 4
@@ -161,17 +161,19 @@ def test_a_preempted_request_resumes_without_paying_its_prompt_twice(caching):
     assert low.num_preemptions == 1 and low.num_output_tokens == 2
     # Each prompt token and generated token once, whether the resumption hit the cache or recomputed.
     assert s.fair.counter("A") == 20 + 2 * 2
-    assert s.fair.counter("B") == 16 + 4 + 2 * 2  # it joined at A's count: no credit for arriving late
+    # B joined at A's count less the return credit (floored at its own 0), then paid its own way.
+    assert s.fair.counter("B") == max(16 - RETURN_CREDIT, 0) + 4 + 2 * 2
 
 
-def test_a_returning_tenant_starts_at_the_least_served_active_counter():
-    s = make(max_seqs=1)
+def test_a_returning_tenant_starts_at_most_the_credit_below_the_least_served_active_counter():
+    s = make(max_seqs=1, budget=128)
     s.add_request(mkreq("a0", "A", max_tokens=1))
     step(s)  # A served 4 + 2, then gone
-    s.add_request(mkreq("b0", "B", n=8, max_tokens=3))
+    s.add_request(mkreq("b0", "B", n=100, max_tokens=3))
     step(s)
-    s.add_request(mkreq("a1", "A"))  # A is lifted to B's count: idling earned it no credit
-    assert s.fair.counter("A") == s.fair.counter("B") == 8 + 2
+    assert s.fair.counter("B") == 100 + 2
+    s.add_request(mkreq("a1", "A"))  # idling earned A no more than the return credit
+    assert s.fair.counter("A") == 100 + 2 - RETURN_CREDIT
 
 
 def test_fair_waiting_queue_interface():
@@ -223,3 +225,27 @@ def test_the_engine_passes_each_requests_tenant_to_the_scheduler(default_model):
         assert set(core.scheduler.fair.counters) == {"A", ""} and not core.scheduler.fair.active
     finally:
         core.shutdown()
+
+
+def test_a_light_tenant_behind_a_flood_preempts_the_most_served_one_at_once_and_only_once():
+    s = make(max_seqs=1)
+    s.add_request(mkreq("a0", "A", max_tokens=200))
+    for _ in range(40):
+        step(s)  # A alone: 4 + 2 x 40 of service
+    s.add_request(mkreq("b0", "B"))  # joins the credit below A: exactly the margin behind
+    assert s.fair.counter("A") - s.fair.counter("B") == FAIR_PREEMPT_MARGIN
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["b0"] and out.preempted_ids == ("a0",)
+    rest = admission_order(s)
+    assert "a0" in rest and s.num_preemptions_total == 1  # no slot traded back and forth
+
+
+def test_fair_share_preempts_only_within_a_priority():
+    s = make(max_seqs=1)
+    s.add_request(mkreq("a0", "A", max_tokens=200))
+    for _ in range(40):
+        step(s)
+    s.add_request(mkreq("b-low", "B", priority=1))
+    for _ in range(20):
+        out, _ = step(s)
+        assert [x.request_id for x in out.scheduled] == ["a0"] and not out.preempted_ids

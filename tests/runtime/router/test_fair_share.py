@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.engine.fair_share import RETURN_CREDIT, FairShare
 from tokenfleet.runtime.router.config import FairShareSpec
 from tokenfleet.runtime.router.priority import WaitQueue
 from tokenfleet.runtime.router.ratelimit import key_digest
@@ -25,22 +25,22 @@ def test_service_is_counted_in_weighted_tokens_per_tier_weight():
     assert (fair.counter("a"), fair.counter("b")) == (120.0, 60.0)
 
 
-def test_an_idle_tenant_earns_no_credit_and_a_busy_one_keeps_its_debt():
+def test_an_idle_tenant_earns_little_credit_and_a_busy_one_keeps_its_debt():
     fair = FairShare()
     fair.join("busy")
     fair.charge_prompt("busy", 500)
-    fair.join("new")  # starts at the least-served active tenant's counter, not at 0
-    assert fair.counter("new") == 500
+    fair.join("new")  # starts the return credit below the least-served active tenant, not at 0
+    assert fair.counter("new") == 500 - RETURN_CREDIT
     fair.leave("new")
     fair.charge_prompt("busy", 300)
     fair.join("new")  # came back after idling: lifted again
-    assert fair.counter("new") == 800
+    assert fair.counter("new") == 800 - RETURN_CREDIT
     fair.leave("busy")
     fair.leave("new")
     fair.charge_prompt("busy", 1000)  # (charged late, e.g. its output)
     fair.join("new")
     fair.join("busy")  # nobody else active when `new` came: nothing to lift to; `busy` keeps its debt
-    assert (fair.counter("new"), fair.counter("busy")) == (800, 1800)
+    assert (fair.counter("new"), fair.counter("busy")) == (800 - RETURN_CREDIT, 1800)
 
 
 def test_idle_tenants_are_forgotten_beyond_the_bound(monkeypatch):
