@@ -1,12 +1,15 @@
 """The router's HTTP face: an OpenAI-compatible aiohttp app in front of the fleet.
 
-Per generation request: auth (API key -> tier) -> parse -> model targets (404 when nothing serves the model)
--> tokenize the prompt as the pod will -> rate limit (429 + Retry-After) -> priority (a class name or the
-key's tier -> the one priority number, lower = sooner) -> the queue (the request waits in the router while
-no candidate endpoint can take it: all loading, ejected or at their in-flight limit; 503 + Retry-After or
-429 when its deadline passes) -> `proxy.forward`.
+Per generation request: auth (API key -> tier) -> parse -> model targets (404 when nothing serves the model;
+a split decided by the session's draw) -> priority (what the client asks, bounded by the key's tier -> the
+one priority number, lower = sooner) -> tokenize the prompt as the pod will -> rate limit (429 +
+Retry-After, x-ratelimit-* headers) -> the queue (the request waits in the router while no candidate
+endpoint can take it: all loading, ejected or at their in-flight limit; ordered by priority, then the
+tenant's fair share when on; a fallback instead when the primary is over its `maxQueued`; 503 +
+Retry-After or 429 when its deadline passes) -> `proxy.forward`.
 Also `/v1/models` (the union of the backends' lists plus route names), `/v1/config` (the config in effect,
-what a file change would need a restart for, the generation applied), `/health` (the router itself is
+what a file change would need a restart for, the generation applied), `/v1/ratelimit/usage` (what this
+router admitted per key digest, for its peers only: quota_peers.py), `/health` (the router itself is
 up), `/ready` (some endpoint takes traffic), `/metrics`.
 
 With a config file, the router watches it (a ConfigMap update swaps it in place) and applies the live
