@@ -1,9 +1,9 @@
 """Real `tokenfleet serve` pods of the default model on this machine, for measuring what the simulator models.
 
-Used by the served calibration (calibrate.py), the fidelity harness (fidelity.py) and bench/routing.py:
-start a pod as its own process, wait until it is Ready, put the real router in front of pods, stream one
-completion of exact token ids and time it as a client does (arrival of every streamed event), stop the pod
-without leaving a process behind.
+Used by the served calibration (calibrate.py), the fidelity harness (fidelity.py), bench/routing.py and
+bench/priority.py: start a pod as its own process, wait until it is Ready, put the real router in front of
+pods, stream one completion of exact token ids and time it as a client does (arrival of every streamed
+event), stop the pod without leaving a process behind.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def start_pod(
     scheduler: dict | None = None,
     model: dict | None = None,
     server: dict | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """`model` / `server`: RuntimeConfig sections merged over the defaults (another model, keys)."""
+    """`model` / `server`: RuntimeConfig sections merged over the defaults (another model, keys); `env`:
+    variables set for the pod's process on top of this one's (e.g. OMP_NUM_THREADS)."""
     import yaml
 
     cfg = {
@@ -51,7 +53,9 @@ def start_pod(
     cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--config", str(path)]
     with open(tmp / f"pod-{port}.log", "w") as log:
         # cwd: never the repo root, whose `operator/` folder would shadow the stdlib module.
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env={**os.environ, **env} if env else None
+        )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,6 +104,7 @@ async def real_router(
     api_keys: list[str] | None = None,
     port: int | None = None,
     peers: list[str] | None = None,
+    handler_cancellation: bool = True,
 ):
     """The real router (in this process) in front of `urls`: its URL, once every pod is in rotation (and,
     with `kv_events`, its KV-event stream is followed). `routing`: a strategy name or a whole routing spec.
@@ -107,6 +112,8 @@ async def real_router(
     from the pods (then it also waits for that). `backend`: extra Backend fields (e.g. `internalKeyFile`);
     `api_keys`: the keys the router asks its clients for. `port` / `peers`: where it listens and the other
     replicas it shares its rate-limit spending with (active-active routers holding one quota).
+    `handler_cancellation`: a client that hangs up cancels its request in the router at once, which closes
+    the upstream request (the pod aborts it), as `tokenfleet route` runs.
 
     Endpoints start out of rotation until their first probe answers: requests sent before that would all
     go to the pods probed first, which no routing strategy would choose."""
@@ -132,7 +139,7 @@ async def real_router(
         }
     )
     app = build_app(cfg, (lambda source: tokenizer) if local_tokenizer else None)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
     await runner.setup()
     port = port or free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -175,9 +182,15 @@ class StreamTiming:
 
 
 async def stream_completion(
-    session, url: str, prompt: list[int], max_tokens: int, timing: StreamTiming
+    session,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    timing: StreamTiming,
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """POST a streamed completion of exact token ids (`ignore_eos`, greedy) and time every event."""
+    """POST a streamed completion of exact token ids (`ignore_eos`, greedy) and time every event.
+    `headers`: extra request headers (e.g. the router's priority-class header)."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -188,7 +201,7 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as r:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
         timing.status = r.status
         async for line in r.content:
             if not line.startswith(b"data: {"):
