@@ -55,5 +55,9 @@ def main(argv: list[str]) -> int:
     except ImportError:
         pass
     app = build_app(config, load_tokenizer, config_path=args.config)
-    web.run_app(app, host=config.host, port=config.port, print=None)
+    # handler_cancellation: a client that hangs up cancels its request here at once, which closes the
+    # upstream request (the pod aborts it and frees its KV) and frees its in-flight slot and queue place;
+    # without it the router would notice only when it next wrote to that client — after the pod's first
+    # token, or never for a request still queued or not streamed.
+    web.run_app(app, host=config.host, port=config.port, print=None, handler_cancellation=True)
     return 0

@@ -10,9 +10,10 @@ from aiohttp import web
 
 
 @contextlib.asynccontextmanager
-async def serve(app: web.Application, port: int = 0):
-    """Run `app` on 127.0.0.1; yields its base URL."""
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
+async def serve(app: web.Application, port: int = 0, handler_cancellation: bool = False):
+    """Run `app` on 127.0.0.1; yields its base URL. Routers run with `handler_cancellation`, as
+    `tokenfleet route` runs them."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
@@ -217,7 +218,7 @@ def start_router(serve_app, tokenizer):
             }
         )
         app = build_app(cfg, lambda source: tokenizer, config_path=config_path)
-        async with serve_app(app) as url:
+        async with serve_app(app, handler_cancellation=True) as url:
             router = app[ROUTER]
             await router.tokenizers_loaded()
             if wait_ready:  # the first probes: endpoints take traffic only once one says they serve

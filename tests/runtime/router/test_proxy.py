@@ -314,3 +314,28 @@ async def test_each_pick_is_timed_in_the_pick_latency_histogram(serve_app, start
         if line.startswith("tokenfleet:router_pick_seconds_sum")
     ]
     assert 0.0 < total < 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_hangs_up_before_the_first_byte_frees_its_slot_and_its_pod_request(
+    serve_app, start_router, make_pod, stream
+):
+    pod = make_pod()
+    pod.delay = 5.0  # the pod is slow to answer
+    async with (
+        serve_app(pod.app(), handler_cancellation=True) as pod_url,
+        start_router([backend("a", pod_url)]) as (url, router),
+    ):
+        async with aiohttp.ClientSession() as s:
+            with contextlib.suppress(TimeoutError):
+                await s.post(
+                    url + "/v1/completions",
+                    json=completion(stream=stream),
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                )
+        ep = router.fleet.endpoints.by_id[pod_url]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0  # well before the pod would have answered
+        while (ep.in_flight or pod.running) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert ep.in_flight == 0 and pod.running == 0  # the router let go, and so did the pod
