@@ -71,10 +71,10 @@ CLASSES = [
     {"name": "batch", "priority": 10, "tiers": []},
 ]
 MAX_IN_FLIGHT = 1024  # per endpoint: far above any offered concurrency, so the router never queues
-# A block ends by cancelling its flood. With handler cancellation the router closes the upstream request
-# (the pod aborts it) at once; without it (as `tokenfleet route` runs) a request cancelled while it waits
-# on a pod is noticed only at its first token, so each block would leave a pod prefilling abandoned
-# requests for tens of seconds, into the next block.
+# A block ends by cancelling its flood. With handler cancellation (as `tokenfleet route` runs) the router
+# closes the upstream request (the pod aborts it) at once; without it a request cancelled while it waits on
+# a pod would be noticed only at its first token, leaving a pod prefilling abandoned requests for tens of
+# seconds, into the next block.
 STAGGER_S = 3.0  # the flood's streams send their first requests over this many seconds
 SATURATE_TIMEOUT_S = 120.0
 ROUTER_OPTS = {"kv_events": False, "probe_interval": 0.2, "handler_cancellation": True}
