@@ -10,18 +10,26 @@ bursts and lulls at the same mean rate), `diurnal` (a Poisson process whose rate
 
 Sessions are closed-loop: a session's next turn arrives `think_time_s` (exponential) after its previous
 turn *finished* in the simulation (`Workload.follow_up`), so its prompt can reuse the KV of the answer.
+
+Named tenants (`tenants`) replace the Zipf mix with streams of their own: each tenant sends at its own rate
+(the same arrival process), with its own prompt and answer lengths and priority — what a question about
+tenants needs (a flood from one beside another's steady traffic, batch beside interactive). Each stream
+draws from seeds of its own (the workload's seed and the tenant's name), so a tenant's requests are the
+same whoever else is in the list.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 VOCAB_LOW, VOCAB_HIGH = 100, 30000
 CHUNK = 1024
@@ -47,6 +55,41 @@ class SimRequest:
     parent: SimRequest | None = None
 
 
+class TenantStream(BaseModel):
+    """One tenant's own traffic (`WorkloadSpec.tenants`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="The tenant (the router's fair share counts per tenant).")
+    rate: float = Field(gt=0, description="Mean arrivals per second.")
+    system_prompt_tokens: int = Field(
+        0, ge=0, description="A prefix every request of the tenant starts with."
+    )
+    user_tokens: int = Field(128, ge=1, description="Mean unique prompt tokens per request.")
+    output_tokens: int = Field(128, ge=1, description="Mean output tokens.")
+    priority: int = Field(1, description="Lower is served first.")
+    start_s: float = Field(0.0, ge=0, description="It starts sending then (a tenant that arrives later).")
+
+
+# What the Zipf mix sets for every request, and a tenant stream sets for its own.
+_MIX_FIELDS = frozenset(
+    {
+        "rate",
+        "num_tenants",
+        "zipf_s",
+        "system_prompt_tokens",
+        "user_tokens",
+        "output_tokens",
+        "session_fraction",
+        "turns_mean",
+        "think_time_s",
+        "long_doc_fraction",
+        "long_doc_tokens",
+        "high_priority_fraction",
+    }
+)
+
+
 class WorkloadSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -69,7 +112,24 @@ class WorkloadSpec(BaseModel):
     long_doc_tokens: int = Field(4096, ge=1)
     high_priority_fraction: float = Field(0.0, ge=0, le=1, description="Priority 0; the rest get 1.")
     max_prompt_tokens: int = Field(7000, ge=2, description="Session prompts stop growing here (turns end).")
+    tenants: tuple[TenantStream, ...] = Field(
+        (),
+        description="Named tenants, each at its own rate, lengths and priority, instead of the Zipf mix "
+        "(no sessions or long documents; `arrival`, `duration_s`, `length_sigma`, `max_prompt_tokens` and "
+        "`seed` still apply).",
+    )
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> WorkloadSpec:
+        if self.tenants:
+            mixed = sorted(_MIX_FIELDS & self.model_fields_set)
+            if mixed:
+                raise ValueError(f"{mixed[0]} is the Zipf mix's: with `tenants` each tenant sets its own")
+            names = [t.name for t in self.tenants]
+            if len(set(names)) != len(names):
+                raise ValueError(f"tenant names repeat: {names}")
+        return self
 
 
 class Workload:
@@ -98,26 +158,31 @@ class Workload:
     def _length(self, mean: int) -> int:
         return self._lengths(mean, 1)[0]
 
-    def _lengths(self, mean: int, n: int) -> list[int]:
+    def _lengths(self, mean: int, n: int, content: np.random.Generator | None = None) -> list[int]:
         s = self.spec.length_sigma
         if s == 0:
             return [mean] * n
         # Lognormal with the given mean: mu = ln(mean) - s^2 / 2.
-        draws = self._content.lognormal(math.log(mean) - s * s / 2, s, n)
+        draws = (content or self._content).lognormal(math.log(mean) - s * s / 2, s, n)
         return np.maximum(1, np.rint(draws)).astype(np.int64).tolist()
 
-    def _gap_chunks(self) -> Iterator[list[float]]:
-        """Inter-arrival gaps, `CHUNK` at a time (one numpy call per chunk, not per request)."""
-        spec, rng = self.spec, self._rng
+    def _gap_chunks(
+        self, rate: float | None = None, rng: np.random.Generator | None = None
+    ) -> Iterator[list[float]]:
+        """Inter-arrival gaps at `rate` (default: the spec's), `CHUNK` at a time (one numpy call per chunk,
+        not per request)."""
+        spec = self.spec
+        rate = rate or spec.rate
+        rng = rng or self._rng
         if spec.arrival == "poisson":
             while True:
-                yield rng.exponential(1.0 / spec.rate, CHUNK).tolist()
+                yield rng.exponential(1.0 / rate, CHUNK).tolist()
         elif spec.arrival == "gamma":
             shape = 1.0 / spec.burstiness**2
             while True:
-                yield rng.gamma(shape, 1.0 / (spec.rate * shape), CHUNK).tolist()
+                yield rng.gamma(shape, 1.0 / (rate * shape), CHUNK).tolist()
         else:
-            peak = spec.rate * (1 + spec.diurnal_amplitude)
+            peak = rate * (1 + spec.diurnal_amplitude)
             t = 0.0
             while True:
                 gaps = []
@@ -126,8 +191,8 @@ class Workload:
                     while True:
                         gap += float(rng.exponential(1.0 / peak))
                         phase = 2 * math.pi * (t + gap) / spec.diurnal_period_s
-                        rate = spec.rate * (1 + spec.diurnal_amplitude * math.sin(phase))
-                        if rng.random() * peak <= rate:
+                        rate_now = rate * (1 + spec.diurnal_amplitude * math.sin(phase))
+                        if rng.random() * peak <= rate_now:
                             break
                     t += gap
                     gaps.append(gap)
@@ -139,6 +204,9 @@ class Workload:
         """First turns and single requests in arrival order. Every random draw is made per chunk of
         `CHUNK` requests (a simulated hour is millions of requests: a numpy call per field per request
         would cost minutes)."""
+        if self.spec.tenants:
+            yield from self._tenant_arrivals()
+            return
         spec, rng, content = self.spec, self._rng, self._content
         cdf = self._tenant_cdf
         p_turn = 1.0 / spec.turns_mean
@@ -179,6 +247,47 @@ class Workload:
                     prefix_key=f"t{tenant}",
                     prefix_len=spec.system_prompt_tokens,
                 )
+
+    def _tenant_arrivals(self) -> Iterator[SimRequest]:
+        """The named tenants' streams merged in arrival order (ties: the tenant listed first)."""
+        streams = [self._stream(i, tenant) for i, tenant in enumerate(self.spec.tenants)]
+        for t, _, tenant, prompt, output in heapq.merge(*streams):
+            self._count += 1
+            yield SimRequest(
+                f"r{self._count}",
+                t,
+                prompt,
+                output,
+                tenant.priority,
+                None,
+                tenant.name,
+                prefix_key=f"tenant:{tenant.name}" if tenant.system_prompt_tokens else None,
+                prefix_len=tenant.system_prompt_tokens,
+            )
+
+    def _stream(self, index: int, tenant: TenantStream) -> Iterator[tuple]:
+        """One tenant's arrivals: (time, index, tenant, prompt, output), from seeds of its own."""
+        spec = self.spec
+        name = zlib.crc32(tenant.name.encode())  # stable across runs, unlike hash()
+        rng = np.random.Generator(np.random.PCG64([spec.seed, name, 1]))
+        content = np.random.Generator(np.random.PCG64([spec.seed, name, 2]))
+        system = content.integers(VOCAB_LOW, VOCAB_HIGH, size=tenant.system_prompt_tokens).tolist()
+        t = tenant.start_s
+        for gaps in self._gap_chunks(tenant.rate, rng):
+            n = len(gaps)
+            user_len = self._lengths(tenant.user_tokens, n, content)
+            out_len = self._lengths(tenant.output_tokens, n, content)
+            out_token = content.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
+            user = content.integers(VOCAB_LOW, VOCAB_HIGH, sum(user_len)).tolist()
+            pos = 0
+            for i in range(n):
+                t += gaps[i]
+                if t >= spec.duration_s:
+                    return
+                prompt = system + user[pos : pos + user_len[i]]
+                pos += user_len[i]
+                del prompt[spec.max_prompt_tokens :]
+                yield t, index, tenant, prompt, [out_token[i]] * out_len[i]
 
     def follow_up(self, previous: SimRequest, finished_at: float) -> SimRequest | None:
         """The session's next turn (its prompt extends the previous prompt + answer), or None."""

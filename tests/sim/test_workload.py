@@ -109,3 +109,49 @@ def test_session_turns_extend_prompt_and_answer_then_end():
 def test_same_seed_same_tokens():
     a, b = arrivals(seed=11, duration_s=5), arrivals(seed=11, duration_s=5)
     assert [(r.arrival, r.prompt, r.output) for r in a] == [(r.arrival, r.prompt, r.output) for r in b]
+
+
+def test_named_tenants_send_at_their_own_rates_lengths_priorities_and_start():
+    tenants = (
+        {"name": "A", "rate": 80, "user_tokens": 50, "output_tokens": 20, "priority": 10},
+        {"name": "B", "rate": 8, "system_prompt_tokens": 32, "user_tokens": 200, "output_tokens": 5,
+         "priority": -10, "start_s": 20},
+    )  # fmt: skip
+    reqs = arrivals(tenants=tenants, duration_s=60, length_sigma=0.0, seed=4)
+    assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
+    assert len({r.request_id for r in reqs}) == len(reqs)
+    a = [r for r in reqs if r.tenant == "A"]
+    b = [r for r in reqs if r.tenant == "B"]
+    assert len(a) + len(b) == len(reqs)
+    assert len(a) == pytest.approx(80 * 60, rel=0.05)
+    assert len(b) == pytest.approx(8 * 40, rel=0.15) and min(r.arrival for r in b) >= 20
+    assert {(len(r.prompt), len(r.output), r.priority) for r in a} == {(50, 20, 10)}
+    assert {(len(r.prompt), len(r.output), r.priority) for r in b} == {(232, 5, -10)}
+    assert all(r.prompt[:32] == b[0].prompt[:32] for r in b) and b[0].prompt[32:] != b[1].prompt[32:]
+    assert all(r.session is None for r in reqs)
+
+
+def test_a_tenants_requests_do_not_depend_on_the_others():
+    b = {"name": "B", "rate": 5, "user_tokens": 40}
+    alone = arrivals(tenants=(b,), duration_s=20, seed=2)
+    beside = [
+        r for r in arrivals(tenants=({"name": "A", "rate": 50}, b), duration_s=20, seed=2) if r.tenant == "B"
+    ]
+    assert [(r.arrival, r.prompt, r.output) for r in alone] == [
+        (r.arrival, r.prompt, r.output) for r in beside
+    ]
+    other_seed = arrivals(tenants=(b,), duration_s=20, seed=3)
+    assert [r.arrival for r in other_seed] != [r.arrival for r in alone]
+
+
+def test_named_tenants_refuse_the_zipf_mix_fields_and_repeated_names():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="rate is the Zipf mix's"):
+        WorkloadSpec(rate=5, tenants=({"name": "A", "rate": 1},))
+    with pytest.raises(ValidationError, match="session_fraction"):
+        WorkloadSpec(session_fraction=0.5, tenants=({"name": "A", "rate": 1},))
+    with pytest.raises(ValidationError, match="repeat"):
+        WorkloadSpec(tenants=({"name": "A", "rate": 1}, {"name": "A", "rate": 2}))
+    # The generator's own fields still apply to the streams.
+    WorkloadSpec(duration_s=5, arrival="gamma", length_sigma=0.2, seed=1, tenants=({"name": "A", "rate": 1},))
