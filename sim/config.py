@@ -103,6 +103,11 @@ class SimConfig(_Model):
     workload: WorkloadSpec = WorkloadSpec()
     trace: Path | None = Field(None, description="JSONL trace to replay instead of the generator.")
     timeline_points: int = Field(240, ge=2)
+    breakdown: tuple[Literal["tenant", "priority"], ...] = Field(
+        (),
+        description="Also report the per-request figures per tenant and/or per priority "
+        "(results `by_tenant`, `by_priority`).",
+    )
     run_until_s: float | None = Field(None, gt=0, description="Keep the clock running (idle) until then.")
     drain_limit_s: float = Field(1800.0, gt=0, description="Stop this long after the last arrival.")
 

@@ -6,6 +6,9 @@ TPOT = (last token - first token) / (output tokens - 1), E2E = last token - arri
 consecutive tokens of a request, kept in a histogram of 1%-wide log bins (there are too many to keep).
 A request is *good* when its TTFT <= slo.ttft_s and its TPOT <= slo.tpot_s; the fleet *meets* the SLO when
 the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
+
+With `breakdown`, the same per-request figures per tenant and/or per priority (`by_tenant`, `by_priority`):
+what one class of traffic saw beside the others (a light tenant beside a flood, interactive beside batch).
 """
 
 from __future__ import annotations
@@ -32,6 +35,39 @@ def _pcts(values) -> dict[str, float]:
     return {"p50": _r(p50), "p90": _r(p90), "p99": _r(p99), "mean": _r(a.mean()), "max": _r(a.max())}
 
 
+class _Class:
+    """The per-request figures of one tenant or one priority."""
+
+    __slots__ = ("arrived", "finished", "good", "output_tokens", "preempted", "preemptions", "rejected")
+    __slots__ += ("e2e", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.arrived = self.finished = self.good = self.output_tokens = 0
+        self.preempted = self.preemptions = self.rejected = 0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.e2e: list[float] = []
+
+    def summary(self, duration: float) -> dict:
+        return {
+            "requests": {
+                "arrived": self.arrived,
+                "finished": self.finished,
+                "rejected": self.rejected,
+                "unfinished": self.arrived - self.finished - self.rejected,
+                "preempted": self.preempted,
+            },
+            "preemptions": self.preemptions,  # of its finished requests
+            "latency_s": {"ttft": _pcts(self.ttft), "tpot": _pcts(self.tpot), "e2e": _pcts(self.e2e)},
+            "goodput_fraction": _r(self.good / self.arrived) if self.arrived else 0.0,
+            "goodput_rps": _r(self.good / duration),
+            "output_tokens_per_s": _r(self.output_tokens / duration),
+        }
+
+
+_CLASS_OF = {"tenant": lambda sreq: sreq.tenant or "", "priority": lambda sreq: str(sreq.priority)}
+
+
 class Collector:
     def __init__(self, config) -> None:
         self.config = config
@@ -52,11 +88,26 @@ class Collector:
             k: [] for k in ("t", "waiting", "running", "kv_usage", "ready", "replicas", "ttft_p50")
         }
         self._tick_ttft: list[float] = []
+        # breakdown -> class name -> its figures (empty unless the config asks for a breakdown)
+        self._by: dict[str, dict[str, _Class]] = {dim: {} for dim in config.breakdown}
+
+    def _classes(self, sreq) -> list[_Class]:
+        out = []
+        for dim, classes in self._by.items():
+            name = _CLASS_OF[dim](sreq)
+            c = classes.get(name)
+            if c is None:
+                c = classes[name] = _Class()
+            out.append(c)
+        return out
 
     # ---- feeds -----------------------------------------------------------------------------------------
 
     def arrived(self, sreq) -> None:
         self.num_arrived += 1
+        if self._by:
+            for c in self._classes(sreq):
+                c.arrived += 1
 
     def admitted(self, record) -> None:
         pass
@@ -67,6 +118,9 @@ class Collector:
     def finished(self, rec) -> None:
         if rec.rejected is not None:
             self.rejected.append(rec.rejected)
+            if self._by:
+                for c in self._classes(rec.request):
+                    c.rejected += 1
             return
         req = rec.request
         ttft = rec.first_token - req.arrival
@@ -84,6 +138,17 @@ class Collector:
         self.output_tokens += n_out
         self.cut_short += n_out < len(req.output)
         self.preempted_requests += rec.num_preemptions > 0
+        if self._by:
+            good = ttft <= slo.ttft_s and tpot <= slo.tpot_s
+            for c in self._classes(req):
+                c.finished += 1
+                c.good += good
+                c.ttft.append(ttft)
+                c.tpot.append(tpot)
+                c.e2e.append(rec.last_token - req.arrival)
+                c.output_tokens += n_out
+                c.preempted += rec.num_preemptions > 0
+                c.preemptions += rec.num_preemptions
 
     def tick(self, t: float, waiting: int, running: int, kv: float, ready: int, replicas: int) -> None:
         tl = self.timeline
@@ -152,6 +217,10 @@ class Collector:
             and not self.rejected
         )
         duration = max(end, 1e-9)
+        by = {
+            f"by_{dim}": {name: c.summary(duration) for name, c in sorted(classes.items())}
+            for dim, classes in self._by.items()
+        }
         return {
             "config": json.loads(cfg.model_dump_json()),
             "requests": {
@@ -208,6 +277,7 @@ class Collector:
             "virtual_seconds": _r(end),
             "engine_steps": sum(p.replica.num_steps for p in pods.values()),
             "timeline": self.timeline,
+            **by,
         }
 
 
@@ -250,4 +320,12 @@ def table(results: dict) -> str:
             f"{dis['blocks_already_on_decode_pod']} already on the decode pod; transfer p50 "
             f"{dis['transfer_s']['p50'] * 1000:.1f} ms, p99 {dis['transfer_s']['p99'] * 1000:.1f} ms",
         )
+    for dim in ("tenant", "priority"):
+        for name, c in (results.get(f"by_{dim}") or {}).items():
+            q, ttft = c["requests"], c["latency_s"]["ttft"]
+            lines.append(
+                f"{dim} {name:<{13 - len(dim)}} TTFT p50 {ttft['p50']:.4f} p99 {ttft['p99']:.4f} s; {q['finished']} "
+                f"finished, {q['rejected']} rejected, {q['unfinished']} unfinished; goodput {c['goodput_fraction']:.1%}; "
+                f"{c['output_tokens_per_s']} output tok/s; {c['preemptions']} preemptions"
+            )
     return "\n".join(lines)
