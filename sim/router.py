@@ -8,7 +8,12 @@ the strategy from `scoring.make_strategy` with its work bound and hot-spot guard
 announce and by this router's own recent routes, both on the simulation clock and both forgotten for a pod
 that reports an eviction), the prompt block hashes (`prompt_blocks.token_block_hashes`), the tie-break key (`decision.approx_extra`) and the
 queue (`WaitQueue`: (priority, arrival) order, at most `max_queued` waiting, each for at most
-`queue_timeout_seconds`, from the same RoutingPolicy fields the router reads). What this file adds is
+`queue_timeout_seconds`, from the same RoutingPolicy fields the router reads) and, with `fairShare.enabled`,
+the fair share between tenants (`fair_share.FairShare` with the policy's weights, the queue ordered by its
+counters as `Fleet` orders it: (priority, tenant's counter, arrival)). A request's tenant is its
+`SimRequest.tenant` (the live router's API key or tenant header; none counts as ""); it joins when it
+reaches the router, its prompt is charged when it is sent to a pod, its output when it ends, and it
+leaves then (served, or refused by the router or a pod), as `handle_generate` does. What this file adds is
 what `Fleet` does around them without its network parts: every pod's event stream is live
 (`reports_work`), and endpoints join and leave as the simulation says.
 
@@ -20,9 +25,11 @@ waits only while no decode pod exists at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.engine.kv_cache.block_hash import encode_extra, extend_block_hashes, hash_extra
 from tokenfleet.runtime.engine.kv_cache.kv_events import (
     AllBlocksCleared,
@@ -40,6 +47,7 @@ from tokenfleet.runtime.router.decision import (
     exact_matches,
     load_of,
     refusal_status,
+    within_limit,
 )
 from tokenfleet.runtime.router.fleet import RECENT_ROUTES_TTL_S
 from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoutes
@@ -102,9 +110,17 @@ class SimRouter:
         self._prefix_hashes: dict[str, list[bytes]] = {}
         self.endpoints: dict[str, EndpointView] = {}
         self._by_role: dict[str, list[EndpointView]] = {}  # role -> its endpoints (every pick reads them)
+        # Fair share as `Fleet._set_fair_share` sets it up; None when off (then nothing is counted).
+        fair = spec.fair_share
+        self.fair: FairShare | None = None
+        if fair.enabled:
+            self.fair = FairShare(fair.input_token_weight, fair.output_token_weight, fair.tier_weights)
         # New requests, bounded as the router bounds them; decode phases (admitted already) apart.
-        self.queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(spec.max_queued, clock)
+        self.queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(
+            spec.max_queued, clock, self.fair.counter if self.fair is not None else None
+        )
         self.handoff_queue: WaitQueue[tuple[SimRequest, str, object]] = WaitQueue(1 << 62, clock)
+        self._queued_roles: set[str] = set()  # roles that new requests have waited for
         self.decisions: dict[str, int] = {}
 
     @property
@@ -214,9 +230,7 @@ class SimRouter:
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
         request was admitted already)."""
-        states = self._by_role.get(role)
-        if states is None:
-            states = self._by_role[role] = [ep for ep in self.endpoints.values() if ep.role == role]
+        states = self._states(role)
         limit = self.spec.max_in_flight_per_endpoint
         if role == "decode":
             verdict = decide(self.strategy, RouteQuery(0, None, b""), states, {}, limit, admitted=True)
@@ -233,9 +247,23 @@ class SimRouter:
             return None
         if role != "decode":
             self.recent.record(decision.endpoint_id, sreq.block_hashes)
+            if self.fair is not None:  # sent: its prompt counts now (a decode phase was counted before)
+                self.fair.charge_prompt(sreq.tenant or "", len(sreq.prompt))
         self.endpoints[decision.endpoint_id].count(1)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
+
+    def _states(self, role: str) -> list[EndpointView]:
+        states = self._by_role.get(role)
+        if states is None:
+            states = self._by_role[role] = [ep for ep in self.endpoints.values() if ep.role == role]
+        return states
+
+    def _has_room(self, role: str) -> bool:
+        """Whether a request of `role` could be sent now (`decide`'s own test: an endpoint below the limit,
+        or any endpoint for an admitted decode phase)."""
+        limit = self.spec.max_in_flight_per_endpoint
+        return bool(within_limit(self._states(role), limit, admitted=role == "decode"))
 
     def release(self, name: str) -> None:
         ep = self.endpoints.get(name)
@@ -243,6 +271,20 @@ class SimRouter:
             ep.count(-1)
             if self.work is not None:
                 self.work.settle(name, ep.in_flight)
+
+    # ---- tenants (fair share) ----------------------------------------------------------------------------
+
+    def arrived(self, sreq: SimRequest) -> None:
+        """A new request reached the router: its tenant is active until it ends (waiting or in flight)."""
+        if self.fair is not None:
+            self.fair.join(sreq.tenant or "")
+
+    def ended(self, sreq: SimRequest, output_tokens: int) -> None:
+        """A request is over for its client (served, or refused by the router or a pod)."""
+        if self.fair is not None:
+            tenant = sreq.tenant or ""
+            self.fair.charge_output(tenant, output_tokens)
+            self.fair.leave(tenant)
 
     # ---- the router's queue ------------------------------------------------------------------------------
 
@@ -256,40 +298,71 @@ class SimRouter:
         A new request's deadline is `queue_timeout_seconds` on; a decode phase waits for a pod to exist."""
         if role == "decode":
             return self.handoff_queue.push((sreq, role, item), sreq.priority, float("inf"), role)
+        self._queued_roles.add(role)
         try:
-            return self.queue.push((sreq, role, item), sreq.priority, self.spec.queue_timeout_seconds, role)
+            return self.queue.push(
+                (sreq, role, item), sreq.priority, self.spec.queue_timeout_seconds, role, sreq.tenant or ""
+            )
         except QueueFull as e:
             return f"router 429: {e}"
 
-    def expired(self) -> list[tuple[SimRequest, str]]:
-        """Requests whose queue deadline passed, and the status the router answers them with (429 when
-        endpoints of their role were up but busy, 503 when none was ready)."""
-        out = []
-        for w in self.queue.expired():
-            sreq, role, _ = w.item
-            ready = any(ep.role == role for ep in self.endpoints.values())
-            status = refusal_status(AT_CAPACITY if ready else NO_READY_ENDPOINT)
-            why = "all endpoints at capacity" if ready else "no ready endpoint"
-            out.append((sreq, f"router {status}: waited {self.spec.queue_timeout_seconds:g}s, {why}"))
-        return out
+    def timed_out(self, waiter: Waiter) -> str | None:
+        """`waiter`'s deadline has come: if it still waits, it leaves the queue and this is the status the
+        router answers it with (429 when endpoints of its role were up but busy, 503 when none was ready);
+        None when it was sent before. As in the live gate, where each waiter's own timeout removes it."""
+        if not self.queue.remove(waiter):
+            return None
+        role = waiter.item[1]
+        ready = any(ep.role == role for ep in self.endpoints.values())
+        status = refusal_status(AT_CAPACITY if ready else NO_READY_ENDPOINT)
+        why = "all endpoints at capacity" if ready else "no ready endpoint"
+        return f"router {status}: waited {self.spec.queue_timeout_seconds:g}s, {why}"
 
     def dispatch_queued(self) -> list[tuple[SimRequest, str, str, object]]:
         """Route queued requests, best first, while endpoints have room: (request, endpoint, role, item).
-        Requests wait in (priority, arrival) order; one that cannot go holds back only its own role's
-        (as the live gate wakes the first waiter whose own endpoints can take it)."""
+        Requests wait in (priority, arrival) order — (priority, tenant's counter, arrival) with fair share;
+        one that cannot go holds back only its own role's (as the live gate wakes the first waiter whose own
+        endpoints can take it)."""
         out = []
-        for queue in (self.handoff_queue, self.queue):
+        for queue, roles in ((self.handoff_queue, ("decode",)), (self.queue, self._queued_roles)):
             if not len(queue):
                 continue
-            blocked: set[str] = set()
-            for w in queue.ordered():
+            # Roles with no room are blocked before the order is taken: while a flood waits, every arrival
+            # would otherwise sort the whole queue for nothing.
+            blocked = {role for role in roles if not self._has_room(role)}
+            if len(blocked) == len(roles):
+                continue
+            waiters = queue.ordered() if queue.order is None else self._fair_order(queue)
+            for w in waiters:
                 sreq, role, item = w.item
                 if role in blocked:
                     continue
                 name = self.pick(sreq, role)
                 if name is None:
                     blocked.add(role)
+                    if len(blocked) == len(roles):
+                        break
                     continue
                 queue.remove(w)
                 out.append((sreq, name, role, item))
         return out
+
+    @staticmethod
+    def _fair_order(queue: WaitQueue) -> Iterator[Waiter]:
+        """`queue.ordered()` as it would be taken again after each request sent: a send charges its
+        tenant, which may let another tenant's waiters go first (the live gate takes the order anew at each
+        wake-up). Only the sender's counter moves, so each tenant's own waiters keep their order ((priority,
+        arrival), as `ordered` sorts them) and the next to go is the best of the tenants' first waiters —
+        without sorting the whole queue again after every send."""
+        mine: dict[str, deque[Waiter]] = {}
+        for w in queue.ordered():
+            mine.setdefault(w.tenant, deque()).append(w)
+        rank = queue.order
+        assert rank is not None
+        while mine:
+            tenant = min(mine, key=lambda t: (mine[t][0].priority, rank(t), mine[t][0].arrival))
+            waiting = mine[tenant]
+            w = waiting.popleft()
+            if not waiting:
+                del mine[tenant]
+            yield w

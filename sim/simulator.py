@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.engine.long_lived_heap import long_lived_heap
+from tokenfleet.runtime.router.priority import Waiter
 from tokenfleet.runtime.server.metrics import TTFT_BUCKETS
 from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import CoreUsage, CostModel
@@ -174,6 +175,7 @@ class Simulation:
 
     def _route(self, sreq: SimRequest) -> None:
         role = "both" if self.handoffs is None else "prefill"
+        self.router.arrived(sreq)
         if self.router.queue:  # as the router's gate: behind the waiters, who may go first
             self._enqueue(sreq, role)
             self._dispatch_queued()
@@ -189,15 +191,21 @@ class Simulation:
         if isinstance(waiter, str):  # the router's queue is full: refused at once
             self._refused(sreq, waiter)
         elif waiter.deadline != float("inf"):
-            self._push(waiter.deadline, QUEUE_DEADLINE)
+            self._push(waiter.deadline, QUEUE_DEADLINE, waiter)
 
     def _refused(self, sreq: SimRequest, why: str) -> None:
         """The router answered with an error (429/503): the client's request ends there."""
-        self.collector.finished(RequestRecord(sreq, "", rejected=why))
+        self._ended(RequestRecord(sreq, "", rejected=why))
 
-    def _on_queue_deadline(self, _: object) -> None:
-        for sreq, why in self.router.expired():
-            self._refused(sreq, why)
+    def _ended(self, rec: RequestRecord) -> None:
+        """The client's request is over — served, or refused by the router or a pod (nothing emitted)."""
+        self.router.ended(rec.request, rec.num_emitted)
+        self.collector.finished(rec)
+
+    def _on_queue_deadline(self, waiter: Waiter) -> None:
+        why = self.router.timed_out(waiter)
+        if why is not None:
+            self._refused(waiter.item[0], why)
 
     def _dispatch_queued(self) -> None:
         for sreq, name, role, item in self.router.dispatch_queued():
@@ -235,7 +243,7 @@ class Simulation:
         self.collector.admitted(record)
         if record.rejected is not None:
             self.router.release(pod.replica.name)
-            self.collector.finished(record)
+            self._ended(record)
             return
         if not pod.replica.busy:
             self._start_step(pod)
@@ -298,7 +306,7 @@ class Simulation:
             rec.first_scheduled = first.first_scheduled
             rec.num_cached_tokens = first.num_cached_tokens
             rec.num_preemptions += first.num_preemptions
-        self.collector.finished(rec)
+        self._ended(rec)
         follow = self.workload.follow_up(rec.request, self.now)
         if follow is not None:
             self._pending_followups += 1
