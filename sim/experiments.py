@@ -3,6 +3,8 @@
     python -m tokenfleet.sim.experiments routing [--duration 30] [--rate 200]
     python -m tokenfleet.sim.experiments speed [--duration 20] [--replicas 16] [--rate 880]
     python -m tokenfleet.sim.experiments disaggregation [--duration 60] [--rate 60] [--replicas 8]
+    python -m tokenfleet.sim.experiments fairness [--duration 20] [--replicas 8] [--flood 10] [--b-share 1]
+    python -m tokenfleet.sim.experiments priority [--duration 40] [--replicas 8] [--rate BATCH_RATE]
 
 `routing`: the routing benchmark's question at GPU scale — 16 H100 replicas of an 8B model, 150 tenants
 with 4,000-token system prompts (600k prefix tokens: more than one replica's KV cache holds), Zipf
@@ -14,6 +16,17 @@ session affinity (30% of arrivals open sessions in every run so the rows stay co
 aggregated vs split into prefill and decode pods (several splits), one seeded workload of chat turns
 (tenants' 1,000-token system prompts, ~150-token questions, ~200-token answers) mixed with long-document
 requests (6,000 fresh tokens); KV moves over a 50 GB/s link per pod.
+
+`fairness`: the router's fair share at GPU scale — H100 replicas of an 8B model behind a router that holds
+what the pods cannot run (`maxInFlightPerEndpoint` = the pods' `max_num_seqs`), two tenants with the same
+request shape: B sends at its share (half of the fleet's capacity) and A at ten times its share (five
+fleets' worth), A from the start and B once the fleet is full; B alone, then A + B with fair share off and
+on.
+
+`priority`: interactive beside batch at GPU scale — a batch flood (long questions and answers, priority 10)
+past the fleet's capacity plus a few interactive requests (short, priority -10), behind the router's
+priority queue holding the backlog (in flight per pod = `max_num_seqs`) or leaving it to the pods; the pods'
+scheduler `policy` fcfs vs priority (preempting batch for interactive).
 
 `speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
 one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate); also
@@ -145,6 +158,195 @@ def disaggregation(duration: float, rate: float, replicas: int, splits: list[int
         )
 
 
+# Requests of the fairness experiment: a 500-token system prompt per tenant, ~600-token questions, ~300-token
+# answers; 256 of them fit one H100's KV cache, so a pod is full by `max_num_seqs`. One replica of
+# Llama-3-8B serves ~29 of them per second: measured with B alone on one replica (256 in flight), TTFT p50 /
+# p99 0.037 / 0.11 s at 24/s, 0.047 / 0.80 s at 28/s, 1.2 / 4.5 s at 32/s.
+FAIR_REQUEST = {"system_prompt_tokens": 500, "user_tokens": 600, "output_tokens": 300}
+FAIR_CAPACITY_PER_REPLICA = 29.0
+
+
+def _sim(config: dict) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    r = simulate(parse_config(config))
+    return r, time.perf_counter() - t0
+
+
+def fairness(
+    duration: float,
+    replicas: int = 8,
+    flood: float = 10.0,
+    b_share: float = 1.0,
+    warmup: float = 10.0,
+    seed: int = 0,
+) -> list[tuple]:
+    """B at `b_share` of its share of the fleet, A at `flood` times its share; rows: B alone, A + B without
+    and with fair share. A floods from the start and B sends for `duration` seconds from `warmup` on, into
+    a fleet already full (at the very start no request has finished yet, so for the first answer's time
+    nobody gets a slot whatever the order). Requests wait in the router once every pod holds
+    `max_num_seqs`, up to `queueTimeoutSeconds` (5 s: then 429); the queue's bound is out of the way (a
+    full queue refuses B as well as A, whatever the order), so the order alone decides who is served."""
+    share = FAIR_CAPACITY_PER_REPLICA * replicas / 2
+    b = {"name": "B", "rate": b_share * share, "start_s": warmup, **FAIR_REQUEST}
+    a = {"name": "A", "rate": flood * share, **FAIR_REQUEST}
+    print(
+        f"{replicas} x H100, capacity ~{2 * share:.0f} req/s; B sends {b_share * share:.0f} req/s "
+        f"({b_share:g}x its share) for {duration:g} s from t = {warmup:g} s; A {flood * share:.0f} req/s "
+        f"({flood:g}x its share) from t = 0"
+    )
+    print(
+        "| run | B TTFT p50 s | B TTFT p99 s | B TTFT p99 / alone | B goodput | B rejected | B tok/s "
+        "| A goodput | A rejected | A tok/s | wall s |"
+    )
+    print("|" + "---|" * 11)
+    rows = []
+    solo_p99 = None
+    for label, tenants, fair in (
+        ("B alone", [b], False),
+        ("A + B, fair share off", [a, b], False),
+        ("A + B, fair share on", [a, b], True),
+    ):
+        r, wall = _sim(
+            {
+                "model": "llama-3-8b",
+                "fleet": {"gpu": "h100-sxm", "replicas": replicas},
+                "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_waiting": 100_000},
+                "routing": {
+                    "strategy": "prefix-affinity",
+                    "maxInFlightPerEndpoint": 256,
+                    "maxQueued": 1_000_000,
+                    "queueTimeoutSeconds": 5,
+                    "fairShare": {"enabled": fair},
+                },
+                "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+                "breakdown": ["tenant"],
+                # Every row runs for the same time (the flood's fleet is still busy when arrivals stop), so
+                # that tokens per second compare.
+                "drain_limit_s": 10,
+                "run_until_s": warmup + duration + 10,
+                "workload": {"duration_s": warmup + duration, "tenants": tenants, "seed": seed},
+            }
+        )
+        by = r["by_tenant"]
+        bt = by["B"]
+        at = by.get("A")
+        p99 = bt["latency_s"]["ttft"]["p99"]
+        solo_p99 = solo_p99 or p99
+        row = (
+            label,
+            bt["latency_s"]["ttft"]["p50"],
+            p99,
+            p99 / solo_p99,
+            bt["goodput_fraction"],
+            bt["requests"]["rejected"],
+            bt["output_tokens_per_s"],
+            at["goodput_fraction"] if at else None,
+            at["requests"]["rejected"] if at else None,
+            at["output_tokens_per_s"] if at else None,
+            wall,
+        )
+        rows.append(row)
+        dash = "-"
+        print(
+            f"| {label} | {row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f}x | {row[4]:.1%} | {row[5]} | {row[6]:.0f} "
+            f"| {dash if at is None else f'{row[7]:.1%}'} | {dash if at is None else row[8]} "
+            f"| {dash if at is None else f'{row[9]:.0f}'} | {wall:.0f} |",
+            flush=True,
+        )
+    return rows
+
+
+# The priority experiment's two classes: a batch job's long questions and answers, a chat's short turns.
+# 256 batch requests fit one H100's KV cache, so a pod is full by `max_num_seqs`; one replica finishes ~17
+# of them per second (measured: batch alone on one replica, TTFT p50 0.05 s at 16/s, 2.1 s at 18/s).
+BATCH = {"name": "batch", "priority": 10, "user_tokens": 800, "output_tokens": 600}
+INTERACTIVE = {
+    "name": "interactive",
+    "priority": -10,
+    "system_prompt_tokens": 200,
+    "user_tokens": 100,
+    "output_tokens": 100,
+}
+
+
+def priority(
+    duration: float,
+    replicas: int = 8,
+    batch_rate: float | None = None,
+    interactive_rate: float | None = None,
+    seed: int = 0,
+) -> list[tuple]:
+    """Rows: interactive alone (the idle fleet's TTFT); then, for the router holding each pod to
+    `max_num_seqs` (256: the backlog waits in the router, by priority) or to 1,024 (the backlog waits in the
+    pods' own queues), batch alone (its throughput: each setting's own, since the pods' balance differs)
+    and both, with the pods' scheduler `policy` fcfs and priority (a waiting request preempts running ones
+    of a lower priority)."""
+    batch_rate = batch_rate or 28.0 * replicas  # ~1.6x what the fleet finishes: a flood
+    interactive_rate = interactive_rate or 2.0 * replicas
+    batch = {**BATCH, "rate": batch_rate}
+    interactive = {**INTERACTIVE, "rate": interactive_rate}
+    print(
+        f"{replicas} x H100; batch {batch_rate:g} req/s (priority 10), interactive {interactive_rate:g} req/s "
+        f"(priority -10), {duration:g} s"
+    )
+    print(
+        "| run | router in flight / pod | pod policy | interactive TTFT p50 s | interactive TTFT p99 s "
+        "| p99 / idle fleet | batch tok/s | batch loss | preemptions / batch request | wall s |"
+    )
+    print("|" + "---|" * 10)
+    rows = []
+    idle_p99 = None
+    alone_tok: dict[int, float] = {}  # batch alone's tokens/s per router setting
+    runs = [("interactive alone", [interactive], 256, "fcfs")]
+    for in_flight in (256, 1024):
+        runs.append(("batch alone", [batch], in_flight, "fcfs"))
+        runs += [("batch + interactive", [batch, interactive], in_flight, p) for p in ("fcfs", "priority")]
+    for label, tenants, in_flight, policy in runs:
+        r, wall = _sim(
+            {
+                "model": "llama-3-8b",
+                "fleet": {"gpu": "h100-sxm", "replicas": replicas},
+                "scheduler": {
+                    "max_num_seqs": 256,
+                    "max_num_batched_tokens": 8192,
+                    "max_waiting": 100_000,
+                    "policy": policy,
+                },
+                "routing": {"strategy": "prefix-affinity", "maxInFlightPerEndpoint": in_flight},
+                "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+                "breakdown": ["priority"],
+                "drain_limit_s": 10,  # the flood's fleet is still busy then: every row runs as long
+                "run_until_s": duration + 10,
+                "workload": {"duration_s": duration, "tenants": tenants, "length_sigma": 0.3, "seed": seed},
+            }
+        )
+        by = r["by_priority"]
+        inter, bat = by.get(str(INTERACTIVE["priority"])), by.get(str(BATCH["priority"]))
+        ttft = inter["latency_s"]["ttft"] if inter else None
+        if ttft and idle_p99 is None:
+            idle_p99 = ttft["p99"]
+        if bat and not inter:
+            alone_tok[in_flight] = bat["output_tokens_per_s"]
+        row = (
+            label,
+            in_flight,
+            policy,
+            ttft["p50"] if ttft else None,
+            ttft["p99"] if ttft else None,
+            ttft["p99"] / idle_p99 if ttft else None,
+            bat["output_tokens_per_s"] if bat else None,
+            1 - bat["output_tokens_per_s"] / alone_tok[in_flight] if bat else None,
+            bat["preemptions"] / max(bat["requests"]["finished"], 1) if bat else None,
+            wall,
+        )
+        rows.append(row)
+        specs = ("d", "s", ".3f", ".3f", ".2f", ".0f", ".1%", ".2f", ".0f")
+        cells = [label] + ["-" if x is None else format(x, f) for x, f in zip(row[1:], specs, strict=True)]
+        cells[5] += "x" if row[5] is not None else ""
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
 def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128) -> dict:
     """CPU seconds per virtual second of steady traffic, measured between the end of the warm-up (the first
     third of the arrivals: caches fill, batches grow) and the last arrival, read at the timeline's ticks —
@@ -220,12 +422,14 @@ def speed(duration: float, replicas: int, rate: float, output_tokens: int = 128)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenfleet.sim.experiments")
-    p.add_argument("experiment", choices=["routing", "speed", "disaggregation"])
+    p.add_argument("experiment", choices=["routing", "speed", "disaggregation", "fairness", "priority"])
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--rate", type=float)
     p.add_argument("--replicas", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=128, help="speed: mean answer length")
     p.add_argument("--splits", help="disaggregation: prefill pod counts to try, e.g. 4,3,2")
+    p.add_argument("--flood", type=float, default=10.0, help="fairness: A's rate over its share")
+    p.add_argument("--b-share", type=float, default=1.0, help="fairness: B's rate over its share")
     args = p.parse_args(argv)
     if args.experiment == "routing":
         print(HEADER)
@@ -234,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.experiment == "disaggregation":
         splits = [int(x) for x in args.splits.split(",")] if args.splits else [args.replicas // 2]
         disaggregation(args.duration, args.rate or 60.0, args.replicas, splits)
+    elif args.experiment == "fairness":
+        fairness(args.duration, args.replicas, args.flood, args.b_share)
+    elif args.experiment == "priority":
+        priority(args.duration, args.replicas, args.rate)  # --rate: the batch flood's
     else:
         speed(args.duration, args.replicas, args.rate or 880.0, args.output_tokens)
     return 0
