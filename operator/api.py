@@ -360,6 +360,11 @@ class ModelDeploymentSpec(_Spec):
                 # prefill pods first while some are up (so it holds none for a decode pod).
                 if a.min_replicas < 1:
                     raise ValueError(f"disaggregation.{role}.autoscaling.minReplicas must be >= 1")
+                # The router wakes a sleeping pod for the requests it holds, and it holds none for a role.
+                if a.idle == "sleep":
+                    raise ValueError(
+                        f"disaggregation.{role}.autoscaling.idle: sleep is for aggregated deployments"
+                    )
                 _check_autoscaling(a, self.routing_policy_ref, f"disaggregation.{role}.autoscaling")
         return self
 
@@ -466,6 +471,18 @@ class AutoscalingStatus(_Spec):
         description="Creation to Ready of the newest Ready pod, as measured: what a request held at zero "
         "replicas waits for (a RoutingPolicy's queueTimeoutSeconds should cover it).",
     )
+    scaled_replicas: int | None = Field(
+        None,
+        description="The count the autoscaler last wrote: desiredReplicas (awake) plus the pods it keeps "
+        "asleep (idle: sleep).",
+    )
+    awake_replicas: int | None = Field(
+        None, description="Pods awake at the latest decision (Ready or unknown)."
+    )
+    sleeping_replicas: int | None = Field(
+        None, description="Pods asleep (the warm tier) at the latest decision."
+    )
+    starting_replicas: int | None = Field(None, description="Pods cold-starting at the latest decision.")
     history: AutoscalingHistory = AutoscalingHistory()
 
 
@@ -553,11 +570,24 @@ def _autoscaling_rules(at: str, min_one: bool = False) -> dict[str, list[dict[st
             }
         ],
     }
+    rules[at].append(
+        {
+            "rule": "(!has(self.warmPoolSize) && !has(self.sleepLevel)) || "
+            "(has(self.idle) && self.idle == 'sleep')",
+            "message": f"{at}: warmPoolSize and sleepLevel need idle: sleep",
+        }
+    )
     if min_one:
         rules[at].append(
             {
                 "rule": "!has(self.minReplicas) || self.minReplicas >= 1",
                 "message": f"{at}.minReplicas must be >= 1",
+            }
+        )
+        rules[at].append(
+            {
+                "rule": "!has(self.idle) || self.idle != 'sleep'",
+                "message": f"{at}.idle: sleep is for aggregated deployments",
             }
         )
     return rules

@@ -9,7 +9,11 @@ A kopf timer per such ModelDeployment runs one decision every interval:
 4. before a scale-down, set each Ready pod's `controller.kubernetes.io/pod-deletion-cost` to its requests
    in flight (deletion_cost.py), so the ReplicaSet removes the idlest pods;
 5. write `spec.replicas` through the ModelDeployment's scale subresource, then `status.autoscaling`, and an
-   Event with the reason whenever the count changes: the status records only a count that was written.
+   Event with the reason whenever the count changes: the status records only a count that was written;
+6. with `autoscaling.idle: sleep`, the policy's count is the pods to keep *awake*: warm_tier.py turns it into
+   the count to write (awake plus the pods kept asleep) and the pods to put to sleep or wake, which this
+   module then calls with the deployment's internal key (`status.autoscaling.scaledReplicas` is the count
+   written, `awakeReplicas` / `sleepingReplicas` / `startingReplicas` what was seen).
 
 Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
 from `spec.replicas` (server-side apply), and each field has one writer. The autoscaler stands exactly where
@@ -32,6 +36,7 @@ requests count as decode demand only (`scale_targets`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import Mapping
@@ -41,6 +46,7 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
+from tokenfleet.operator import warm_tier
 from tokenfleet.operator.api import GROUP, VERSION, ModelDeploymentSpec, parse_model_deployment
 from tokenfleet.operator.autoscaling_policy import (
     AutoscalingSpec,
@@ -54,12 +60,17 @@ from tokenfleet.operator.builders import model_mount, selector_string
 from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
 from tokenfleet.operator.fleet_scrape import ScrapeBook, cold_start_seconds, observe, scrape_session
+from tokenfleet.operator.internal_key import INTERNAL_KEY_ENTRY, internal_key_secret_name
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import router_selector
 from tokenfleet.runtime.errors import ConfigError
 
 MD = (GROUP, VERSION, "modeldeployments")
 DEFAULT_INTERVAL_SECONDS = 15.0
+# A pod put to sleep waits this long for requests in flight (it was idle when chosen; one may have just
+# arrived) before refusing; the call itself is bounded a little above it.
+SLEEP_DRAIN_SECONDS = 5.0
+SLEEP_CALL_TIMEOUT_SECONDS = 30.0
 
 
 # ------------------------------------------------------------------------------------------------ a decision
@@ -193,8 +204,10 @@ async def _decide(
             "autoscaler: %s%d router pod(s) did not report pending requests", what, seen.router_failures
         )
 
-    last = target.previous.get("desiredReplicas")
-    current = last if isinstance(last, int) else target.replicas
+    # The count this autoscaler last wrote: awake pods plus (idle: sleep) the pods it keeps asleep.
+    last = target.previous.get("scaledReplicas", target.previous.get("desiredReplicas"))
+    written = last if isinstance(last, int) else target.replicas
+    current = warm_tier.awake_count(written, seen.samples)
     decision = decide(
         current,
         seen.samples,
@@ -203,18 +216,26 @@ async def _decide(
         now,
         seen.pending_requests,
     )
+    warm = warm_tier.plan(decision.replicas, written, seen.samples, target.autoscaling)
     scaled = decision.replicas != current
     observed = {
         "pending": seen.pending_requests,
-        **{s.value: sum(p.state is s for p in seen.samples) for s in PodState},
+        **{s.value: sum(p.state is s for p in seen.samples) for s in PodState if s is not PodState.SLEEPING},
     }
     if routers:
         observed["router_scrape_failures"] = seen.router_failures
+    states = {s: sum(p.state is s for p in seen.samples) for s in PodState}
     status = autoscaling_status(decision, target.previous, scaled, now, observed, cold_start_seconds(pods))
-    if decision.replicas < target.replicas:
+    status |= {
+        "scaledReplicas": warm.replicas,
+        "awakeReplicas": states[PodState.READY] + states[PodState.UNKNOWN],
+        "sleepingReplicas": states[PodState.SLEEPING],
+        "startingReplicas": states[PodState.STARTING],
+    }
+    if warm.replicas < target.replicas:
         # Before the count drops: the ReplicaSet then removes the pods with the fewest requests in flight.
         await _mark_deletion_costs(ctx, namespace, pods, seen.samples, logger)
-    if not await _write_count(ctx, namespace, name, target, decision.replicas):
+    if not await _write_count(ctx, namespace, name, target, warm.replicas):
         logger.info(
             "autoscaler: %sdecision dropped, the spec changed since it was read (%s)", what, decision.reason
         )
@@ -224,7 +245,7 @@ async def _decide(
         patch = {"roles": {target.role: patch}}
     await asyncio.to_thread(kube.patch_status, "ModelDeployment", namespace, name, patch)
     field = "replicas" if target.role is None else f"disaggregation.{target.role}.replicas"
-    if target.replicas != current:
+    if target.replicas != written:
         ctx.event(
             dict(body),
             "Normal",
@@ -236,9 +257,70 @@ async def _decide(
     elif scaled:
         reason = "ScaledUp" if decision.replicas > current else "ScaledDown"
         ctx.event(dict(body), "Normal", reason, what + decision.reason)
-    if scaled or target.replicas != decision.replicas:
+    if scaled or target.replicas != warm.replicas:
         logger.info("autoscaler: %s%s", what, decision.reason)
+    if warm.sleep or warm.wake:
+        await _sleep_and_wake(ctx, body, warm, seen.urls, target.autoscaling.level, logger)
     return decision
+
+
+async def _sleep_and_wake(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    warm: warm_tier.WarmPlan,
+    urls: Mapping[str, str],
+    level: int,
+    logger: logging.Logger,
+) -> None:
+    """Put `warm.sleep` to sleep and wake `warm.wake`, all at once, with the deployment's internal key (only
+    it opens a pod's sleep endpoints). Best effort: a pod that refuses (requests in flight: 409) or cannot be
+    reached stays as it is, and the next decision sees it as it is and asks again."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        key = await asyncio.to_thread(read_internal_key, ctx, namespace, name)
+    except ApiException as e:
+        logger.warning(
+            "autoscaler: the internal key cannot be read (%s): no pod put to sleep or woken", e.reason
+        )
+        return
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    calls = [(pod, f"/sleep?level={level}&timeout={SLEEP_DRAIN_SECONDS:g}") for pod in warm.sleep]
+    calls += [(pod, "/wake_up") for pod in warm.wake]
+    timeout = aiohttp.ClientTimeout(total=SLEEP_CALL_TIMEOUT_SECONDS)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+
+        async def call(pod: str, path: str) -> str | None:
+            if pod not in urls:
+                return "no address"
+            try:
+                async with session.post(urls[pod] + path) as response:
+                    if response.status == 200:
+                        return None
+                    return f"HTTP {response.status}: {(await response.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                return f"{type(e).__name__}: {e}"
+
+        outcomes = await asyncio.gather(*(call(pod, path) for pod, path in calls))
+    done: dict[str, list[str]] = {"sleep": [], "wake": []}
+    for (pod, path), error in zip(calls, outcomes, strict=True):
+        what = "sleep" if path.startswith("/sleep") else "wake"
+        if error is None:
+            done[what].append(pod)
+        else:
+            logger.info("autoscaler: %s of pod %s refused (%s); asked again next decision", what, pod, error)
+    if done["sleep"]:
+        ctx.event(dict(body), "Normal", "PodsAsleep", f"level {level}: {', '.join(done['sleep'])}")
+    if done["wake"]:
+        ctx.event(dict(body), "Normal", "PodsWoken", ", ".join(done["wake"]))
+
+
+def read_internal_key(ctx: OperatorContext, namespace: str, md_name: str) -> str | None:
+    """The deployment's internal key (its Secret), or None when there is none yet."""
+    secret = ctx.kube.get("Secret", namespace, internal_key_secret_name(md_name))
+    data = (secret or {}).get("data") or {}
+    if INTERNAL_KEY_ENTRY not in data:
+        return None
+    return base64.b64decode(data[INTERNAL_KEY_ENTRY]).decode().strip() or None
 
 
 async def _mark_deletion_costs(

@@ -33,6 +33,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -89,6 +90,20 @@ class AutoscalingSpec(_Spec):
     scale_down: ScaleDownBehavior = ScaleDownBehavior()
     scale_to_zero_after_seconds: float = Field(600.0, gt=0, description="Idle time before 1 -> 0.")
     tolerance: float = Field(0.1, ge=0, lt=1, description="No change within this fraction of a target.")
+    idle: Literal["zero", "sleep"] = Field(
+        "zero",
+        description="What a scale-down does with a pod it no longer needs: 'zero' removes it; 'sleep' puts up "
+        "to warmPoolSize of them to sleep (weights kept, KV cache and device memory freed), woken on demand "
+        "in about a second instead of a cold start. Sleeping pods keep their GPUs.",
+    )
+    warm_pool_size: int | None = Field(
+        None, ge=0, description="idle: sleep — most pods kept asleep (default 1); the rest are removed."
+    )
+    sleep_level: Literal[1, 2] | None = Field(
+        None,
+        description="idle: sleep — 1 keeps the weights in host memory (fast wake, default); 2 keeps only the "
+        "process (the weights are reloaded on wake).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalingSpec:
@@ -96,6 +111,8 @@ class AutoscalingSpec(_Spec):
             raise ValueError(
                 f"minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})"
             )
+        if self.idle != "sleep" and (self.warm_pool_size is not None or self.sleep_level is not None):
+            raise ValueError("warmPoolSize and sleepLevel need idle: sleep")
         t = self.targets
         if all(
             v is None
@@ -112,11 +129,25 @@ class AutoscalingSpec(_Spec):
             )
         return self
 
+    @property
+    def warm_pool(self) -> int:
+        """Pods kept asleep at most (0 unless idle: sleep)."""
+        if self.idle != "sleep":
+            return 0
+        return 1 if self.warm_pool_size is None else self.warm_pool_size
+
+    @property
+    def level(self) -> int:
+        return self.sleep_level or 1
+
 
 class PodState(enum.Enum):
     READY = "ready"  # Ready and scraped: its figures are real
     STARTING = "starting"  # created, not Ready yet (cold start): capacity on the way, no figures
     UNKNOWN = "unknown"  # scrape failed, or not Ready for another reason: no figures, blocks scale-down
+    # In sleep mode (its /metrics says so): no capacity until woken; the policy does not count it at all —
+    # the warm tier (warm_tier.py) decides what happens to sleeping pods.
+    SLEEPING = "sleeping"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +243,7 @@ def decide(
     pending_requests: int = 0,
 ) -> Decision:
     """The replica count to run now and why; `current` counts every pod (Ready, starting or unknown)."""
+    samples = [s for s in samples if s.state is not PodState.SLEEPING]  # no capacity, no figures
     ready = [s for s in samples if s.state is PodState.READY]
     num_starting = sum(1 for s in samples if s.state is PodState.STARTING)
     num_unknown = sum(1 for s in samples if s.state is PodState.UNKNOWN)

@@ -220,8 +220,7 @@ POD_DEFAULT_FIELDS = frozenset(
         "server.max_body_bytes",
         "server.drain_seconds",
         "server.health_stall_seconds",
-        # Sleep mode stays off: no ModelDeployment field drives it until the operator owns a warm tier
-        # (scale-down to sleep, wake on demand); a pod started by hand can still enable it.
+        # Sleep mode is on exactly when the autoscaler keeps a warm tier (`autoscaling.idle: sleep`).
         "server.enable_sleep_mode",
     }
 )
@@ -256,6 +255,7 @@ def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | Non
             "server.port": RUNTIME_PORT,
             "server.api_key_file": api_key_path(spec.api_key_secret),
             "server.internal_api_key_file": pod_key_path(),
+            "server.enable_sleep_mode": spec.autoscaling is not None and spec.autoscaling.idle == "sleep",
         }
     )
     return RuntimeConfig.model_validate(_nest(values))

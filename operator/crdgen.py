@@ -30,6 +30,13 @@ PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
         # Empty unless spec.autoscaling is set: the autoscaler's latest decision.
         {"name": "Desired", "type": "integer", "jsonPath": ".status.autoscaling.desiredReplicas"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        # Empty unless autoscaling.idle is sleep: the warm tier's pods.
+        {
+            "name": "Asleep",
+            "type": "integer",
+            "jsonPath": ".status.autoscaling.sleepingReplicas",
+            "priority": 1,
+        },
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -3,9 +3,10 @@
 One observation (`observe`) per decision, turned into the policy's inputs (`PodSample`s and the requests the
 routers hold):
 - each runtime pod is classified (`pod_view`): Ready with an IP -> scraped; not Ready and never started (its
-  startup probe has not passed, no restart) -> starting, capacity on the way; anything else (a crash loop, a
-  pod that went unready) -> unknown, which never lets the fleet shrink; terminating and finished pods do not
-  count (they are leaving);
+  startup probe has not passed, no restart) -> starting, capacity on the way; a started pod that is not
+  Ready and whose /metrics says it sleeps (`engine_sleep_state` > 0) -> sleeping (warm_tier.py); anything
+  else (a crash loop, a pod that went unready) -> unknown, which never lets the fleet shrink; terminating
+  and finished pods do not count (they are leaving);
 - every Ready runtime pod's `/metrics`, and the `/metrics` of the routers of its RoutingPolicy, are scraped
   all at once (aiohttp) with a bounded time and size, so one slow or runaway pod never holds a decision up;
   the routers' `tokenfleet:router_pending_requests{model}` gauge is the demand that brings a model back from
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -77,15 +78,19 @@ def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodVie
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
     ip = status.get("podIP")
-    if ready and ip:
+    url = None
+    if ip:
         host = f"[{ip}]" if ":" in ip else ip
-        return PodView(name, PodState.READY, f"http://{host}:{_http_port(pod, default_port)}/metrics")
+        url = f"http://{host}:{_http_port(pod, default_port)}/metrics"
+    if ready and url:
+        return PodView(name, PodState.READY, url)
     containers = status.get("containerStatuses") or []
     # `started` turns true when the startup probe passes (model loaded): before that and without a restart,
-    # the pod is still cold-starting; after it, not being Ready means something is wrong.
+    # the pod is still cold-starting; after it, not being Ready means something is wrong — or that the pod
+    # sleeps (sleep mode: /ready is 503 while asleep), which only its /metrics can tell, so it is scraped.
     if not ready and not any(c.get("started") or c.get("restartCount") for c in containers):
         return PodView(name, PodState.STARTING)
-    return PodView(name, PodState.UNKNOWN)
+    return PodView(name, PodState.UNKNOWN, url)
 
 
 def cold_start_seconds(pods: list[Mapping[str, Any]]) -> float | None:
@@ -168,6 +173,7 @@ class Observation:
     samples: tuple[PodSample, ...]
     pending_requests: int
     router_failures: int  # router pods whose /metrics could not be read
+    urls: Mapping[str, str] = field(default_factory=dict)  # pod -> its server's base URL (scraped pods)
 
 
 async def observe(
@@ -196,13 +202,14 @@ async def observe(
     samples = []
     for view in views:
         text = pod_texts.get(view.name)
-        if view.state is not PodState.READY:
-            samples.append(PodSample(view.name, view.state))
-            continue
         try:
             metrics = parse_metrics(text) if text is not None else None
         except MetricsParseError:
             metrics = None
+        if view.state is not PodState.READY:
+            asleep = metrics is not None and metrics.gauge("engine_sleep_state") > 0
+            samples.append(PodSample(view.name, PodState.SLEEPING if asleep else view.state))
+            continue
         if metrics is None:
             samples.append(PodSample(view.name, PodState.UNKNOWN))  # never a reason to scale down
             continue
@@ -215,4 +222,5 @@ async def observe(
         except MetricsParseError:
             text = None
         failures += text is None
-    return Observation(tuple(samples), round(pending), failures)
+    urls = {v.name: v.url.removesuffix("/metrics") for v in scraped if v.url is not None}
+    return Observation(tuple(samples), round(pending), failures, urls)

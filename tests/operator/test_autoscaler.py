@@ -11,6 +11,7 @@ Time is passed in, so windows and cooldowns are exact.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import logging
@@ -200,12 +201,16 @@ class FakePod:
     async def start(self) -> FakePod:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        self.routes(app)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self
+
+    def routes(self, app: web.Application) -> None:
+        """More endpoints (a subclass's)."""
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -553,6 +558,12 @@ def test_scale_down_defaults_survive_the_crd():
             "windowSeconds must be <= 3600",
         ),
         ({"maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}, "scaleUp": {"cooldownSeconds": 9999}}, "3600"),
+        ({"maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}, "warmPoolSize": 2}, "need idle: sleep"),
+        ({"maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}, "idle": "nap"}, "idle"),
+        (
+            {"maxReplicas": 3, "targets": {"kvCacheUsage": 0.8}, "idle": "sleep", "sleepLevel": 3},
+            "sleepLevel",
+        ),
     ],
 )
 def test_invalid_autoscaling_is_rejected_with_a_clear_message(autoscaling_spec, message):
@@ -865,3 +876,127 @@ async def test_a_role_scale_down_marks_that_roles_pods_only(servers, session):
     assert decisions["decode"].replicas == 1
     assert (_cost(cluster, "chat-decode-a"), _cost(cluster, "chat-decode-b")) == ("4", "0")
     assert _cost(cluster, "chat-prefill-a") is None  # its role did not shrink
+
+
+# ---------------------------------------------------------------------------------------------- the warm tier
+class SleepyPod(FakePod):
+    """A pod in sleep mode: /sleep and /wake_up change what its /metrics says, and each call is recorded
+    with the credential it came with (only the deployment's internal key opens them on a real pod)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str | None]] = []
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path_qs, request.headers.get("Authorization")))
+        self.metrics.set_sleep_state(int(request.query["level"]))
+        return web.json_response({"is_sleeping": True})
+
+    async def _wake(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path_qs, request.headers.get("Authorization")))
+        self.metrics.set_sleep_state(0)
+        return web.json_response({"is_sleeping": False})
+
+    async def start(self) -> SleepyPod:
+        await super().start()
+        return self
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/sleep", self._sleep)
+        app.router.add_post("/wake_up", self._wake)
+
+
+def _sleeping(cluster: Cluster, pod: str, asleep: bool) -> None:
+    """What the kubelet reports of a pod whose /ready turned 503 (asleep) or 200 again: started either way."""
+    status = cluster.objects[("Pod", pod)]["status"]
+    status["conditions"] = [{"type": "Ready", "status": "False" if asleep else "True"}]
+    status["containerStatuses"][0] |= {"started": True, "ready": not asleep}
+
+
+async def test_idle_sleep_puts_surplus_pods_to_sleep_keeps_the_pool_and_wakes_one_on_demand(servers, session):
+    cluster = Cluster()
+    spec = autoscaling(minReplicas=0, scaleToZeroAfterSeconds=40, idle="sleep")
+    cluster.create_md("chat", {"replicas": 2, "routingPolicyRef": "front", "autoscaling": spec})
+    key = "internal-secret"
+    cluster.objects[("Secret", "chat-internal-key")] = {
+        "data": {"key": base64.b64encode(key.encode()).decode()}
+    }
+    labels = common_labels("chat")
+    a, b = await servers(SleepyPod()), await servers(SleepyPod())
+    cluster.add_pod("chat-a", labels, a.port)
+    cluster.add_pod("chat-b", labels, b.port)
+    router = await servers(FakeRouter())
+    cluster.add_pod("front-router-x", router_labels("front"), router.port)
+    loop = Loop(cluster, session)
+
+    a.load(running=1)
+    await loop.tick(0.0)
+    a.load()
+    # Idle past the 30 s scale-down window: one pod is no longer needed. It sleeps (the pool has room)
+    # rather than leaving; the count stays, so nothing is removed.
+    d = await loop.tick(31.0)
+    assert d.replicas == 1 and loop.replicas == 2 and loop.status["scaledReplicas"] == 2
+    assert a.calls == [("/sleep?level=1&timeout=5", f"Bearer {key}")] and b.calls == []
+    assert loop.reasons()[-2:] == ["ScaledDown", "PodsAsleep"]
+    _sleeping(cluster, "chat-a", True)
+    d = await loop.tick(35.0)
+    assert (loop.status["awakeReplicas"], loop.status["sleepingReplicas"]) == (1, 1)
+    assert d.replicas == 1 and loop.replicas == 2 and len(a.calls) == 1  # a sleeping pod is not asked again
+
+    # No traffic for 40 s: zero awake. The pool (1) is full, so the count drops; the ReplicaSet removes the
+    # not-Ready pod first (the sleeper); the next decision puts the last awake pod to sleep.
+    d = await loop.tick(45.0)
+    assert d.replicas == 0 and loop.replicas == 1 and b.calls == []
+    cluster.remove_pod("chat-a")
+    d = await loop.tick(50.0)
+    assert loop.replicas == 1 and [c for c, _ in b.calls] == ["/sleep?level=1&timeout=5"]
+    _sleeping(cluster, "chat-b", True)
+    d = await loop.tick(60.0)
+    assert (d.replicas, loop.replicas, loop.status["sleepingReplicas"]) == (0, 1, 1)
+    assert d.reason == "scaled to zero: no demand"
+
+    # Demand: the router holds a request. The sleeping pod is woken; no new pod is created.
+    router.hold(MODEL, 1)
+    d = await loop.tick(65.0)
+    assert d.replicas == 1 and loop.replicas == 1
+    assert [c for c, _ in b.calls][-1] == "/wake_up" and b.calls[-1][1] == f"Bearer {key}"
+    assert loop.reasons()[-1] == "PodsWoken"
+
+
+async def test_a_pod_the_router_woke_counts_as_awake_and_is_not_put_back_to_sleep_while_busy(
+    servers, session
+):
+    cluster = Cluster()
+    spec = autoscaling(minReplicas=0, scaleToZeroAfterSeconds=40, idle="sleep")
+    cluster.create_md("chat", {"replicas": 1, "routingPolicyRef": "front", "autoscaling": spec})
+    cluster.objects[("Secret", "chat-internal-key")] = {"data": {"key": base64.b64encode(b"k").decode()}}
+    a = await servers(SleepyPod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    a.metrics.set_sleep_state(1)
+    _sleeping(cluster, "chat-a", True)
+    loop = Loop(cluster, session)
+    d = await loop.tick(0.0)
+    assert (d.replicas, loop.replicas, a.calls) == (0, 1, [])
+
+    # The router woke it for a request (its own call): it is awake and busy, and stays awake.
+    a.metrics.set_sleep_state(0)
+    _sleeping(cluster, "chat-a", False)
+    a.load(running=1)
+    for t in (5.0, 30.0, 44.0):
+        d = await loop.tick(t)
+        assert (d.replicas, loop.replicas, a.calls) == (1, 1, [])
+    a.load()
+    d = await loop.tick(90.0)  # idle for 46 s now
+    assert d.replicas == 0 and [c for c, _ in a.calls] == ["/sleep?level=1&timeout=5"]
+
+
+async def test_with_idle_zero_nothing_is_put_to_sleep(servers, session):
+    cluster = Cluster()
+    cluster.create_md("chat", {"replicas": 2, "autoscaling": autoscaling()})
+    a, b = await servers(SleepyPod()), await servers(SleepyPod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    cluster.add_pod("chat-b", common_labels("chat"), b.port)
+    loop = Loop(cluster, session)
+    await loop.tick(0.0)
+    d = await loop.tick(31.0)
+    assert d.replicas == 1 and loop.replicas == 1 and a.calls == b.calls == []
