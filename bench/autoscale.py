@@ -1,12 +1,19 @@
 """Autoscaling benchmark at GPU scale, in the fleet simulator: a bursty load, the operator's policy vs static fleets.
 
     python bench/autoscale.py [--base 20] [--burst 150] [--phase 60] [--cold-start 60] [--seed 0]
+                              [--fast-cold-start 10] [--warm-pool 3] [--wake 5]
 
 Traffic (a JSONL trace, replayed): `base` req/s for one phase, `burst` req/s for the next, `base` again for
 two more; 150 tenants with 1,000-token system prompts, 150-token questions, 150-token answers; 8B model on
 H100 replicas. Three fleets see the same trace:
 - autoscaled: the operator's own policy (`autoscaling_policy.decide`, every 15 s) from 1 replica, targets
   waiting requests 4/replica and KV usage 0.7, TTFT p90 <= 1 s as a guard, `cold-start` seconds per new replica;
+- autoscaled, fast cold start: the same with `fast-cold-start` seconds per new replica (what cutting the
+  cold start's parts buys);
+- autoscaled + warm pool: the same policy with `idle: sleep` and a pool of `warm-pool` replicas asleep from
+  the start (as an earlier burst leaves them), woken in `wake` seconds — by the router's held requests at
+  once, and by the policy's scale-ups — new replicas still cost `cold-start`. Sleepers hold their GPUs, so
+  they count in replica-seconds;
 - static-peak: as many replicas as the autoscaled run peaked at, from the start (sized for the peak);
 - static-base: one replica (sized for the base load).
 Figures: SLO attainment (goodput: TTFT <= 2 s and TPOT <= 50 ms), TTFT p99, time from the burst's start
@@ -54,7 +61,14 @@ def write_trace(path: Path, base: float, burst: float, phase: float, seed: int) 
 
 
 def run(
-    trace: Path, replicas: int, autoscaling: dict | None, cold_start: float, until: float, in_flight: int
+    trace: Path,
+    replicas: int,
+    autoscaling: dict | None,
+    cold_start: float,
+    until: float,
+    in_flight: int,
+    asleep: int = 0,
+    wake: float = 1.0,
 ) -> tuple[dict, float]:
     config = parse_config(
         {
@@ -67,6 +81,8 @@ def run(
             "autoscaling": autoscaling,
             "autoscale_interval_s": 15,
             "cold_start_s": cold_start,
+            "start_asleep": asleep,
+            "wake_s": wake,
             "run_until_s": until,
             "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
         }
@@ -83,6 +99,11 @@ def main() -> int:
     p.add_argument("--phase", type=float, default=60.0)
     p.add_argument("--cold-start", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fast-cold-start", type=float, default=10.0, help="cold start of the second autoscaled fleet"
+    )
+    p.add_argument("--warm-pool", type=int, default=3, help="replicas asleep (idle: sleep) in the warm fleet")
+    p.add_argument("--wake", type=float, default=5.0, help="a sleeper's wake to Ready, seconds")
     p.add_argument("--max-in-flight", type=int, default=320, help="router's maxInFlightPerEndpoint")
     args = p.parse_args()
     autoscaling = {
@@ -102,6 +123,9 @@ def main() -> int:
         write_trace(trace, args.base, args.burst, args.phase, args.seed)
         common = (args.cold_start, until, args.max_in_flight)
         auto, wall_auto = run(trace, 1, autoscaling, *common)
+        fast, wall_fast = run(trace, 1, autoscaling, args.fast_cold_start, *common[1:])
+        warm_spec = autoscaling | {"idle": "sleep", "warmPoolSize": args.warm_pool}
+        warm, wall_warm = run(trace, 1, warm_spec, *common, asleep=args.warm_pool, wake=args.wake)
         peak = auto["fleet"]["replicas_peak"]
         static_peak, wall_peak = run(trace, peak, None, *common)
         static_base, wall_base = run(trace, 1, None, *common)
@@ -109,18 +133,33 @@ def main() -> int:
     first_up = ups[0][0] - args.phase if ups else float("nan")
     print(
         f"trace: {args.base} -> {args.burst} -> {args.base} req/s, phases of {args.phase:.0f} s; "
-        f"cold start {args.cold_start:.0f} s; 8B on H100"
+        f"cold start {args.cold_start:.0f} s (fast: {args.fast_cold_start:.0f} s); warm pool {args.warm_pool} "
+        f"asleep, wake {args.wake:.0f} s; 8B on H100"
     )
-    print("| fleet | replicas | goodput | TTFT p99 s | TPOT p99 s | replica-s | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| fleet | replicas | goodput | TTFT p99 s | TPOT p99 s | replica-s | vs static-peak | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    peak_seconds = max(static_peak["fleet"]["replica_seconds"], 1e-9)
     for label, r, reps, wall in (
         ("autoscaled", auto, f"1..{peak}", wall_auto),
+        (
+            f"autoscaled, cold start {args.fast_cold_start:.0f} s",
+            fast,
+            f"1..{fast['fleet']['replicas_peak']}",
+            wall_fast,
+        ),
+        (
+            f"autoscaled + {args.warm_pool} asleep",
+            warm,
+            f"1..{warm['fleet']['replicas_peak']} awake",
+            wall_warm,
+        ),
         ("static-peak", static_peak, str(peak), wall_peak),
         ("static-base", static_base, "1", wall_base),
     ):
         print(
             f"| {label} | {reps} | {r['slo']['goodput_fraction']:.1%} | {r['latency_s']['ttft']['p99']:.3f} "
-            f"| {r['latency_s']['tpot']['p99']:.4f} | {r['fleet']['replica_seconds']:.0f} | {wall:.0f} |"
+            f"| {r['latency_s']['tpot']['p99']:.4f} | {r['fleet']['replica_seconds']:.0f} "
+            f"| {r['fleet']['replica_seconds'] / peak_seconds:.2f}x | {wall:.0f} |"
         )
     ratio = auto["fleet"]["replica_seconds"] / max(static_peak["fleet"]["replica_seconds"], 1e-9)
     print(

@@ -98,6 +98,16 @@ class SimConfig(_Model):
     disaggregation: Disaggregation | None = None
     autoscale_interval_s: float = Field(15.0, gt=0)
     cold_start_s: float = Field(60.0, ge=0, description="From a new replica's creation to Ready.")
+    wake_s: float = Field(
+        1.0,
+        ge=0,
+        description="A sleeping replica's wake to Ready (autoscaling.idle: sleep; level 1: a weight copy).",
+    )
+    start_asleep: int = Field(
+        0,
+        ge=0,
+        description="Replicas that start asleep besides fleet.replicas (a warm pool left by earlier load).",
+    )
     probe_interval_s: float = Field(0.5, gt=0, description="How often the router polls each pod's load.")
     slo: SLO = SLO()
     workload: WorkloadSpec = WorkloadSpec()
@@ -123,6 +133,8 @@ class SimConfig(_Model):
             raise SimInputError(
                 f"cache.{unmodelled[0]}", "not modelled by the simulator", MODELLED_CACHE_FIELDS
             )
+        if self.start_asleep and (self.autoscaling is None or self.autoscaling.idle != "sleep"):
+            raise SimInputError("start_asleep", "sleeping replicas need autoscaling.idle: sleep", "0")
         if self.fleet.replicas == 0 and self.autoscaling is None:
             raise SimInputError("fleet.replicas", "0 replicas need autoscaling to ever serve anything")
         if self.disaggregation is not None:

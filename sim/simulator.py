@@ -11,7 +11,12 @@ router long-polls), load reports every `probe_interval_s`. With `fleet.cpu_share
 one host's cores: a step stretches by the demand of the engines computing when it starts.
 Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample per replica and sets the
 count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
-what they hold and then leave (a lossless scale-down).
+what they hold and then leave (a lossless scale-down). With `autoscaling.idle: sleep` the operator's warm
+tier (`operator/warm_tier.plan`, unchanged) decides which idle replicas sleep and which sleepers wake; a
+woken replica is Ready after `wake_s`, and a request the router holds wakes one sleeper at once when none
+is waking or starting (the router's wake on demand). A count lowered below the pods that exist removes
+sleepers first (the ReplicaSet's not-Ready-first order). Sleepers hold their GPUs: they count in
+replica-seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from tokenfleet.operator import warm_tier
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
 from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.engine.long_lived_heap import long_lived_heap
@@ -39,7 +45,7 @@ ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER, QUEUE_DEA
 
 
 class _Pod:
-    __slots__ = ("created", "draining", "inbound", "ready", "replica", "retired", "role", "tokens")
+    __slots__ = ("asleep", "created", "draining", "inbound", "ready", "replica", "retired", "role", "tokens")
 
     def __init__(self, replica: SimReplica, created: float, ready: bool, role: str = "both") -> None:
         self.replica = replica
@@ -47,6 +53,7 @@ class _Pod:
         self.created = created
         self.ready = ready
         self.draining = False
+        self.asleep = False  # the warm tier: no requests, no capacity, its GPUs still held
         self.retired: float | None = None
         self.inbound = 0  # routed here, still on their way (the cost model's request overhead)
         self.tokens: deque[tuple[float, int]] = deque()  # (time, generated total) for the tokens/s window
@@ -90,6 +97,7 @@ class Simulation:
                 self.clock,
             )
         self._pending_handoffs = 0
+        self._warm = config.autoscaling is not None and config.autoscaling.idle == "sleep"
         self._shared_host: CoreUsage | None = None
         if config.fleet.cpu_shared_host:
             self._shared_host = getattr(cost, "cores", None)
@@ -125,7 +133,27 @@ class Simulation:
         return pod
 
     def _live(self) -> list[_Pod]:
-        return [p for p in self.pods.values() if p.retired is None and not p.draining]
+        """The awake pods that stay (Ready or starting)."""
+        return [p for p in self.pods.values() if p.retired is None and not p.draining and not p.asleep]
+
+    def _asleep(self) -> list[_Pod]:
+        return [p for p in self.pods.values() if p.retired is None and p.asleep]
+
+    def _sleep(self, pod: _Pod) -> None:
+        pod.asleep, pod.ready = True, False
+        self.router.remove_endpoint(pod.replica.name)
+
+    def _wake(self, pod: _Pod) -> None:
+        pod.asleep = False
+        self._push(self.now + self.config.wake_s, READY, pod.replica.name)
+
+    def _wake_on_demand(self) -> None:
+        """A request is held: wake one sleeper, unless capacity is already on its way."""
+        if any(not p.ready for p in self._live()):
+            return
+        sleepers = sorted(self._asleep(), key=lambda p: p.replica.name)
+        if sleepers:
+            self._wake(sleepers[0])
 
     def _retire_if_idle(self, pod: _Pod) -> None:
         if (
@@ -137,7 +165,7 @@ class Simulation:
         ):
             pod.retired = self.now
 
-    def _scale_to(self, target: int, reason: str) -> None:
+    def _scale_to(self, target: int, reason: str, record: bool = True) -> None:
         live = self._live()
         current = len(live)
         if target > current:
@@ -160,7 +188,7 @@ class Simulation:
                 if not pod.ready:
                     pod.retired = self.now
                 self._retire_if_idle(pod)
-        if target != current:
+        if record and target != current:
             self.scale_events.append((self.now, current, target, reason))
 
     # ---- events -------------------------------------------------------------------------------------------
@@ -190,8 +218,11 @@ class Simulation:
         waiter = self.router.enqueue(sreq, role, item)
         if isinstance(waiter, str):  # the router's queue is full: refused at once
             self._refused(sreq, waiter)
-        elif waiter.deadline != float("inf"):
+            return
+        if waiter.deadline != float("inf"):
             self._push(waiter.deadline, QUEUE_DEADLINE, waiter)
+        if self._warm:
+            self._wake_on_demand()
 
     def _refused(self, sreq: SimRequest, why: str) -> None:
         """The router answered with an error (429/503): the client's request ends there."""
@@ -349,9 +380,37 @@ class Simulation:
         pending = self.router.num_queued
         d = decide(len(live), samples, spec, self.history, self.now, pending_requests=pending)
         self.history = d.history
-        self._scale_to(d.replicas, d.reason)
+        if self._warm:
+            self._warm_tier(d.replicas, d.reason, live, samples)
+        else:
+            self._scale_to(d.replicas, d.reason)
         if self.router.num_queued:
             self._dispatch_queued()
+
+    def _warm_tier(self, desired: int, reason: str, live: list[_Pod], samples: list[PodSample]) -> None:
+        """The operator's warm tier: its plan, then the ReplicaSet's order for a lowered count."""
+        assert self.config.autoscaling is not None
+        asleep = self._asleep()
+        samples = samples + [PodSample(p.replica.name, PodState.SLEEPING) for p in asleep]
+        written = len(live) + len(asleep)
+        plan = warm_tier.plan(desired, written, samples, self.config.autoscaling)
+        for name in plan.wake:
+            self._wake(self.pods[name])
+        for name in plan.sleep:
+            pod = self.pods[name]
+            if not pod.inbound:  # a request on its way: the live sleep would wait for it; skip this time
+                self._sleep(pod)
+        if plan.replicas < written:
+            gone = sorted(asleep, key=lambda p: p.replica.name)[: written - plan.replicas]
+            for pod in gone:
+                pod.retired = self.now
+            if len(gone) < written - plan.replicas:
+                self._scale_to(plan.replicas, reason, record=False)
+        elif plan.replicas > written:
+            for _ in range(plan.replicas - written):
+                self._add_pod(ready=self.config.cold_start_s == 0)
+        if desired != len(live):
+            self.scale_events.append((self.now, len(live), desired, reason))
 
     def _tick(self) -> None:
         pods = [p for p in self.pods.values() if p.retired is None]
@@ -386,7 +445,7 @@ class Simulation:
 
     def _on_ready(self, name: str) -> None:
         pod = self.pods[name]
-        if pod.retired is None and not pod.draining:
+        if pod.retired is None and not pod.draining and not pod.asleep:
             pod.ready = True
             self.router.add_endpoint(name, pod.role)
             self._dispatch_queued()
@@ -419,6 +478,8 @@ class Simulation:
         for i in range(cfg.fleet.replicas):
             role = "both" if cfg.disaggregation is None else "prefill" if i < num_prefill else "decode"
             self._add_pod(ready=True, role=role)
+        for _ in range(cfg.start_asleep):
+            self._sleep(self._add_pod(ready=True))
         with long_lived_heap():
             return self._run_events(cfg)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
 from tokenfleet.sim.api import simulate
 from tokenfleet.sim.config import parse_config
 from tokenfleet.sim.cost_model import LinearCost
+from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.model_profile import model_profile
 from tokenfleet.sim.results import to_json
 from tokenfleet.sim.router import SimRouter
@@ -143,6 +145,98 @@ def test_scale_to_zero_and_back_serves_the_first_request_after_the_cold_start(tm
     assert back and back[0][0] >= 300.0
     assert r["requests"]["finished"] == 11
     assert r["latency_s"]["ttft"]["max"] >= 30.0  # the late request waited for the cold start, and was served
+
+
+def test_with_a_warm_tier_scale_to_zero_sleeps_and_the_late_request_waits_only_for_the_wake(tmp_path):
+    """The same story as above with `idle: sleep`: the pod sleeps instead of leaving, the late request wakes
+    it at once (the router's wake on demand, not the next decision), and its wait is the wake, not a cold
+    start. The sleeper holds its GPU: it counts in replica-seconds to the end."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"t": i * 0.5, "prompt_tokens": 200, "output_tokens": 20} for i in range(10)]
+    lines.append({"t": 300.0, "prompt_tokens": 200, "output_tokens": 20})
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    autoscaling = {
+        "minReplicas": 0,
+        "maxReplicas": 2,
+        "targets": {"waitingRequestsPerReplica": 4},
+        "scaleToZeroAfterSeconds": 60,
+        "scaleDown": {"stabilizationWindowSeconds": 10},
+        "idle": "sleep",
+    }
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(
+        small(
+            fleet={"replicas": 1},
+            autoscaling=autoscaling,
+            autoscale_interval_s=5,
+            cold_start_s=30,
+            wake_s=2.0,
+            trace=str(trace),
+            run_until_s=320,
+        )
+    )
+    model = build_model(config)
+    sim = Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+    r = sim.run()
+    assert list(sim.pods) == ["replica-0"]  # the one pod slept and woke: no pod was ever created
+    events = r["fleet"]["scale_events"]
+    assert any(e[2] == 0 for e in events), events
+    assert r["requests"]["finished"] == 11 and r["requests"]["rejected"] == 0
+    assert 2.0 <= r["latency_s"]["ttft"]["max"] < 5.0  # the wake, not the 30 s cold start
+    assert r["fleet"]["replica_seconds"] >= 300.0  # asleep, it still held its GPU
+
+
+def test_a_warm_tier_wakes_sleepers_before_it_creates_pods_and_sleepers_leave_first():
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targets": {"waitingRequestsPerReplica": 2, "kvCacheUsage": 0.6},
+        "scaleDown": {"stabilizationWindowSeconds": 30, "maxStep": 2, "cooldownSeconds": 10},
+        "idle": "sleep",
+        "warmPoolSize": 2,
+    }
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    config = parse_config(
+        small(
+            fleet={"replicas": 1},
+            start_asleep=2,
+            autoscaling=autoscaling,
+            autoscale_interval_s=5,
+            cold_start_s=20,
+            wake_s=1.0,
+            run_until_s=300,
+            workload={"rate": 80, "duration_s": 10, "output_tokens": 200, "user_tokens": 400},
+        )
+    )
+    model = build_model(config)
+    sim = Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+    r = sim.run()
+    assert r["requests"]["unfinished"] == 0 and r["requests"]["finished"] == r["requests"]["arrived"]
+    ups = [e for e in r["fleet"]["scale_events"] if e[2] > e[1]]
+    assert ups and max(e[2] for e in ups) > 3  # past the two sleepers: a pod was created too
+    created = [n for n in sim.pods if n not in ("replica-0", "replica-1", "replica-2")]
+    assert created, list(sim.pods)
+    # Back to one awake pod and a full pool: whichever pods they are, 1 awake and 2 asleep hold GPUs at the
+    # end, and every other pod left (sleepers first when the count fell, then the idlest awake ones).
+    asleep = [p for p in sim.pods.values() if p.asleep and p.retired == sim.now]
+    awake = [p for p in sim.pods.values() if not p.asleep and not p.draining and p.retired == sim.now]
+    assert (len(awake), len(asleep)) == (1, 2), {
+        n: (p.asleep, p.draining, p.retired) for n, p in sim.pods.items()
+    }
+    assert r["timeline"]["replicas"][-1] == 3 and r["timeline"]["ready"][-1] == 1
+
+
+def test_sleeping_replicas_at_the_start_need_the_warm_tier():
+    with pytest.raises(SimInputError, match="start_asleep"):
+        parse_config(small(start_asleep=1))
 
 
 def test_a_request_waiting_longer_than_the_queue_deadline_for_a_cold_start_gets_503(tmp_path):
