@@ -59,16 +59,26 @@ from tokenfleet.operator.autoscaling_status import autoscaling_status, history_f
 from tokenfleet.operator.builders import model_mount, selector_string
 from tokenfleet.operator.deletion_cost import POD_DELETION_COST, cost_annotations, deletion_costs
 from tokenfleet.operator.disaggregation import ROLES, role_name
-from tokenfleet.operator.fleet_scrape import ScrapeBook, cold_start_seconds, observe, scrape_session
+from tokenfleet.operator.fleet_scrape import (
+    ScrapeBook,
+    cold_start_seconds,
+    fetch_text,
+    observe,
+    pod_view,
+    scrape_session,
+)
 from tokenfleet.operator.internal_key import INTERNAL_KEY_ENTRY, internal_key_secret_name
+from tokenfleet.operator.pod_metrics import MetricsParseError, router_pending
 from tokenfleet.operator.reconcile import OperatorContext
-from tokenfleet.operator.router_builders import router_selector
+from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
 from tokenfleet.runtime.errors import ConfigError
 
 MD = (GROUP, VERSION, "modeldeployments")
 DEFAULT_INTERVAL_SECONDS = 15.0
 # A pod put to sleep waits this long for requests in flight (it was idle when chosen; one may have just
 # arrived) before refusing; the call itself is bounded a little above it.
+# At zero replicas the routers' held requests are read this often (a cheap scrape of the router pods only).
+DEMAND_POLL_SECONDS = 1.0
 SLEEP_DRAIN_SECONDS = 5.0
 SLEEP_CALL_TIMEOUT_SECONDS = 30.0
 
@@ -397,7 +407,48 @@ def _autoscaling_on(spec: Mapping[str, Any], **_: Any) -> bool:
     return bool(spec.get("autoscaling")) or any((roles.get(r) or {}).get("autoscaling") for r in ROLES)
 
 
-def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_INTERVAL_SECONDS) -> None:
+def _decision_lock(memo: kopf.Memo) -> asyncio.Lock:
+    """One decision at a time per object: the periodic one and the one demand triggers at zero."""
+    return memo.setdefault("autoscaler_lock", asyncio.Lock())
+
+
+def _at_zero(spec: Mapping[str, Any], **_: Any) -> bool:
+    spec = spec or {}
+    return bool(spec.get("autoscaling")) and spec.get("replicas") == 0 and bool(spec.get("routingPolicyRef"))
+
+
+async def demand_at_zero(
+    ctx: OperatorContext, namespace: str, name: str, session: aiohttp.ClientSession
+) -> int:
+    """Requests the routers hold for a deployment (its served model), read from their /metrics at once; 0
+    when it has no valid spec or router, or none could be read."""
+    body = await asyncio.to_thread(ctx.kube.get, "ModelDeployment", namespace, name)
+    if body is None:
+        return 0
+    try:
+        spec = parse_model_deployment(body.get("spec"))
+    except ConfigError:
+        return 0
+    if not spec.routing_policy_ref:
+        return 0
+    selector = ",".join(f"{k}={v}" for k, v in router_selector(spec.routing_policy_ref).items())
+    routers = await asyncio.to_thread(ctx.kube.list, "Pod", namespace, selector)
+    urls = [v.url for v in (pod_view(p, ROUTER_PORT) for p in routers) if v is not None and v.url]
+    model = model_mount(spec, {}).served_name
+    pending = 0.0
+    for text in await asyncio.gather(*(fetch_text(session, url) for url in urls)):
+        try:
+            pending += router_pending(text, model) if text is not None else 0.0
+        except MetricsParseError:
+            continue
+    return round(pending)
+
+
+def register(
+    registry: kopf.OperatorRegistry,
+    interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
+    demand_seconds: float = DEMAND_POLL_SECONDS,
+) -> None:
     @kopf.timer(
         *MD,
         interval=interval_seconds,
@@ -410,11 +461,32 @@ def register(registry: kopf.OperatorRegistry, interval_seconds: float = DEFAULT_
         memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any
     ) -> None:
         book = memo.setdefault("autoscaler_scrapes", ScrapeBook())  # the per-object memo
-        async with scrape_session() as session:
+        async with _decision_lock(memo), scrape_session() as session:
             try:
                 await autoscale_all(memo.ctx, namespace, name, book, session, time.time(), logger)
             except Exception as e:  # an API hiccup: the next tick decides again from stored state
                 logger.warning("autoscaler: no decision this period: %s", e)
+
+    @kopf.timer(*MD, interval=demand_seconds, when=_at_zero, id="autoscaler-demand", registry=registry)
+    async def demand_tick(
+        memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any
+    ) -> None:
+        """At zero replicas, a request the router holds should not wait for the next decision (up to a whole
+        interval, longer than the cold start it then waits for): the routers are read every
+        `demand_seconds`, and demand runs a decision at once — the same decision, which scales 0 -> N."""
+        async with scrape_session() as session:
+            try:
+                if not await demand_at_zero(memo.ctx, namespace, name, session):
+                    return
+            except Exception as e:
+                logger.info("autoscaler: demand at zero not read: %s", e)
+                return
+            book = memo.setdefault("autoscaler_scrapes", ScrapeBook())
+            async with _decision_lock(memo):
+                try:
+                    await autoscale_all(memo.ctx, namespace, name, book, session, time.time(), logger)
+                except Exception as e:
+                    logger.warning("autoscaler: no decision on demand: %s", e)
 
     @kopf.on.field(*MD, field="spec.autoscaling", id="autoscaler-off", registry=registry)
     def autoscaling_field(

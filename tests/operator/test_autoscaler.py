@@ -26,9 +26,11 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import parse_model_deployment
 from tokenfleet.operator.autoscaler import (
+    _at_zero,
     autoscale,
     autoscale_roles,
     autoscaling_changed,
+    demand_at_zero,
     scale_targets,
 )
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
@@ -360,6 +362,24 @@ async def test_min_zero_scales_to_zero_when_idle_and_back_on_router_demand(serve
     assert loop.replicas == 1 and d.reason == "scale 0->1: 1 requests pending"
     assert loop.reasons() == ["ScaledDown", "ScaledUp"]
     assert loop.status["signals"]["pending"] == 1.0
+
+
+async def test_at_zero_the_routers_held_requests_are_read_for_this_model_only(servers, session):
+    cluster = Cluster()
+    spec = {"replicas": 0, "routingPolicyRef": "front", "autoscaling": autoscaling(minReplicas=0)}
+    cluster.create_md("chat", spec)
+    ctx = Loop(cluster, session).ctx
+    assert await demand_at_zero(ctx, NS, "chat", session) == 0  # no router pod yet
+    one, two = await servers(FakeRouter()), await servers(FakeRouter())
+    cluster.add_pod("front-router-x", router_labels("front"), one.port)
+    cluster.add_pod("front-router-y", router_labels("front"), two.port)
+    one.hold("another-model", 5)
+    assert await demand_at_zero(ctx, NS, "chat", session) == 0
+    one.hold(MODEL, 1)
+    two.hold(MODEL, 2)
+    assert await demand_at_zero(ctx, NS, "chat", session) == 3
+    assert _at_zero(cluster.md("chat")["spec"])
+    assert not _at_zero({**cluster.md("chat")["spec"], "replicas": 1})
 
 
 async def test_unknown_pods_never_cause_a_scale_down(servers, session):

@@ -50,6 +50,7 @@ def test_registry_has_stable_handler_ids_and_no_finalizer_handlers():
         "model-deployment-resync",
         "routing-policy-resync",
         "autoscaler",
+        "autoscaler-demand",
     }
 
 
