@@ -342,14 +342,16 @@ def container_security_context() -> dict[str, Any]:
 
 def _probes(gpu: bool) -> dict[str, Any]:
     # Startup covers model loading (weights off a PVC, CUDA init, Triton JIT): 10 min on GPU, 5 on CPU.
-    # Liveness only starts after it, so a slow load is never killed as a hang.
-    startup_failures = 60 if gpu else 30
+    # Liveness only starts after it, so a slow load is never killed as a hang. Probed every second: the pod
+    # is Ready (and the Service sends to it) within a second of the engine serving, where a 10 s period
+    # added up to 10 s to every cold start — a scale from zero waits on exactly that. A GET /health is cheap.
+    startup_seconds = 600 if gpu else 300
     return {
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": startup_failures,
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "failureThreshold": startup_seconds,
         },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -358,10 +360,12 @@ def _probes(gpu: bool) -> dict[str, Any]:
             "failureThreshold": 3,
         },
         "readinessProbe": {
+            # Its first run after the startup probe passes comes one period later: short, so readiness
+            # adds about a second; the same ~10 s of failures before a busy pod is taken out.
             "httpGet": {"path": "/ready", "port": "http"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 3,
-            "failureThreshold": 2,
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 5,
         },
     }
 

@@ -100,6 +100,8 @@ def test_cpu_deployment_manifest():
     assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 300
+    # A cold start is not lengthened by probe periods: Ready within about a second of serving.
+    assert c["startupProbe"]["periodSeconds"] == 1 and c["readinessProbe"]["periodSeconds"] <= 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["securityContext"] == {
         "allowPrivilegeEscalation": False,
@@ -155,7 +157,7 @@ def test_gpu_deployment_manifest():
         "node.kubernetes.io/not-ready",
         "node.kubernetes.io/unreachable",
     ]
-    assert c["startupProbe"]["failureThreshold"] == 60
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 600
 
 
 def test_hf_source_uses_an_init_container():
