@@ -9,6 +9,10 @@ start-up and imports before this module count too).
 Phases that run many times (dequantising each tensor) are summed with `add(phase, seconds)` instead; the
 time they take is then taken out of the enclosing mark's interval, so nothing is counted twice.
 
+While the model loads, `weights(done, total)` counts the tensors copied in (logged at every tenth), and
+`progress()` says where start-up stands — the phases done, the seconds so far, the weights' percent — for
+`/ready`'s "loading" answer, so whoever waits on a slow load (a kubectl user, a router) sees it move.
+
 Plain module state, not an object passed around: the marks sit in code that runs once per process, in
 layers (model loader, engine, server) that do not otherwise share anything at startup.
 """
@@ -50,6 +54,7 @@ _last = _origin
 _phases: dict[str, float] = {}
 _pending = 0.0  # add()-ed seconds not yet taken out of a mark's interval
 _reported = False
+_weights: tuple[int, int] | None = None  # (tensors copied in, of total) while the model loads
 
 
 def mark(phase: str) -> None:
@@ -85,6 +90,25 @@ class timed:
         add(self.phase, time.perf_counter() - self._start)
 
 
+def weights(done: int, total: int) -> None:
+    """`done` of `total` weight tensors are in place; logged at every tenth (and the last)."""
+    global _weights
+    with _lock:
+        _weights = (done, total)
+    if total and (done == total or done * 10 // total != (done - 1) * 10 // total):
+        logger.info("loading weights: %d/%d tensors (%d%%)", done, total, done * 100 // total)
+
+
+def progress() -> dict:
+    """Where start-up stands: phases done (in order), seconds since the process started, weights loaded."""
+    with _lock:
+        out: dict = {"phases_done": list(_phases), "seconds": round(time.monotonic() - _origin, 1)}
+        if _weights is not None:
+            done, total = _weights
+            out["weights"] = {"done": done, "total": total, "percent": round(100 * done / max(total, 1))}
+    return out
+
+
 def phases() -> dict[str, float]:
     with _lock:
         return dict(_phases)
@@ -118,8 +142,8 @@ def parse_line(line: str) -> dict | None:
 
 def reset() -> None:
     """Start over from now (tests; a process that builds a second engine)."""
-    global _origin, _last, _pending, _reported
+    global _origin, _last, _pending, _reported, _weights
     with _lock:
         _origin = _last = time.monotonic()
         _phases.clear()
-        _pending, _reported = 0.0, False
+        _pending, _reported, _weights = 0.0, False, None

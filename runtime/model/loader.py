@@ -135,6 +135,7 @@ def _load_threads() -> Iterator[None]:
 def _tracked(weights: Iterator[tuple[str, torch.Tensor]], total: int, progress: ProgressFn | None):
     for done, item in enumerate(weights, 1):
         yield item
+        startup_timing.weights(done, total)  # the server's /ready and log say how far a load is
         if progress is not None:
             progress(done, total)
 

@@ -13,6 +13,7 @@ import logging
 import time
 
 from aiohttp import web
+from tokenfleet.runtime import startup_timing
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.errors import EngineDeadError, TokenfleetError
 from tokenfleet.runtime.openai.protocol import ModelCard, ModelList
@@ -159,7 +160,8 @@ async def ready(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     if state.engine is None:
-        return web.json_response({"status": "loading", "reason": state.load_error}, status=503)
+        body = {"status": "loading", "reason": state.load_error, "progress": startup_timing.progress()}
+        return web.json_response(body, status=503)
     if state.sleep_level or state.sleep_pending:  # alive (/health 200) but serving nothing: no traffic
         return web.json_response({"status": "sleeping", "level": state.sleep_level}, status=503)
     try:  # a dead engine must also stop receiving traffic, before liveness restarts the pod
