@@ -299,29 +299,47 @@ async def _sleep_and_wake(
     timeout = aiohttp.ClientTimeout(total=SLEEP_CALL_TIMEOUT_SECONDS)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
 
-        async def call(pod: str, path: str) -> str | None:
+        async def call(pod: str, path: str) -> tuple[int | None, str]:
             if pod not in urls:
-                return "no address"
+                return None, "no address"
             try:
                 async with session.post(urls[pod] + path) as response:
-                    if response.status == 200:
-                        return None
-                    return f"HTTP {response.status}: {(await response.text())[:200]}"
+                    return response.status, (await response.text())[:200]
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                return f"{type(e).__name__}: {e}"
+                return None, f"{type(e).__name__}: {e}"
 
         outcomes = await asyncio.gather(*(call(pod, path) for pod, path in calls))
     done: dict[str, list[str]] = {"sleep": [], "wake": []}
-    for (pod, path), error in zip(calls, outcomes, strict=True):
+    for (pod, path), (code, text) in zip(calls, outcomes, strict=True):
         what = "sleep" if path.startswith("/sleep") else "wake"
-        if error is None:
+        if code == 200:
             done[what].append(pod)
+        elif what == "wake" and code is not None and code >= 500:
+            # The pod answered and could not wake (say, its freed device memory was taken meanwhile); it
+            # stays asleep, and asking again may fail the same way while demand waits. A new pod is sure:
+            # delete this one and its ReplicaSet replaces it (a cold start instead of a wake).
+            await _replace(ctx, body, pod, f"HTTP {code}: {text}", logger)
         else:
+            error = text if code is None else f"HTTP {code}: {text}"
             logger.info("autoscaler: %s of pod %s refused (%s); asked again next decision", what, pod, error)
     if done["sleep"]:
         ctx.event(dict(body), "Normal", "PodsAsleep", f"level {level}: {', '.join(done['sleep'])}")
     if done["wake"]:
         ctx.event(dict(body), "Normal", "PodsWoken", ", ".join(done["wake"]))
+
+
+async def _replace(
+    ctx: OperatorContext, body: Mapping[str, Any], pod: str, why: str, logger: logging.Logger
+) -> None:
+    namespace = body["metadata"]["namespace"]
+    try:
+        await asyncio.to_thread(ctx.kube.delete, "Pod", namespace, pod)
+    except ApiException as e:
+        logger.warning("autoscaler: pod %s could not wake (%s) and was not deleted: %s", pod, why, e.reason)
+        return
+    ctx.event(
+        dict(body), "Warning", "WakeFailed", f"pod {pod} could not wake ({why}): deleted, to be replaced"
+    )
 
 
 def read_internal_key(ctx: OperatorContext, namespace: str, md_name: str) -> str | None:

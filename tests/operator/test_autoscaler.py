@@ -104,6 +104,10 @@ class Cluster:
         obj["status"] = merge_patch(obj.get("status") or {}, status)
         self.writes.append("patch_status")
 
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        self.writes.append(f"delete {name}")
+        return self.objects.pop((kind, name), None) is not None
+
     def annotate(self, kind: str, namespace: str, name: str, annotations: dict[str, str]) -> None:
         self._maybe_fail(f"annotate {name}")
         if (kind, name) not in self.objects:
@@ -906,6 +910,7 @@ class SleepyPod(FakePod):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, str | None]] = []
+        self.wake_fails = False
 
     async def _sleep(self, request: web.Request) -> web.Response:
         self.calls.append((request.path_qs, request.headers.get("Authorization")))
@@ -914,6 +919,8 @@ class SleepyPod(FakePod):
 
     async def _wake(self, request: web.Request) -> web.Response:
         self.calls.append((request.path_qs, request.headers.get("Authorization")))
+        if self.wake_fails:  # as the server answers when the weights cannot come back onto the device
+            return web.json_response({"error": {"message": "wake failed: out of memory"}}, status=500)
         self.metrics.set_sleep_state(0)
         return web.json_response({"is_sleeping": False})
 
@@ -1008,6 +1015,30 @@ async def test_a_pod_the_router_woke_counts_as_awake_and_is_not_put_back_to_slee
     a.load()
     d = await loop.tick(90.0)  # idle for 46 s now
     assert d.replicas == 0 and [c for c, _ in a.calls] == ["/sleep?level=1&timeout=5"]
+
+
+async def test_a_pod_that_cannot_wake_is_deleted_for_its_replicaset_to_replace(servers, session):
+    cluster = Cluster()
+    spec = autoscaling(minReplicas=0, idle="sleep")
+    cluster.create_md("chat", {"replicas": 2, "routingPolicyRef": "front", "autoscaling": spec})
+    cluster.objects[("Secret", "chat-internal-key")] = {"data": {"key": base64.b64encode(b"k").decode()}}
+    a, b = await servers(SleepyPod()), await servers(SleepyPod())
+    cluster.add_pod("chat-a", common_labels("chat"), a.port)
+    cluster.add_pod("chat-b", common_labels("chat"), b.port)
+    for pod, name in ((a, "chat-a"), (b, "chat-b")):
+        pod.metrics.set_sleep_state(1)
+        _sleeping(cluster, name, True)
+    a.wake_fails = True
+    router = await servers(FakeRouter())
+    cluster.add_pod("front-router-x", router_labels("front"), router.port)
+    router.hold(MODEL, 1)
+    loop = Loop(cluster, session)
+    d = await loop.tick(0.0)
+    assert d.replicas == 1 and [c for c, _ in a.calls] == ["/wake_up"]
+    # A 500 from the wake: the pod is deleted (its ReplicaSet makes a new one); the count is not touched.
+    assert ("Pod", "chat-a") not in cluster.objects and "delete chat-a" in cluster.writes
+    assert loop.events[-1][:2] == ("Warning", "WakeFailed") and "out of memory" in loop.events[-1][2]
+    assert loop.replicas == 2 and b.calls == []
 
 
 async def test_with_idle_zero_nothing_is_put_to_sleep(servers, session):

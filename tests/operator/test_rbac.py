@@ -106,5 +106,7 @@ def test_the_role_reads_secrets_only_by_name_and_namespaces_only_for_kopf():
     assert not any(allowed(rules, "", "secrets", verb) for verb in ("list", "watch", "patch", "update"))
     assert allowed(rules, "", "namespaces", "list") and allowed(rules, "", "namespaces", "watch")
     assert not allowed(rules, "", "namespaces", "create") and not allowed(rules, "", "namespaces", "delete")
-    # The autoscaler's one write to pods: the deletion-cost annotation (a patch), never create or delete.
-    assert allowed(rules, "", "pods", "patch") and not allowed(rules, "", "pods", "delete")
+    # The autoscaler's writes to pods: the deletion-cost annotation (a patch) and deleting a warm-tier pod
+    # that failed to wake; never create one.
+    assert allowed(rules, "", "pods", "patch") and allowed(rules, "", "pods", "delete")
+    assert not allowed(rules, "", "pods", "create")
