@@ -127,12 +127,15 @@ class RouterApp:
             service = Backend(
                 name=peers.service, model="", url=f"http://{peers.service}.{namespace}.svc:{peers.port}"
             )
+            # Ready peers only, unlike backends: the usage exchange has no probe of its own to tell a
+            # peer that is not serving yet, and a router not ready yet has admitted nothing to share.
             watch = EndpointSliceWatch(
                 service,
                 namespace,
                 lambda _, urls: quota.set_urls([*peers.urls, *urls]),
                 asyncio.get_running_loop(),
                 read_roles=False,
+                ready_only=True,
             )
             watch.start()
             self._watches[PEERS_WATCH] = watch
