@@ -286,6 +286,7 @@ class RouterApp:
             "tokenizers": self.tokenizer_states(),
             "pod_auth": self.pod_auth.state(),
             "quota_peers": self.quota_peers.state() if self.quota_peers is not None else None,
+            "endpoints": self.fleet.endpoint_states() if self.fleet is not None else {},
             "restart_fields": list(RESTART_FIELDS),
         }
 
@@ -448,13 +449,15 @@ async def _admit(
     try:
         if spill is None:
             # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
-            await fleet.gate.wait_for(
-                lambda: fleet.has_capacity(fleet.targets(model, draw)),
-                priority,
-                routing.queue_timeout_seconds,
-                pending_key,
-                tenant,
-            )
+            # While it waits, a sleeping pod is woken when no endpoint of its targets is available (wake.py).
+            with fleet.waker.held(lambda: fleet.targets(model, draw)):
+                await fleet.gate.wait_for(
+                    lambda: fleet.has_capacity(fleet.targets(model, draw)),
+                    priority,
+                    routing.queue_timeout_seconds,
+                    pending_key,
+                    tenant,
+                )
     except QueueFull as e:
         spill = _fallbacks_now(fleet, fleet.targets(model, draw))
         if spill is None:
@@ -571,6 +574,12 @@ async def handle_metrics(request: web.Request) -> web.Response:
         for model in models | {m for m, n in router.displaced.items() if n}:
             metrics.pending.labels(model).set(gate.num_waiting(model) + router.displaced[model])
         metrics.queue_waiting.set(gate.num_waiting())
+        asleep = collections.Counter(
+            ep.backend for ep in router.fleet.endpoints.by_id.values() if ep.health.asleep
+        )
+        metrics.endpoints_asleep.clear()  # a backend removed since the last scrape shows no more
+        for backend in router.config.backends:
+            metrics.endpoints_asleep.labels(backend.name).set(asleep[backend.name])
     if router.watcher is not None:
         metrics.config_restart_pending.set(1 if router.watcher.pending_restart else 0)
     return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
