@@ -8,9 +8,10 @@ endpoint can take it: all loading, ejected or at their in-flight limit; ordered 
 tenant's fair share when on; a fallback instead when the primary is over its `maxQueued`; 503 +
 Retry-After or 429 when its deadline passes) -> `proxy.forward`.
 Also `/v1/models` (the union of the backends' lists plus route names), `/v1/config` (the config in effect,
-what a file change would need a restart for, the generation applied), `/v1/ratelimit/usage` (what this
-router admitted per key digest, for its peers only: quota_peers.py), `/health` (the router itself is
-up), `/ready` (some endpoint takes traffic), `/metrics`.
+what a file change would need a restart for, the generation applied, each endpoint's state: in rotation,
+ejected, asleep, waking), `/v1/ratelimit/usage` (what this router admitted per key digest, for its peers
+only: quota_peers.py), `/health` (the router itself is up), `/ready` (some endpoint takes traffic),
+`/metrics`.
 
 With a config file, the router watches it (a ConfigMap update swaps it in place) and applies the live
 fields at once (`RouterConfig` LIVE_FIELDS): policy, backends, keys. Endpoints of unchanged backends keep
