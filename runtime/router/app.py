@@ -8,9 +8,10 @@ endpoint can take it: all loading, ejected or at their in-flight limit; ordered 
 tenant's fair share when on; a fallback instead when the primary is over its `maxQueued`; 503 +
 Retry-After or 429 when its deadline passes) -> `proxy.forward`.
 Also `/v1/models` (the union of the backends' lists plus route names), `/v1/config` (the config in effect,
-what a file change would need a restart for, the generation applied), `/v1/ratelimit/usage` (what this
-router admitted per key digest, for its peers only: quota_peers.py), `/health` (the router itself is
-up), `/ready` (some endpoint takes traffic), `/metrics`.
+what a file change would need a restart for, the generation applied, each endpoint's state: in rotation,
+ejected, asleep, waking), `/v1/ratelimit/usage` (what this router admitted per key digest, for its peers
+only: quota_peers.py), `/health` (the router itself is up), `/ready` (some endpoint takes traffic),
+`/metrics`.
 
 With a config file, the router watches it (a ConfigMap update swaps it in place) and applies the live
 fields at once (`RouterConfig` LIVE_FIELDS): policy, backends, keys. Endpoints of unchanged backends keep
@@ -127,12 +128,15 @@ class RouterApp:
             service = Backend(
                 name=peers.service, model="", url=f"http://{peers.service}.{namespace}.svc:{peers.port}"
             )
+            # Ready peers only, unlike backends: the usage exchange has no probe of its own to tell a
+            # peer that is not serving yet, and a router not ready yet has admitted nothing to share.
             watch = EndpointSliceWatch(
                 service,
                 namespace,
                 lambda _, urls: quota.set_urls([*peers.urls, *urls]),
                 asyncio.get_running_loop(),
                 read_roles=False,
+                ready_only=True,
             )
             watch.start()
             self._watches[PEERS_WATCH] = watch
@@ -283,6 +287,7 @@ class RouterApp:
             "tokenizers": self.tokenizer_states(),
             "pod_auth": self.pod_auth.state(),
             "quota_peers": self.quota_peers.state() if self.quota_peers is not None else None,
+            "endpoints": self.fleet.endpoint_states() if self.fleet is not None else {},
             "restart_fields": list(RESTART_FIELDS),
         }
 
@@ -445,13 +450,15 @@ async def _admit(
     try:
         if spill is None:
             # Targets are resolved again on every wake-up: a live policy change applies to waiting requests.
-            await fleet.gate.wait_for(
-                lambda: fleet.has_capacity(fleet.targets(model, draw)),
-                priority,
-                routing.queue_timeout_seconds,
-                pending_key,
-                tenant,
-            )
+            # While it waits, a sleeping pod is woken when no endpoint of its targets is available (wake.py).
+            with fleet.waker.held(lambda: fleet.targets(model, draw)):
+                await fleet.gate.wait_for(
+                    lambda: fleet.has_capacity(fleet.targets(model, draw)),
+                    priority,
+                    routing.queue_timeout_seconds,
+                    pending_key,
+                    tenant,
+                )
     except QueueFull as e:
         spill = _fallbacks_now(fleet, fleet.targets(model, draw))
         if spill is None:
@@ -568,6 +575,12 @@ async def handle_metrics(request: web.Request) -> web.Response:
         for model in models | {m for m, n in router.displaced.items() if n}:
             metrics.pending.labels(model).set(gate.num_waiting(model) + router.displaced[model])
         metrics.queue_waiting.set(gate.num_waiting())
+        asleep = collections.Counter(
+            ep.backend for ep in router.fleet.endpoints.by_id.values() if ep.health.asleep
+        )
+        metrics.endpoints_asleep.clear()  # a backend removed since the last scrape shows no more
+        for backend in router.config.backends:
+            metrics.endpoints_asleep.labels(backend.name).set(asleep[backend.name])
     if router.watcher is not None:
         metrics.config_restart_pending.set(1 if router.watcher.pending_restart else 0)
     return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})

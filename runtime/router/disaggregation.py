@@ -105,7 +105,9 @@ async def forward(
     endpoints = fleet.endpoints.by_id.values()
     prefill_t = role_targets(fleet.config.backends, out.targets, PREFILL, endpoints)
     decode_t = role_targets(fleet.config.backends, out.targets, DECODE, endpoints)
-    if not prefill_t or not decode_t:
+    if not prefill_t or not decode_t or not fleet.healthy_endpoints(prefill_t):
+        # Discovery knows pods out of rotation too (loading, asleep): with no prefill pod in rotation the
+        # request is proxied whole, with its prefix affinity, as when no prefill pod exists.
         return await proxy_forward(request, fleet, out, retries)
     if not fleet.healthy_endpoints(decode_t):
         # No decode pod in rotation (lost with its node, ejected, draining): prefill pods are whole engines,

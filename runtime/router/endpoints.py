@@ -7,8 +7,15 @@ starts/stops the pod's monitor.
 
 Kubernetes: the router watches `discovery.k8s.io/v1` EndpointSlices labelled
 `kubernetes.io/service-name=<service>` (the client's watch runs in a thread; updates hop to the loop).
-`ready_endpoints` is the pure mapping from slices to URLs: ready (or serving and not terminating) addresses
-only, each with its prefill/decode role when one is known.
+`slice_endpoints` is the pure mapping from slices to URLs, each with its prefill/decode role when one is
+known. A backend's watch keeps every address that is not terminating, ready or not: the kubelet's
+readiness is not what puts a pod in rotation here, the router's own probe of its `/ready` is (monitor.py;
+an endpoint starts out of rotation). So the router knows the pods that are asleep (a sleeping pod's
+`/ready` is 503, so Kubernetes marks it not ready) and can wake one when requests wait for it (wake.py),
+and a starting pod joins as soon as the router's probe (every `probeIntervalSeconds`, 0.5 s by default)
+sees it ready, not after the kubelet's readiness period plus the EndpointSlice's propagation. Terminating
+addresses are dropped at once: the pod is going away. Other watchers (the router's peers, quota_peers.py)
+take the ready addresses only (`ready_only`): they have no probe of their own.
 
 Roles: a backend configured as `prefill` or `decode` gives every endpoint that role. A backend of role
 `both` takes each endpoint's from the `ROLE_LABEL` label: the pod's own (the slice endpoint's `targetRef`
@@ -52,6 +59,7 @@ class Endpoint:
     block_size: int | None = None
     role: str = "both"  # prefill | decode | both (serves whole requests)
     tokenizer_digest: str | None = None  # what its /load reports (pod_tokenizers.py follows it)
+    sleep_level: int | None = None  # what its /ready said while it slept (1: weights kept in host memory)
 
     @property
     def id(self) -> str:
@@ -128,11 +136,16 @@ def endpoint_role(backend: Backend, label: str | None) -> str:
     return label if label in _ROLES else "both"
 
 
-def ready_endpoints(
-    slices: Iterable[Mapping], port: int, scheme: str = "http", pod_roles: Mapping[str, str] | None = None
+def slice_endpoints(
+    slices: Iterable[Mapping],
+    port: int,
+    scheme: str = "http",
+    pod_roles: Mapping[str, str] | None = None,
+    ready_only: bool = False,
 ) -> dict[str, str | None]:
-    """Base URL -> role label (None: unlabelled) of the ready addresses in EndpointSlices (dicts in the API's
-    camelCase shape); `pod_roles`: pod name -> its role label, which wins over the slice's."""
+    """Base URL -> role label (None: unlabelled) of the addresses in EndpointSlices (dicts in the API's
+    camelCase shape) that are not terminating; with `ready_only`, of the ready (or serving) ones only.
+    `pod_roles`: pod name -> its role label, which wins over the slice's."""
     pod_roles = pod_roles or {}
     out: dict[str, str | None] = {}
     for s in slices:
@@ -144,7 +157,9 @@ def ready_endpoints(
             cond = ep.get("conditions") or {}
             ready = cond.get("ready")
             serving = cond.get("serving", ready)
-            if ready is False or (ready is None and not serving) or cond.get("terminating"):
+            if cond.get("terminating"):
+                continue
+            if ready_only and (ready is False or (ready is None and not serving)):
                 continue
             ref = ep.get("targetRef") or {}
             role = pod_roles.get(ref.get("name", "")) if ref.get("kind", "Pod") == "Pod" else None
@@ -152,6 +167,13 @@ def ready_endpoints(
                 host = f"[{addr}]" if ":" in addr else addr
                 out[f"{scheme}://{host}:{slice_port}"] = role or slice_role
     return dict(sorted(out.items()))
+
+
+def ready_endpoints(
+    slices: Iterable[Mapping], port: int, scheme: str = "http", pod_roles: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """`slice_endpoints` of the ready addresses only."""
+    return slice_endpoints(slices, port, scheme, pod_roles, ready_only=True)
 
 
 def ready_urls(slices: Iterable[Mapping], port: int, scheme: str = "http") -> list[str]:
@@ -164,7 +186,10 @@ def static_urls(backend: Backend) -> list[str]:
 
 
 class EndpointSliceWatch:
-    """Watches one backend Service's EndpointSlices; calls `on_change(backend, urls)` on the event loop."""
+    """Watches one backend Service's EndpointSlices; calls `on_change(backend, urls)` on the event loop.
+
+    `on_change` gets every address that is not terminating, ready or not (the router's probes decide when
+    one takes traffic); `ready_only` for a watcher that has no probes of its own."""
 
     def __init__(
         self,
@@ -173,8 +198,10 @@ class EndpointSliceWatch:
         on_change: Callable[[Backend, list[str]], None],
         loop: asyncio.AbstractEventLoop,
         read_roles: bool = True,
+        ready_only: bool = False,
     ) -> None:
         self.backend = backend
+        self._ready_only = ready_only
         self._read_roles = read_roles and backend.role == "both"
         service, namespace, port = backend.service
         self._service = service
@@ -297,5 +324,7 @@ class EndpointSliceWatch:
         # applied last. Queued after the lock, an older snapshot could land behind a newer one and leave
         # endpoints or roles stale until the next event. Queueing does not wait on the loop.
         with self._lock:
-            urls = ready_endpoints(self._slices.values(), self._port, self._scheme, self._pod_roles)
+            urls = slice_endpoints(
+                self._slices.values(), self._port, self._scheme, self._pod_roles, self._ready_only
+            )
             self._loop.call_soon_threadsafe(self._on_change, self.backend, urls)

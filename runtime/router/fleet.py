@@ -30,12 +30,13 @@ from tokenfleet.runtime.router.health import Probe
 from tokenfleet.runtime.router.kv_events import KVEventFollower, apply_reply
 from tokenfleet.runtime.router.metrics import RouterMetrics
 from tokenfleet.runtime.router.model_routes import RouteTarget, route_targets
-from tokenfleet.runtime.router.monitor import monitor_endpoint
+from tokenfleet.runtime.router.monitor import monitor_endpoint, probe_once
 from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.prefix_index import ApproximatePrefixIndex, ExactPrefixIndex, RecentRoutes
 from tokenfleet.runtime.router.priority import PriorityGate
 from tokenfleet.runtime.router.prompt_blocks import text_block_hashes, token_block_hashes
 from tokenfleet.runtime.router.scoring import Decision, RouteQuery, make_strategy
+from tokenfleet.runtime.router.wake import Waker
 
 # How long the router's own routes count as "being prefilled there" before the pod's KV events must say so.
 RECENT_ROUTES_TTL_S = 30.0
@@ -90,6 +91,8 @@ class Fleet:
         self._set_queue_policy(config)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
+        # Wakes sleeping pods for held requests (wake.py); only where this fleet probes its pods itself.
+        self.waker = Waker(session, self.asleep_candidates, self._probe_now, self._woken, clock)
 
     def _scheduled(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         """A pod started a request (from any router): its prefix is being computed there."""
@@ -150,6 +153,7 @@ class Fleet:
             self.recent.forget(ep.id)
             self.scheduled.forget(ep.id)
             self.metrics.forget_endpoint(ep.id)
+            self.waker.forget(ep.id)
             if self.pod_auth is not None:
                 self.pod_auth.endpoint_removed(ep.url)
         for ep in added:
@@ -182,8 +186,11 @@ class Fleet:
             self._tasks[ep.id] = tasks
         if added:
             self.gate.release()
+        if removed:
+            self.waker.check()  # held requests may have lost their last awake endpoint
 
     async def close(self) -> None:
+        await self.waker.close()
         tasks = [t for ts in self._tasks.values() for t in ts]
         for t in tasks:
             t.cancel()
@@ -203,18 +210,62 @@ class Fleet:
         self._record(ep, Probe.OK if ok else Probe.FAILED)
 
     def not_ready(self, ep: Endpoint) -> None:
-        """A request was refused with 503 (the pod is loading or draining): out until a probe says ready."""
-        self._record(ep, Probe.NOT_READY)
+        """A request was refused with 503 (the pod is loading, draining or asleep): out until a probe says
+        ready. Whether it sleeps is left to its probe, which reads the reason."""
+        was_available = self.available(ep)
+        ep.health.record_not_ready()
+        self._after_record(ep, was_available, False)
 
     def _record(self, ep: Endpoint, outcome: Probe) -> None:
         now = self.clock()
+        was_available, was_asleep = ep.health.is_available(now), ep.health.asleep
         was_ejected = ep.health.ejected_until is not None
         if ep.health.record(outcome, now):
             self.gate.release()  # it takes traffic now: waiting requests may go
         if ep.health.ejected_until is not None and not was_ejected:
             self.metrics.ejections.labels(ep.id).inc()
+        self._after_record(ep, was_available, ep.health.asleep and not was_asleep)
+
+    def _after_record(self, ep: Endpoint, was_available: bool, fell_asleep: bool) -> None:
+        available = self.available(ep)
         if ep.id in self.endpoints.by_id:
-            self.metrics.healthy.labels(ep.id).set(1 if ep.health.is_available(now) else 0)
+            self.metrics.healthy.labels(ep.id).set(1 if available else 0)
+        if self.waker.has_demand and ((was_available and not available) or fell_asleep):
+            self.waker.check()  # requests are held: this may leave a sleeping pod as their only way
+
+    async def _probe_now(self, ep: Endpoint) -> None:
+        """Probe `ep` at once (readiness included) and apply what it says."""
+        self._probe_result(ep, await probe_once(self.session, ep, True))
+
+    def _woken(self, ep: Endpoint, outcome: str) -> None:
+        self.metrics.wakes.labels(ep.backend, outcome).inc()
+
+    def asleep_candidates(self, targets: Sequence[RouteTarget]) -> list[Endpoint]:
+        """The asleep endpoints that waking one of would serve `targets`: those of the first target that has
+        any, when no target has an available endpoint (else none: the request waits for those)."""
+        if not self.watch or self.healthy_endpoints(targets):
+            return []
+        for target in targets:
+            asleep = [ep for ep in self.endpoints.of_backends(target.backends) if ep.health.asleep]
+            if asleep:
+                return asleep
+        return []
+
+    def endpoint_states(self) -> dict[str, dict]:
+        """Per endpoint, what /v1/config shows: backend, role, whether it takes traffic, its sleep."""
+        now = self.clock()
+        out = {}
+        for ep in sorted(self.endpoints.by_id.values(), key=lambda e: e.id):
+            h = ep.health
+            out[ep.id] = {
+                "backend": ep.backend,
+                "role": ep.role,
+                "available": h.is_available(now),
+                "ejected": h.ejected_until is not None,
+                "in_flight": ep.in_flight,
+                **self.waker.state(ep),
+            }
+        return out
 
     def kv_reply(self, endpoint_id: str, reply: object) -> None:
         """One `/v1/kv-events` reply of an endpoint, applied as its follower applies it (without `watch`)."""

@@ -7,6 +7,9 @@ Three inputs, three different answers:
 - a probe that says "not ready" (the pod is loading its model, draining, or its port is not open yet
   because the process is still starting) takes it out of rotation without counting a failure: it joins
   as soon as a probe succeeds, never after an ejection period;
+- a probe that says "sleeping" (the pod's sleep mode: alive, its engine's memory released) is "not
+  ready" too, and marks the endpoint `asleep` until a probe or a request succeeds: the router may wake it
+  when requests wait (wake.py);
 - failures (requests or probes of a pod that was serving) count: `failure_threshold` consecutive ones
   eject it for `ejection_seconds`, doubled on each re-ejection up to `max_ejection_seconds` (Envoy's
   outlier detection), so a flapping pod stays out longer each time unless a probe shows it healthy.
@@ -28,6 +31,7 @@ from tokenfleet.runtime.router.config import Discovery
 class Probe(enum.Enum):
     OK = "ok"
     NOT_READY = "not_ready"
+    SLEEPING = "sleeping"  # not ready because the pod sleeps: it serves again once woken
     FAILED = "failed"
 
 
@@ -40,6 +44,7 @@ class HealthState:
     ejected_until: float | None = None
     num_ejections: int = 0
     last_ok: float | None = None
+    asleep: bool = False  # the last word from the pod was that it sleeps
 
     def is_available(self, now: float) -> bool:
         """May requests be routed here?"""
@@ -49,8 +54,9 @@ class HealthState:
         """Apply a probe's outcome; True when the endpoint became available (wake waiting requests)."""
         if outcome is Probe.OK:
             return self.record_success(now)
-        if outcome is Probe.NOT_READY:
+        if outcome is Probe.NOT_READY or outcome is Probe.SLEEPING:
             self.record_not_ready()
+            self.asleep = outcome is Probe.SLEEPING
             return False
         self.record_failure(now)
         return False
@@ -60,6 +66,7 @@ class HealthState:
         was_available = self.is_available(now)
         self.consecutive_failures = 0
         self.ready = self.ever_ready = True
+        self.asleep = False
         self.ejected_until = None
         if self.last_ok is not None and now - self.last_ok > self.policy.max_ejection_seconds:
             self.num_ejections = 0  # a long healthy stretch forgives earlier ejections

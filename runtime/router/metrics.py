@@ -102,6 +102,20 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # Sleep mode: pods the router knows to be asleep, and the wakes it sent for held requests (wake.py).
+        self.wakes = Counter(
+            PREFIX + "wakes",
+            "Wake-ups sent to sleeping pods for held requests, by backend and outcome (ok, refused, timeout, "
+            "error).",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.endpoints_asleep = Gauge(
+            PREFIX + "endpoints_asleep",
+            "Endpoints whose pod says it is asleep (sleep mode), by backend.",
+            ["backend"],
+            registry=r,
+        )
         self.config_generation = Gauge(
             PREFIX + "config_generation",
             "The RoutingPolicy generation of the config in effect (-1: none given).",

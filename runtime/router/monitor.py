@@ -5,7 +5,10 @@ rotation, it also asks `/ready` (a pod without `/ready` is asked `/health`). Out
 - OK: `/load` answered (404 too: a pod without it contributes no figures, the router's in-flight count
   stands in) and readiness, when asked, said 200;
 - NOT_READY: the pod says it is loading or draining (503 on `/load`, or `/ready` 503 with any status but
-  "unhealthy"), or nothing listens yet on an endpoint that never served (its process is starting);
+  "unhealthy" or "sleeping"), or nothing listens yet on an endpoint that never served (its process is
+  starting);
+- SLEEPING: `/ready` 503 with status "sleeping" (sleep mode): out of rotation like NOT_READY, and the
+  router knows a `POST /wake_up` brings it back (wake.py);
 - FAILED: anything else — 5xx, timeouts, a dead engine ("unhealthy"), a refused connection from a pod
   that was serving.
 """
@@ -51,10 +54,17 @@ async def probe_ready(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
             return Probe.OK
         if resp.status == 503:
             try:
-                status = (await resp.json()).get("status")
+                body = await resp.json()
+                status = body.get("status")
             except (aiohttp.ContentTypeError, ValueError, AttributeError):
-                status = None
-            return Probe.FAILED if status == "unhealthy" else Probe.NOT_READY
+                body, status = {}, None
+            if status == "unhealthy":
+                return Probe.FAILED
+            if status == "sleeping":
+                level = body.get("level")
+                ep.sleep_level = level if isinstance(level, int) else None
+                return Probe.SLEEPING
+            return Probe.NOT_READY
         if resp.status != 404:
             return Probe.FAILED
     async with session.get(ep.url + "/health", timeout=PROBE_TIMEOUT) as resp:

@@ -194,7 +194,15 @@ class BackendTokenizer:
 
     async def _fetch(self, eps: list[Endpoint], digest: str | None) -> TokenizerPayload:
         """From a pod announcing `digest` (any pod when None); the last failure's reason otherwise."""
-        order = sorted(eps, key=lambda ep: (digest is not None and ep.tokenizer_digest != digest, ep.url))
+        # Pods in rotation first: discovery also lists those still starting (or asleep), which may not answer.
+        order = sorted(
+            eps,
+            key=lambda ep: (
+                digest is not None and ep.tokenizer_digest != digest,
+                not ep.health.ready,
+                ep.url,
+            ),
+        )
         error = FetchError("fetching", "no pod answered")
         legacy = 0
         for ep in order:

@@ -1,4 +1,5 @@
-"""EndpointSlices -> pod URLs (ready addresses only), and the endpoint set's diffing."""
+"""EndpointSlices -> pod URLs (every address not terminating; the ready ones only for watchers without probes),
+and the endpoint set's diffing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tokenfleet.runtime.router.endpoints import (
     ready_endpoints,
     ready_urls,
     role_ref,
+    slice_endpoints,
 )
 
 
@@ -34,6 +36,58 @@ def test_only_ready_addresses_become_urls():
         slice_([ep("fd00::7")]),
     ]
     assert ready_urls(slices, 8000) == ["http://10.0.0.1:8000", "http://[fd00::7]:8000"]
+
+
+def test_discovery_keeps_not_ready_addresses_and_drops_terminating_ones():
+    """A pod Kubernetes marks not ready (loading, or asleep: its /ready is 503) stays known, so the router's
+    own probes can take it in and the router can wake it; a terminating one is going away."""
+    slices = [
+        slice_(
+            [
+                ep("10.0.0.1"),
+                ep("10.0.0.2", ready=False),
+                ep("10.0.0.3", ready=False, serving=False),
+                ep("10.0.0.4", terminating=True),
+                ep("10.0.0.5", ready=False, serving=True, terminating=True),
+                ep("10.0.0.6", ready=None),
+            ]
+        )
+    ]
+    assert list(slice_endpoints(slices, 8000)) == [
+        "http://10.0.0.1:8000",
+        "http://10.0.0.2:8000",
+        "http://10.0.0.3:8000",
+        "http://10.0.0.6:8000",
+    ]
+    assert list(slice_endpoints(slices, 8000, ready_only=True)) == ["http://10.0.0.1:8000"]
+
+
+class _Published:
+    """Stands in for the event loop: keeps what the watch hands `on_change`."""
+
+    def __init__(self):
+        self.urls = None
+
+    def call_soon_threadsafe(self, callback, backend, urls):
+        self.urls = urls
+
+
+def test_a_backends_watch_publishes_not_ready_endpoints_and_the_peers_watch_does_not():
+    """The backend's watch must hand the router its not-ready pods (or a sleeping pod is never woken and a
+    request waits out its deadline); the peers' watch has no probes of its own, so it takes ready ones."""
+    backend = Backend(name="chat", model="m", url="http://chat.ns.svc:8000")
+    slices = {"s": slice_([ep("10.0.0.1"), ep("10.0.0.2", ready=False), ep("10.0.0.3", terminating=True)])}
+    seen = {}
+    for name, kw in (("backend", {}), ("peers", {"read_roles": False, "ready_only": True})):
+        loop = _Published()
+        watch = EndpointSliceWatch(backend, "ns", lambda b, urls: None, loop, **kw)
+        watch._slices = slices
+        watch._publish()
+        seen[name] = list(loop.urls)
+    assert seen == {
+        "backend": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+        "peers": ["http://10.0.0.1:8000"],
+    }
 
 
 def test_the_slice_target_port_wins_over_the_service_port():

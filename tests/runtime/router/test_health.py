@@ -75,3 +75,17 @@ def test_failed_probe_while_ejected_extends_without_counting_a_new_ejection():
         h.record_failure(t)
     h.record_failure(6.0)  # the period passed but the pod is still down
     assert h.ejected_until == 11.0 and h.num_ejections == 1
+
+
+def test_a_sleeping_pod_is_out_of_rotation_without_a_failure_and_any_success_clears_it():
+    h = serving()
+    for i in range(10):
+        h.record(Probe.SLEEPING, 1.0 + i)
+    assert not h.is_available(11.0) and h.asleep
+    assert h.ejected_until is None and h.consecutive_failures == 0  # asleep is not failing
+    h.record(Probe.NOT_READY, 12.0)  # the pod says something else now (loading, draining)
+    assert not h.asleep
+    h.record(Probe.SLEEPING, 13.0)
+    h.record(Probe.FAILED, 14.0)  # a lost probe says nothing about sleep
+    assert h.asleep
+    assert h.record(Probe.OK, 15.0) and h.is_available(15.0) and not h.asleep
