@@ -13,8 +13,8 @@ Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample pe
 count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
 what they hold and then leave (a lossless scale-down). With `autoscaling.idle: sleep` the operator's warm
 tier (`operator/warm_tier.plan`, unchanged) decides which idle replicas sleep and which sleepers wake; a
-woken replica is Ready after `wake_s`, and a request the router holds wakes one sleeper at once when none
-is waking or starting (the router's wake on demand). A count lowered below the pods that exist removes
+woken replica is Ready after `wake_s`, and a request the router holds wakes one sleeper at once when no
+awake replica is Ready or on its way (the router's wake on demand). A count lowered below the pods that exist removes
 sleepers first (the ReplicaSet's not-Ready-first order). Sleepers hold their GPUs: they count in
 replica-seconds.
 """
@@ -148,8 +148,9 @@ class Simulation:
         self._push(self.now + self.config.wake_s, READY, pod.replica.name)
 
     def _wake_on_demand(self) -> None:
-        """A request is held: wake one sleeper, unless capacity is already on its way."""
-        if any(not p.ready for p in self._live()):
+        """A request is held: as the router does, wake one sleeper when no awake pod is in rotation and none
+        is on its way (held behind busy awake pods, more capacity is the autoscaler's decision)."""
+        if self._live():
             return
         sleepers = sorted(self._asleep(), key=lambda p: p.replica.name)
         if sleepers:
