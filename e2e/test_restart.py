@@ -154,10 +154,14 @@ def test_operator_identity_is_least_privilege(cluster):
 
     assert can("patch", "deployments", "-n", "anywhere")
     assert can("patch", "modeldeployments.serving.tokenfleet.dev", "--subresource=status", "-n", "anywhere")
-    assert not can("get", "secrets", "-n", "anywhere")
-    # It deletes only its own runtime children after a switch between aggregated and disaggregated serving.
+    # Secrets: read by name (the warm tier's internal key), never listed, watched or rewritten.
+    assert can("get", "secrets", "-n", "anywhere")
+    assert not can("list", "secrets", "-n", "anywhere") and not can("watch", "secrets", "-n", "anywhere")
+    assert not can("patch", "secrets", "-n", "anywhere")
+    # It deletes its own runtime children after a switch between aggregated and disaggregated serving, and
+    # a warm-tier pod that failed to wake (for its ReplicaSet to replace).
     assert can("delete", "deployments", "-n", "anywhere")
-    assert not can("delete", "pods", "-n", "anywhere")
+    assert can("delete", "pods", "-n", "anywhere")
     assert not can("delete", "secrets", "-n", "anywhere")
     assert not can("delete", "rolebindings", "-n", "anywhere")
     assert not can("create", "pods", "-n", "anywhere")
