@@ -350,7 +350,9 @@ def _probes(gpu: bool) -> dict[str, Any]:
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 1,
-            "timeoutSeconds": 1,
+            # A pod loading its model under CPU contention can answer slowly: a slow answer is not a
+            # failure to start (the next probe waits for it).
+            "timeoutSeconds": 5,
             "failureThreshold": startup_seconds,
         },
         "livenessProbe": {
@@ -364,7 +366,7 @@ def _probes(gpu: bool) -> dict[str, Any]:
             # adds about a second; the same ~10 s of failures before a busy pod is taken out.
             "httpGet": {"path": "/ready", "port": "http"},
             "periodSeconds": 2,
-            "timeoutSeconds": 2,
+            "timeoutSeconds": 3,
             "failureThreshold": 5,
         },
     }
