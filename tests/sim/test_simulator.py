@@ -30,6 +30,17 @@ def small(**kw) -> dict:
     return base
 
 
+def simulation(config):
+    """The Simulation that `simulate` would run, kept for a test to look inside."""
+    from tokenfleet.sim.api import build_cost, build_model, build_workload
+    from tokenfleet.sim.simulator import Simulation
+
+    model = build_model(config)
+    return Simulation(
+        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
+    )
+
+
 def run(**kw) -> dict:
     return simulate(parse_config(small(**kw)))
 
@@ -43,14 +54,9 @@ def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():
 
 
 def test_every_request_finishes_with_exactly_its_tokens():
-    from tokenfleet.sim.api import build_cost, build_model, build_workload
-    from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(small(workload={"session_fraction": 0.5, "turns_mean": 3, "think_time_s": 1.0}))
-    model = build_model(config)
-    sim = Simulation(
-        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
-    )
+    sim = simulation(config)
     r = sim.run()
     rq = r["requests"]
     assert rq["arrived"] > 160  # first turns + follow-ups
@@ -163,8 +169,6 @@ def test_with_a_warm_tier_scale_to_zero_sleeps_and_the_late_request_waits_only_f
         "scaleDown": {"stabilizationWindowSeconds": 10},
         "idle": "sleep",
     }
-    from tokenfleet.sim.api import build_cost, build_model, build_workload
-    from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(
         small(
@@ -177,10 +181,7 @@ def test_with_a_warm_tier_scale_to_zero_sleeps_and_the_late_request_waits_only_f
             run_until_s=320,
         )
     )
-    model = build_model(config)
-    sim = Simulation(
-        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
-    )
+    sim = simulation(config)
     r = sim.run()
     assert list(sim.pods) == ["replica-0"]  # the one pod slept and woke: no pod was ever created
     events = r["fleet"]["scale_events"]
@@ -199,8 +200,6 @@ def test_a_warm_tier_wakes_sleepers_before_it_creates_pods_and_sleepers_leave_fi
         "idle": "sleep",
         "warmPoolSize": 2,
     }
-    from tokenfleet.sim.api import build_cost, build_model, build_workload
-    from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(
         small(
@@ -214,10 +213,7 @@ def test_a_warm_tier_wakes_sleepers_before_it_creates_pods_and_sleepers_leave_fi
             workload={"rate": 80, "duration_s": 10, "output_tokens": 200, "user_tokens": 400},
         )
     )
-    model = build_model(config)
-    sim = Simulation(
-        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
-    )
+    sim = simulation(config)
     r = sim.run()
     assert r["requests"]["unfinished"] == 0 and r["requests"]["finished"] == r["requests"]["arrived"]
     ups = [e for e in r["fleet"]["scale_events"] if e[2] > e[1]]
@@ -251,8 +247,6 @@ def test_a_request_waiting_longer_than_the_queue_deadline_for_a_cold_start_gets_
         "scaleToZeroAfterSeconds": 60,
         "scaleDown": {"stabilizationWindowSeconds": 10},
     }
-    from tokenfleet.sim.api import build_cost, build_model, build_workload
-    from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(
         small(
@@ -264,10 +258,7 @@ def test_a_request_waiting_longer_than_the_queue_deadline_for_a_cold_start_gets_
             routing={"queueTimeoutSeconds": 20},
         )
     )
-    model = build_model(config)
-    sim = Simulation(
-        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
-    )
+    sim = simulation(config)
     r = sim.run()
     assert r["requests"]["finished"] == 1 and r["requests"]["rejected"] == 1
     assert r["requests"]["unfinished"] == 0
@@ -275,14 +266,9 @@ def test_a_request_waiting_longer_than_the_queue_deadline_for_a_cold_start_gets_
 
 
 def test_kv_events_feed_the_routers_exact_index():
-    from tokenfleet.sim.api import build_cost, build_model, build_workload
-    from tokenfleet.sim.simulator import Simulation
 
     config = parse_config(small(fleet={"replicas": 2}))
-    model = build_model(config)
-    sim = Simulation(
-        config, build_workload(config), build_cost(config, model), model.name, model.max_model_len
-    )
+    sim = simulation(config)
     sim.run()
     for name, pod in sim.pods.items():
         held = sim.router.exact.num_blocks(name)
