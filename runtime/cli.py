@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("tokenfleet.runtime.router.main", "run the cache-aware router"),
     "operator": ("tokenfleet.operator.main", "run the Kubernetes operator (kopf)"),
     "simulate": ("tokenfleet.sim.cli", "simulate a fleet on a virtual clock; plan capacity"),
+    "fetch": ("tokenfleet.runtime.model.fetch_cli", "download an hf:// model into a verified cache"),
 }
 
 
