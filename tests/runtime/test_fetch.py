@@ -1,0 +1,436 @@
+"""`tokenfleet fetch` against a fake Hub on loopback: the real huggingface_hub client, our cache on disk.
+
+The fake serves what huggingface_hub 2.4.0 asks for: `GET /api/models/REPO/revision/REV?blobs=true`
+(model_info with files_metadata) and `HEAD`/`GET /REPO/resolve/REV/FILE` (hf_hub_download: the HEAD's
+X-Repo-Commit, ETag / X-Linked-Etag and X-Linked-Size, then the GET), and counts every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from tokenfleet.runtime.model import fetch_cli
+from tokenfleet.runtime.model.fetch import MANIFEST, FetchError, fetch, parse_source
+from tokenfleet.runtime.model.fetch_progress import format_progress, last_progress, parse_progress
+
+REPO = "org/model"
+COMMIT = "a" * 40
+TOKEN = "hf_secretTokenValue123"
+MODEL = "model.safetensors"
+
+
+def _blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+@dataclass
+class FakeRepo:
+    commit: str
+    files: dict[str, bytes]
+    lfs: frozenset[str]
+    private: bool = False
+
+    def sibling(self, name: str) -> dict[str, object]:
+        data = self.files[name]
+        entry: dict[str, object] = {"rfilename": name, "size": len(data), "blobId": _blob_id(data)}
+        if name in self.lfs:
+            sha = hashlib.sha256(data).hexdigest()
+            entry["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": 134}
+            entry["blobId"] = "f" * 40  # the pointer file's blob id, not the content's
+        return entry
+
+    def etag(self, name: str) -> str:
+        data = self.files[name]
+        return hashlib.sha256(data).hexdigest() if name in self.lfs else _blob_id(data)
+
+
+@dataclass
+class FakeHub:
+    repos: dict[str, FakeRepo]
+    token: str | None = None
+    fail_gets: Counter[str] = field(default_factory=Counter)  # file -> GETs still to answer 500
+    get_delay_s: float = 0.0
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (method, file or "api")
+    auth_seen: list[str | None] = field(default_factory=list)
+    url: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def gets(self, name: str) -> int:
+        return self.requests["GET", name]
+
+
+def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True) -> None:
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", headers.get("Content-Length", str(len(data))))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def _error(self, status: int, code: str, body: bool = True) -> None:
+            self._reply(status, {"X-Error-Code": code}, json.dumps({"error": code}).encode(), body)
+
+        def _serve(self, body: bool) -> None:
+            path = unquote(urlsplit(self.path).path)
+            api = path.startswith("/api/models/")
+            parts = path.removeprefix("/api/models/" if api else "/").split("/")
+            repo_id = "/".join(parts[:2])
+            repo = hub.repos.get(repo_id)
+            name = "api" if api else "/".join(parts[4:])
+            with hub.lock:
+                hub.requests[self.command, name] += 1
+                hub.auth_seen.append(self.headers.get("Authorization"))
+            if repo is None:
+                return self._error(404, "RepoNotFound", body)
+            if repo.private and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                return self._error(401, "RepoNotFound", body)  # as the Hub: no telling private from missing
+            if parts[3] not in ("main", repo.commit):
+                return self._error(404, "RevisionNotFound", body)
+            if api:
+                info = {"id": repo_id, "sha": repo.commit, "private": repo.private}
+                info["siblings"] = [repo.sibling(n) for n in sorted(repo.files)]
+                return self._reply(200, {"Content-Type": "application/json"}, json.dumps(info).encode(), body)
+            if name not in repo.files:
+                return self._error(404, "EntryNotFound", body)
+            if body:
+                with hub.lock:
+                    failing = hub.fail_gets[name] > 0
+                    hub.fail_gets[name] -= failing
+                if failing:
+                    return self._reply(500, {}, b"internal error")
+                time.sleep(hub.get_delay_s if name == MODEL else 0.0)
+            data = repo.files[name]
+            headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(name)}"', "Accept-Ranges": "bytes"}
+            if name in repo.lfs:
+                headers |= {"X-Linked-Etag": f'"{repo.etag(name)}"', "X-Linked-Size": str(len(data))}
+            status, ranged = 200, self.headers.get("Range", "")
+            if ranged.startswith("bytes=") and body:
+                start = int(ranged.removeprefix("bytes=").split("-")[0])
+                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                status, data = 206, data[start:]
+            headers["Content-Length"] = str(len(data))
+            self._reply(status, headers, data, body)
+
+    return Handler
+
+
+def _repo(private: bool = False, commit: str = COMMIT) -> FakeRepo:
+    rng = random.Random(7)
+    files = {
+        "config.json": json.dumps({"model_type": "llama", "hidden_size": 64}).encode(),
+        MODEL: rng.randbytes(1 << 20),
+        "tokenizer/vocab.json": b'{"a": 0, "b": 1}',
+    }
+    return FakeRepo(commit, files, frozenset({MODEL}), private)
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
+    fake = FakeHub({REPO: _repo(), "org/private": _repo(private=True)}, token=TOKEN)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    server.daemon_threads = True
+    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    for key, value in _hub_env(fake.url, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    # huggingface_hub reads HF_ENDPOINT once, when imported: this process imported it long before.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", fake.url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+def _hub_env(url: str, tmp_path: Path) -> dict[str, str]:
+    return {
+        "HF_ENDPOINT": url,
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "NO_PROXY": "127.0.0.1",
+    }
+
+
+class Run:
+    """One in-process fetch's log and back-off sleeps."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.sleeps: list[float] = []
+
+    def __call__(self, tmp_path: Path, source: str = f"hf://{REPO}", link: str = "model", **kw: object):
+        return fetch(
+            source, tmp_path / "cache", tmp_path / link, sleep=self.sleeps.append, log=self.lines.append, **kw
+        )  # type: ignore[arg-type]
+
+    def progress(self) -> list[dict[str, object]]:
+        return [p for p in map(parse_progress, self.lines) if p is not None]
+
+    def phases(self, phase: str) -> list[dict[str, object]]:
+        return [p for p in self.progress() if p["phase"] == phase]
+
+
+def _entry(tmp_path: Path, commit: str = COMMIT) -> Path:
+    return tmp_path / "cache" / "hf" / REPO / commit
+
+
+def _assert_intact(tmp_path: Path, hub: FakeHub, link: str = "model") -> None:
+    for name, data in hub.repos[REPO].files.items():
+        assert (tmp_path / link / name).read_bytes() == data, name
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+def test_cli_fetches_verifies_and_links(hub: FakeHub, tmp_path: Path) -> None:
+    # The real command in its own process, configured only through the environment, as in a pod.
+    termination = tmp_path / "termination-log"
+    env = {**os.environ, **_hub_env(hub.url, tmp_path)}
+    env.pop("HF_TOKEN", None)
+    argv = [
+        "fetch",
+        f"hf://{REPO}",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--link",
+        str(tmp_path / "model"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.runtime.cli", *argv, "--termination-log", str(termination)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entry = _entry(tmp_path)
+    assert os.readlink(tmp_path / "model") == str(entry)
+    _assert_intact(tmp_path, hub)
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert manifest["commit"] == COMMIT
+    files = {f["name"]: f for f in manifest["files"]}
+    assert files.keys() == hub.repos[REPO].files.keys()
+    model = hub.repos[REPO].files[MODEL]
+    assert files[MODEL] == {"name": MODEL, "size": len(model), "sha256": hashlib.sha256(model).hexdigest()}
+    # Only the repository's files and the manifest: huggingface_hub's metadata folder is gone.
+    on_disk = {str(p.relative_to(entry)) for p in entry.rglob("*") if p.is_file()}
+    assert on_disk == {*hub.repos[REPO].files, MANIFEST}
+    progress = [p for p in map(parse_progress, proc.stdout.splitlines()) if p is not None]
+    assert progress[0]["phase"] == "resolve"
+    assert {"resolve", "download", "verify", "done"} <= {p["phase"] for p in progress}
+    done = last_progress(proc.stdout)
+    assert (
+        done is not None
+        and done["cache"] == "miss"
+        and done["bytes"] == sum(map(len, hub.repos[REPO].files.values()))
+    )
+    assert all(hub.gets(name) == 1 for name in hub.repos[REPO].files)
+    assert not termination.exists()
+
+
+def test_second_fetch_is_a_cache_hit_without_file_requests(hub: FakeHub, tmp_path: Path) -> None:
+    assert not Run()(tmp_path).hit
+    before = hub.requests.copy()
+    again = Run()
+    result = again(tmp_path, link="other")
+    assert result.hit and result.downloaded == 0
+    assert hub.requests - before == Counter({("GET", "api"): 1})  # the resolve, no HEAD, no file GET
+    assert again.phases("done")[-1]["cache"] == "hit"
+    assert again.phases("verify")[-1]["ok"] is True
+    _assert_intact(tmp_path, hub, link="other")
+
+
+def test_a_flipped_byte_is_detected_and_downloaded_again(hub: FakeHub, tmp_path: Path) -> None:
+    Run()(tmp_path)
+    path = _entry(tmp_path) / MODEL
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    run = Run()
+    result = run(tmp_path)
+    assert not result.hit
+    failed = [p for p in run.phases("verify") if p.get("action")]
+    assert failed and any(MODEL in problem and "sha256" in problem for problem in failed[0]["problems"])
+    assert hub.gets(MODEL) == 2
+    _assert_intact(tmp_path, hub)
+    assert Run()(tmp_path).hit
+
+
+def test_a_partial_entry_is_completed(hub: FakeHub, tmp_path: Path) -> None:
+    Run()(tmp_path)
+    entry = _entry(tmp_path)
+    (entry / MANIFEST).unlink()  # as a download killed before its end leaves it
+    with (entry / MODEL).open("r+b") as f:
+        f.truncate(1000)
+    run = Run()
+    assert not run(tmp_path).hit
+    assert run.phases("verify")[0].get("partial") is True
+    assert hub.gets(MODEL) == 2 and hub.gets("config.json") == 1  # only the damaged file again
+    _assert_intact(tmp_path, hub)
+    assert (entry / MANIFEST).exists()
+
+
+def test_missing_repository_fails_at_once(hub: FakeHub, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    argv = [f"hf://{REPO}-gone", "--cache-dir", str(tmp_path / "cache"), "--link", str(tmp_path / "m")]
+    assert fetch_cli.main([*argv, "--termination-log", str(termination)]) == 1
+    reason = termination.read_text().strip()
+    assert "not found" in reason and f"{REPO}-gone" in reason and len(reason) <= 300
+    assert hub.requests == Counter({("GET", "api"): 1})
+    run = Run()
+    with pytest.raises(FetchError) as failure:
+        run(tmp_path, source=f"hf://{REPO}@no-such-branch")
+    assert not failure.value.transient and "revision 'no-such-branch' not found" in failure.value.reason
+    assert run.sleeps == []
+    assert run.phases("failed")[0]["reason"] == failure.value.reason
+
+
+def test_private_repository_without_token_names_the_secret(hub: FakeHub, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    argv = ["hf://org/private", "--cache-dir", str(tmp_path / "cache"), "--link", str(tmp_path / "m")]
+    assert fetch_cli.main([*argv, "--termination-log", str(termination)]) == 1
+    reason = termination.read_text()
+    assert "HTTP 401" in reason and "model.hfTokenSecret" in reason
+    assert hub.requests == Counter({("GET", "api"): 1})  # not retried
+
+
+def test_token_is_sent_and_never_shown(hub: FakeHub, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    run = Run()
+    assert not run(tmp_path, source="hf://org/private").hit
+    assert set(hub.auth_seen) == {f"Bearer {TOKEN}"}
+    # A refused token: the reason and every line leave it out.
+    hub.token = "another"
+    termination = tmp_path / "termination-log"
+    argv = ["hf://org/private", "--cache-dir", str(tmp_path / "c2"), "--link", str(tmp_path / "m2")]
+    assert fetch_cli.main([*argv, "--termination-log", str(termination)]) == 1
+    out = capsys.readouterr()
+    reason = termination.read_text()
+    assert "token was refused" in reason and "model.hfTokenSecret" in reason
+    for text in (*run.lines, out.out, out.err, reason):
+        assert TOKEN not in text
+
+
+def test_transient_server_errors_are_retried_with_backoff(hub: FakeHub, tmp_path: Path) -> None:
+    hub.fail_gets[MODEL] = 2
+    run = Run()
+    result = run(tmp_path, backoff=2.0)
+    assert run.sleeps == [2.0, 4.0] and result.attempts == 3
+    errors = run.phases("error")
+    assert [e["retry_in"] for e in errors] == [2.0, 4.0] and "HTTP 500" in str(errors[0]["reason"])
+    _assert_intact(tmp_path, hub)
+
+
+def test_every_attempt_failing_ends_with_the_reason(hub: FakeHub, tmp_path: Path) -> None:
+    hub.fail_gets[MODEL] = 100
+    run = Run()
+    with pytest.raises(FetchError) as failure:
+        run(tmp_path, attempts=3, backoff=1.0)
+    assert run.sleeps == [1.0, 2.0]
+    assert "HTTP 500" in failure.value.reason and "gave up after 3 attempts" in failure.value.reason
+    assert not (_entry(tmp_path) / MANIFEST).exists() and not (tmp_path / "model").exists()
+
+
+def test_an_unreachable_hub_is_retried(hub: FakeHub, tmp_path: Path, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard: nothing listens
+    run = Run()
+    with pytest.raises(FetchError) as failure:
+        run(tmp_path, attempts=2)
+    assert failure.value.transient and "cannot reach the Hub at http://127.0.0.1:9" in failure.value.reason
+    assert run.sleeps == [2.0]
+
+
+def test_backoff_is_capped(hub: FakeHub, tmp_path: Path) -> None:
+    hub.fail_gets[MODEL] = 100
+    run = Run()
+    with pytest.raises(FetchError):
+        run(tmp_path, attempts=4, backoff=20.0)
+    assert run.sleeps == [20.0, 40.0, 60.0]
+
+
+def test_concurrent_fetches_download_once(hub: FakeHub, tmp_path: Path) -> None:
+    hub.get_delay_s = 0.6  # the first download is still running when the second asks for the lock
+    runs = [Run(), Run()]
+    results: list[object] = [None, None]
+
+    def go(i: int) -> None:
+        results[i] = runs[i](tmp_path, link=f"model-{i}")
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=30)
+    assert hub.gets(MODEL) == 1
+    assert sorted(r.hit for r in results) == [False, True]  # type: ignore[attr-defined]
+    waiter = runs[[r.hit for r in results].index(True)]  # type: ignore[attr-defined]
+    assert waiter.phases("wait") and waiter.phases("wait")[-1].get("acquired") is True
+    for i in range(2):
+        _assert_intact(tmp_path, hub, link=f"model-{i}")
+
+
+def test_a_new_commit_gets_its_own_entry_and_the_link_follows(hub: FakeHub, tmp_path: Path) -> None:
+    Run()(tmp_path)
+    hub.repos[REPO] = _repo(commit="b" * 40)
+    hub.repos[REPO].files["config.json"] = b'{"model_type": "llama", "hidden_size": 128}'
+    assert Run()(tmp_path).commit == "b" * 40
+    assert os.readlink(tmp_path / "model") == str(_entry(tmp_path, "b" * 40))
+    _assert_intact(tmp_path, hub)
+    assert (_entry(tmp_path) / MANIFEST).exists()  # the old entry stays for pods still pinned to it
+
+
+# ------------------------------------------------------------------------------------------------ line format
+def test_progress_lines_round_trip_and_ignore_other_lines() -> None:
+    line = format_progress(phase="download", bytes=1, total=4, percent=25.0, file="m")
+    assert line.startswith("fetch: ")
+    assert parse_progress(line) == {"phase": "download", "bytes": 1, "total": 4, "percent": 25.0, "file": "m"}
+    assert parse_progress("2024-05-01T10:00:00.000Z " + line)["phase"] == "download"  # type: ignore[index]
+    for other in ("", "hello", "fetch: not json", 'fetch: {"no": "phase"}', "a b " + line, "fetch: [1]"):
+        assert parse_progress(other) is None
+    assert last_progress(f"{line}\nnoise\n") == parse_progress(line)
+    assert last_progress("noise") is None
+
+
+@pytest.mark.parametrize("source", ["org/model", "hf://org", "hf://org/../x", "hf://o/m@", "s3://o/m"])
+def test_bad_sources_are_refused(source: str) -> None:
+    with pytest.raises(FetchError) as failure:
+        parse_source(source)
+    assert not failure.value.transient
+
+
+def test_revision_defaults_to_main() -> None:
+    assert parse_source("hf://org/m").revision == "main"
+    assert parse_source("hf://org/m@refs/pr/1").revision == "refs/pr/1"
