@@ -499,6 +499,13 @@ def classify(exc: BaseException, source: HfSource) -> FetchError:
         transient = status in (408, 429) or status >= 500
         return FetchError(f"{where}: the Hub answered HTTP {status}", transient=transient)
     cause = _innermost(exc)
+    if isinstance(cause, PermissionError):
+        # A node cache the kubelet created for the hostPath belongs to root: no attempt can fix that.
+        return FetchError(
+            f"{where}: cannot write the cache ({cause.filename or cause}) as uid {os.getuid()}: the cache "
+            "directory must be writable by the pods' user",
+            transient=False,
+        )
     detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
     if isinstance(exc, errors.LocalEntryNotFoundError) or _is_network_error(cause):
         return FetchError(f"{where}: cannot reach the Hub at {constants.ENDPOINT} ({detail})", transient=True)

@@ -12,7 +12,9 @@ import sys
 from contextlib import suppress
 from pathlib import Path
 
-from tokenfleet.runtime.model.fetch import FetchError, fetch
+from tokenfleet.runtime.model.fetch import FetchError, fetch, print_line
+from tokenfleet.runtime.model.fetch_progress import parse_progress
+from tokenfleet.runtime.model.fetch_status_server import FetchStatusServer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backoff-seconds", type=float, default=2.0, help="wait after the first failure; doubles, at most 60"
     )
+    p.add_argument(
+        "--status-port",
+        type=int,
+        default=None,
+        help="answer GET /ready and /health on this port with 503 and the latest progress while fetching "
+        "(the pod's HTTP port: the operator shows it in the ModelDeployment's status.loading)",
+    )
+    p.add_argument("--status-host", default="0.0.0.0", help="address for --status-port (default 0.0.0.0)")
     p.add_argument(
         "--termination-log",
         default="/dev/termination-log",
@@ -45,10 +55,21 @@ def write_termination_log(path: str, reason: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    status = FetchStatusServer(args.status_host, args.status_port) if args.status_port is not None else None
+
+    def log(line: str) -> None:
+        print_line(line)
+        fields = parse_progress(line) if status is not None else None
+        if fields is not None:
+            status.update(fields)
+
     try:
-        fetch(args.source, args.cache_dir, args.link, args.attempts, args.backoff_seconds)
+        fetch(args.source, args.cache_dir, args.link, args.attempts, args.backoff_seconds, log=log)
     except FetchError as e:
         write_termination_log(args.termination_log, e.reason)
         print(f"tokenfleet fetch: {e.reason}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if status is not None:
+            status.close()  # the port is the server's next
     return 0

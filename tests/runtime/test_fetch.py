@@ -1,26 +1,26 @@
 """`tokenfleet fetch` against a fake Hub on loopback: the real huggingface_hub client, our cache on disk.
 
-The fake serves what huggingface_hub 2.4.0 asks for: `GET /api/models/REPO/revision/REV?blobs=true`
-(model_info with files_metadata) and `HEAD`/`GET /REPO/resolve/REV/FILE` (hf_hub_download: the HEAD's
-X-Repo-Commit, ETag / X-Linked-Etag and X-Linked-Size, then the GET), and counts every request.
+The fake (e2e/fake_hub.py, loaded by path: the e2e cluster's pods download from the same one) serves what
+huggingface_hub 2.4.0 asks for and counts every request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import pytest
 from tokenfleet.runtime.model import fetch_cli
@@ -33,113 +33,19 @@ TOKEN = "hf_secretTokenValue123"
 MODEL = "model.safetensors"
 
 
-def _blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+def _load_fake_hub():
+    # Beside the e2e harness that serves it to pods; by path, so neither folder goes on sys.path.
+    path = Path(__file__).resolve().parents[2] / "e2e" / "fake_hub.py"
+    spec = importlib.util.spec_from_file_location("fake_hub", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-@dataclass
-class FakeRepo:
-    commit: str
-    files: dict[str, bytes]
-    lfs: frozenset[str]
-    private: bool = False
-
-    def sibling(self, name: str) -> dict[str, object]:
-        data = self.files[name]
-        entry: dict[str, object] = {"rfilename": name, "size": len(data), "blobId": _blob_id(data)}
-        if name in self.lfs:
-            sha = hashlib.sha256(data).hexdigest()
-            entry["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": 134}
-            entry["blobId"] = "f" * 40  # the pointer file's blob id, not the content's
-        return entry
-
-    def etag(self, name: str) -> str:
-        data = self.files[name]
-        return hashlib.sha256(data).hexdigest() if name in self.lfs else _blob_id(data)
-
-
-@dataclass
-class FakeHub:
-    repos: dict[str, FakeRepo]
-    token: str | None = None
-    fail_gets: Counter[str] = field(default_factory=Counter)  # file -> GETs still to answer 500
-    get_delay_s: float = 0.0
-    requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (method, file or "api")
-    auth_seen: list[str | None] = field(default_factory=list)
-    url: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def gets(self, name: str) -> int:
-        return self.requests["GET", name]
-
-
-def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self._serve(body=True)
-
-        def do_HEAD(self) -> None:
-            self._serve(body=False)
-
-        def _reply(self, status: int, headers: dict[str, str], data: bytes = b"", body: bool = True) -> None:
-            self.send_response(status)
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", headers.get("Content-Length", str(len(data))))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
-
-        def _error(self, status: int, code: str, body: bool = True) -> None:
-            self._reply(status, {"X-Error-Code": code}, json.dumps({"error": code}).encode(), body)
-
-        def _serve(self, body: bool) -> None:
-            path = unquote(urlsplit(self.path).path)
-            api = path.startswith("/api/models/")
-            parts = path.removeprefix("/api/models/" if api else "/").split("/")
-            repo_id = "/".join(parts[:2])
-            repo = hub.repos.get(repo_id)
-            name = "api" if api else "/".join(parts[4:])
-            with hub.lock:
-                hub.requests[self.command, name] += 1
-                hub.auth_seen.append(self.headers.get("Authorization"))
-            if repo is None:
-                return self._error(404, "RepoNotFound", body)
-            if repo.private and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                return self._error(401, "RepoNotFound", body)  # as the Hub: no telling private from missing
-            if parts[3] not in ("main", repo.commit):
-                return self._error(404, "RevisionNotFound", body)
-            if api:
-                info = {"id": repo_id, "sha": repo.commit, "private": repo.private}
-                info["siblings"] = [repo.sibling(n) for n in sorted(repo.files)]
-                return self._reply(200, {"Content-Type": "application/json"}, json.dumps(info).encode(), body)
-            if name not in repo.files:
-                return self._error(404, "EntryNotFound", body)
-            if body:
-                with hub.lock:
-                    failing = hub.fail_gets[name] > 0
-                    hub.fail_gets[name] -= failing
-                if failing:
-                    return self._reply(500, {}, b"internal error")
-                time.sleep(hub.get_delay_s if name == MODEL else 0.0)
-            data = repo.files[name]
-            headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(name)}"', "Accept-Ranges": "bytes"}
-            if name in repo.lfs:
-                headers |= {"X-Linked-Etag": f'"{repo.etag(name)}"', "X-Linked-Size": str(len(data))}
-            status, ranged = 200, self.headers.get("Range", "")
-            if ranged.startswith("bytes=") and body:
-                start = int(ranged.removeprefix("bytes=").split("-")[0])
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-                status, data = 206, data[start:]
-            headers["Content-Length"] = str(len(data))
-            self._reply(status, headers, data, body)
-
-    return Handler
+fake_hub = _load_fake_hub()
+FakeHub, FakeRepo = fake_hub.FakeHub, fake_hub.FakeRepo
 
 
 def _repo(private: bool = False, commit: str = COMMIT) -> FakeRepo:
@@ -155,11 +61,7 @@ def _repo(private: bool = False, commit: str = COMMIT) -> FakeRepo:
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
     fake = FakeHub({REPO: _repo(), "org/private": _repo(private=True)}, token=TOKEN)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    server.daemon_threads = True
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = fake_hub.serve_hub(fake)
     for key, value in _hub_env(fake.url, tmp_path).items():
         monkeypatch.setenv(key, value)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
@@ -256,6 +158,41 @@ def test_cli_fetches_verifies_and_links(hub: FakeHub, tmp_path: Path) -> None:
     )
     assert all(hub.gets(name) == 1 for name in hub.repos[REPO].files)
     assert not termination.exists()
+
+
+def test_cli_answers_ready_with_its_progress_while_it_downloads(hub: FakeHub, tmp_path: Path) -> None:
+    # The pod's HTTP port during the init container: 503 and how far the download is; free again after.
+    hub.get_delay_s = 3.0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **_hub_env(hub.url, tmp_path)}
+    argv = ["fetch", f"hf://{REPO}", "--cache-dir", str(tmp_path / "cache"), "--link", str(tmp_path / "model"),
+            "--status-port", str(port), "--status-host", "127.0.0.1"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.runtime.cli", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    answers: list[dict] = []
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                answers.append(json.loads(e.read()))
+            except OSError:
+                pass  # not listening yet, or already closed
+            time.sleep(0.1)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert answers and all(a["status"] == "fetching" for a in answers)
+    assert "download" in {a["progress"]["phase"] for a in answers}, answers
+    with pytest.raises(OSError):  # closed before the fetch exits: the server can take the port
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
 
 
 def test_second_fetch_is_a_cache_hit_without_file_requests(hub: FakeHub, tmp_path: Path) -> None:
@@ -434,3 +371,17 @@ def test_bad_sources_are_refused(source: str) -> None:
 def test_revision_defaults_to_main() -> None:
     assert parse_source("hf://org/m").revision == "main"
     assert parse_source("hf://org/m@refs/pr/1").revision == "refs/pr/1"
+
+
+def test_a_cache_the_pod_cannot_write_fails_at_once_with_the_reason() -> None:
+    # A hostPath the kubelet created belongs to root; the pods run as uid 1000. No retry can fix that.
+    from tokenfleet.runtime.model.fetch import classify
+
+    try:
+        raise OSError("download failed") from PermissionError(
+            13, "Permission denied", "/var/cache/tokenfleet/hf"
+        )
+    except OSError as e:
+        failure = classify(e, parse_source(f"hf://{REPO}"))
+    assert not failure.transient
+    assert "/var/cache/tokenfleet/hf" in failure.reason and "writable" in failure.reason
