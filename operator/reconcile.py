@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import (
     DEFAULT_IMAGE,
     GROUP,
+    NODE_CACHE_DIR,
     ModelDeploymentSpec,
     check_name,
     parse_cache_policy,
@@ -132,6 +133,8 @@ class OperatorContext:
     pools: PoolSupport | None = None
     # Where the operator's own pods run: the runtime pods' NetworkPolicy admits them (metrics scrapes).
     operator_namespace: str = "tokenfleet-system"
+    # The node directory behind `model.nodeCache` (an administrator's choice: pods mount it from the host).
+    node_cache_dir: str = NODE_CACHE_DIR
 
     def __post_init__(self) -> None:
         if self.pools is None:
@@ -196,13 +199,14 @@ def _reconcile_model_deployment(
         else:
             children = [
                 build_config_map(name, config),
-                build_deployment(name, spec, config),
+                build_deployment(name, spec, config, node_cache_dir=ctx.node_cache_dir),
                 build_service(name),
                 build_pod_disruption_budget(name),
             ]
             served = name  # the Deployment the status reports on
             if spec.disaggregation is not None:  # two Deployments; the decode role answers the clients
-                children, served = build_disaggregated_children(name, spec, cache), role_name(name, "decode")
+                children = build_disaggregated_children(name, spec, cache, ctx.node_cache_dir)
+                served = role_name(name, "decode")
             # Before the Deployments: their pods mount it.
             ensure_internal_key(ctx, body, logger)
             applied = _adopt_and_apply(ctx, body, children)

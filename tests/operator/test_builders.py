@@ -162,15 +162,25 @@ def test_gpu_deployment_manifest():
 
 def test_hf_source_uses_an_init_container():
     md, cfg = _runtime({"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct@v1"}})
-    assert cfg.model.model == "/models/Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg.model.model == "/models/Qwen/Qwen2.5-0.5B-Instruct"  # the link the fetch points at its entry
     assert cfg.model.name == "Qwen/Qwen2.5-0.5B-Instruct"
     pod = build_deployment("qwen", md, cfg)["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["command"] == [
-        "hf", "download", "Qwen/Qwen2.5-0.5B-Instruct", "--local-dir", "/models/Qwen/Qwen2.5-0.5B-Instruct",
-        "--revision", "v1",
+        "tokenfleet", "fetch", "hf://Qwen/Qwen2.5-0.5B-Instruct@v1",
+        "--cache-dir", "/var/cache/tokenfleet", "--link", "/models/Qwen/Qwen2.5-0.5B-Instruct",
+        "--status-port", "8000",  # the download's progress on the pod's port, for status.loading
     ]  # fmt: skip
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # its reason reaches the status
     assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]  # no cache named: lost with the pod
+    assert all(e["name"] != "HF_ENDPOINT" for e in init["env"])  # the hub client's default
+    main = next(c for c in pod["containers"] if c["name"] == "runtime")
+    # The link and the entry it points at are at the same paths in both containers, read-only in the server.
+    for name, path in (("model", "/models"), ("model-cache", "/var/cache/tokenfleet")):
+        assert {"name": name, "mountPath": path} in init["volumeMounts"]
+        assert {"name": name, "mountPath": path, "readOnly": True} in main["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]  # HF_HOME on a read-only root
 
 
 def test_hf_source_with_a_token_and_a_cache_claim():
@@ -178,22 +188,55 @@ def test_hf_source_with_a_token_and_a_cache_claim():
         "source": "hf://meta-llama/Llama-3.2-1B@v2",
         "hfTokenSecret": {"name": "hf"},
         "cacheClaim": "model-cache",
+        "hfEndpoint": "https://hf-mirror.internal.example",
     }
     md, cfg = _runtime({"model": model})
-    assert cfg.model.model == "/models/hf/meta-llama/Llama-3.2-1B/v2"  # one directory per revision
+    assert cfg.model.model == "/models/meta-llama/Llama-3.2-1B"
     pod = build_deployment("llama", md, cfg)["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["command"][3:5] == ["--local-dir", "/models/hf/meta-llama/Llama-3.2-1B/v2"]
     token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
     assert token in init["env"]
+    assert {"name": "HF_ENDPOINT", "value": "https://hf-mirror.internal.example"} in init["env"]
     assert all(e["name"] != "HF_TOKEN" for c in pod["containers"] for e in c.get("env", []))  # download only
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
     assert pod["securityContext"]["fsGroup"] == 1000  # the non-root download can write to the claim
-    main = next(c for c in pod["containers"] if c["name"] == "runtime")
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]
 
 
-@pytest.mark.parametrize("field", [{"hfTokenSecret": {"name": "hf"}}, {"cacheClaim": "model-cache"}])
+def test_hf_source_with_the_node_cache():
+    md, cfg = _runtime({"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "nodeCache": True}})
+    pod = build_deployment("qwen", md, cfg)["spec"]["template"]["spec"]
+    cache = {
+        "name": "model-cache",
+        "hostPath": {"path": "/var/cache/tokenfleet", "type": "DirectoryOrCreate"},
+    }
+    assert cache in pod["volumes"]
+    assert pod["initContainers"][0]["command"][2] == "hf://Qwen/Qwen2.5-0.5B-Instruct"  # revision: main
+    # The node's directory is the administrator's (--node-cache-dir); inside the pod the path stays the same.
+    pod = build_deployment("qwen", md, cfg, node_cache_dir="/mnt/nvme/models")["spec"]["template"]["spec"]
+    assert {
+        "name": "model-cache",
+        "hostPath": {"path": "/mnt/nvme/models", "type": "DirectoryOrCreate"},
+    } in pod["volumes"]
+    assert {"name": "model-cache", "mountPath": "/var/cache/tokenfleet"} in pod["initContainers"][0][
+        "volumeMounts"
+    ]
+
+
+def test_node_cache_and_a_cache_claim_together_are_refused():
+    model = {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "nodeCache": True, "cacheClaim": "models"}
+    with pytest.raises(ConfigError, match="one cache, not both"):
+        parse_model_deployment({"model": model})
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"hfTokenSecret": {"name": "hf"}},
+        {"cacheClaim": "model-cache"},
+        {"nodeCache": True},
+        {"hfEndpoint": "https://hf-mirror.internal.example"},
+    ],
+)
 def test_download_settings_on_a_source_that_is_not_downloaded_are_refused(field):
     with pytest.raises(ConfigError, match="only an hf:// source is downloaded"):
         parse_model_deployment({"model": {"source": "pvc://models/llama", **field}})

@@ -51,6 +51,7 @@ def test_registry_has_stable_handler_ids_and_no_finalizer_handlers():
         "routing-policy-resync",
         "autoscaler",
         "autoscaler-demand",
+        "model-deployment-loading",
     }
 
 
