@@ -69,7 +69,12 @@ def kubelets(cluster: ControlPlane) -> dict[str, KubeletProcess]:
 
 @pytest.fixture(scope="session")
 def operator(cluster: ControlPlane, image: Path) -> Iterator[OperatorProcess]:
-    proc = OperatorProcess(cluster.kubeconfig("operator"), cluster.dir / "operator.log", image)
+    proc = OperatorProcess(
+        cluster.kubeconfig("operator"),
+        cluster.dir / "operator.log",
+        image,
+        node_cache_dir=cluster.dir / "node-cache",
+    )
     proc.start()
     try:
         yield proc

@@ -21,12 +21,15 @@ class OperatorProcess:
         image: Path,
         resync_seconds: float = 3.0,
         autoscale_seconds: float = 3.0,
+        node_cache_dir: Path | None = None,
     ):
         self.kubeconfig = kubeconfig
         self.image = image
         self.log_path = log_path
         self.resync_seconds = resync_seconds
         self.autoscale_seconds = autoscale_seconds
+        # Every "node" of the e2e cluster is this machine: one cache directory stands for each node's.
+        self.node_cache_dir = node_cache_dir
         self.proc: subprocess.Popen | None = None
         self._log_start = 0  # where the running process's output starts in the (appended) log file
 
@@ -37,6 +40,7 @@ class OperatorProcess:
             "--kubeconfig", str(self.kubeconfig),
             "--resync-seconds", str(self.resync_seconds),
             "--autoscale-seconds", str(self.autoscale_seconds),
+            *(["--node-cache-dir", str(self.node_cache_dir)] if self.node_cache_dir else []),
         ]  # fmt: skip
 
     def start(self) -> None:
