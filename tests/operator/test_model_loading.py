@@ -66,11 +66,11 @@ def test_what_the_answers_mean():
     }  # fmt: skip
     retry = {
         "status": "fetching",
-        "progress": {"phase": "retry", "attempt": 2, "error": "HTTP 503 from the Hub"},
+        "progress": {"phase": "error", "attempt": 2, "reason": "HTTP 503 from the Hub"},
     }
     assert loading_entry("p", retry) == {
         "pod": "p",
-        "stage": "retry",
+        "stage": "error",
         "attempt": 2,
         "message": "HTTP 503 from the Hub",
     }
