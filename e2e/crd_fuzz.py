@@ -54,6 +54,8 @@ PATTERN_EXAMPLES = {
     "ref": ["a", "shared", "front-1"],
     "kind": ["Service", "X", "InferenceService"],
     "group": ["", "example.com", "a"],
+    # Documents start no pod (ZERO_REPLICAS): nothing ever downloads from these.
+    "url": ["https://huggingface.co", "http://127.0.0.1:9", "https://hf-mirror.example/hub"],
 }  # fmt: skip
 NON_MATCHING = ["", "-bad-", "UPPER_case!", "pvc://", "1.5.5", "a b", "\u00e9t\u00e9", "hf://x"]
 # Unset fields that the operator needs a (fixed) zero for: accepted documents must start no pod.
@@ -128,6 +130,8 @@ def _pattern_key(path: tuple[str, ...], pattern: str) -> str:
         return "kind"
     if path[-1] == "group":
         return "group"
+    if path[-1] == "hfEndpoint":
+        return "url"
     if pattern == r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$":
         return "ref"
     raise KeyError(f"no PATTERN_EXAMPLES for {'.'.join(path)} ({pattern}): add some")
