@@ -575,6 +575,11 @@ async def handle_metrics(request: web.Request) -> web.Response:
         for model in models | {m for m, n in router.displaced.items() if n}:
             metrics.pending.labels(model).set(gate.num_waiting(model) + router.displaced[model])
         metrics.queue_waiting.set(gate.num_waiting())
+        waiting = collections.Counter()
+        for ep in router.fleet.endpoints.by_id.values():
+            waiting[ep.model] += ep.num_waiting
+        for model in models | set(waiting):
+            metrics.pod_waiting.labels(model).set(waiting[model])
         asleep = collections.Counter(
             ep.backend for ep in router.fleet.endpoints.by_id.values() if ep.health.asleep
         )

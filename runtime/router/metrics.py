@@ -102,6 +102,15 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # The other half of the demand signal: requests queued in the model's own pods, as their last load
+        # reports said. Read every second by the operator between its scrapes of the pods, so a burst
+        # starts new capacity at once instead of at the next periodic decision.
+        self.pod_waiting = Gauge(
+            PREFIX + "pod_waiting_requests",
+            "Requests waiting in the queues of the model's pods, as their last load reports said.",
+            ["model"],
+            registry=r,
+        )
         # Sleep mode: pods the router knows to be asleep, and the wakes it sent for held requests (wake.py).
         self.wakes = Counter(
             PREFIX + "wakes",

@@ -92,6 +92,7 @@ class FakePod:
         self.gate: asyncio.Event | None = None  # stream waits on it after the first event
         self.delay = 0.0
         self.running = 0
+        self.waiting = 0  # what its /load reports as queued (the router's demand gauge sums them)
         self.loading = False
         self.query_blocks = 0
         self.prefill_seconds = 0.0  # > 0: blocks are stored only after this "prefill"
@@ -106,7 +107,9 @@ class FakePod:
                 web.post("/v1/chat/completions", self.generate),
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
-                *kv_event_routes(self.log, lambda: LoadReport(self.running, 0, len(self.cached) / 10_000)),
+                *kv_event_routes(
+                    self.log, lambda: LoadReport(self.running, self.waiting, len(self.cached) / 10_000)
+                ),
             ]
         )
         return app

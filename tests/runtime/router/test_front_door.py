@@ -139,3 +139,25 @@ async def test_an_alias_at_zero_counts_as_pending_for_the_model_its_pods_serve(
             status, headers, _ = await served
             assert status == 200 and headers["x-tokenfleet-route"] == "fallback"
             assert await _metric(url, "tokenfleet:router_pending_requests", 'model="llama-3"') == 0
+
+
+async def test_the_pods_queues_are_summed_per_model_for_the_autoscaler(serve_app, start_router, make_pod):
+    # Between its scrapes of the pods, the operator reads this every second: a burst queued in the pods
+    # starts new capacity at once.
+    a, b, other = make_pod("llama"), make_pod("llama"), make_pod("small")
+    a.waiting, b.waiting, other.waiting = 3, 4, 9
+    async with serve_app(a.app()) as ua, serve_app(b.app()) as ub, serve_app(other.app()) as uo:
+        backends = [
+            backend("llama-a", ua, "llama"),
+            backend("llama-b", ub, "llama"),
+            backend("small", uo, "small"),
+        ]
+        async with start_router(backends) as (url, _):
+            seen: dict[str, float] = {}
+            for _ in range(100):  # the router's load polls arrive within a few of its poll intervals
+                seen = {m: await _metric(url, "tokenfleet:router_pod_waiting_requests", f'model="{m}"')
+                        for m in ("llama", "small")}  # fmt: skip
+                if seen == {"llama": 7, "small": 9}:
+                    break
+                await asyncio.sleep(0.05)
+            assert seen == {"llama": 7, "small": 9}
