@@ -54,6 +54,7 @@ from tokenfleet.operator.autoscaling_policy import (
     PodSample,
     PodState,
     decide,
+    demand_calls_decision,
 )
 from tokenfleet.operator.autoscaling_status import autoscaling_status, history_from_status
 from tokenfleet.operator.builders import model_mount, selector_string
@@ -68,7 +69,7 @@ from tokenfleet.operator.fleet_scrape import (
     scrape_session,
 )
 from tokenfleet.operator.internal_key import INTERNAL_KEY_ENTRY, internal_key_secret_name
-from tokenfleet.operator.pod_metrics import MetricsParseError, router_pending
+from tokenfleet.operator.pod_metrics import MetricsParseError, router_gauges
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
 from tokenfleet.runtime.errors import ConfigError
@@ -426,40 +427,59 @@ def _autoscaling_on(spec: Mapping[str, Any], **_: Any) -> bool:
 
 
 def _decision_lock(memo: kopf.Memo) -> asyncio.Lock:
-    """One decision at a time per object: the periodic one and the one demand triggers at zero."""
+    """One decision at a time per object: the periodic one and the ones demand triggers."""
     return memo.setdefault("autoscaler_lock", asyncio.Lock())
 
 
-def _at_zero(spec: Mapping[str, Any], **_: Any) -> bool:
+def _demand_watched(spec: Mapping[str, Any], **_: Any) -> bool:
+    """Autoscaled and behind routers: their demand is read every second between decisions."""
     spec = spec or {}
-    return bool(spec.get("autoscaling")) and spec.get("replicas") == 0 and bool(spec.get("routingPolicyRef"))
+    return bool(spec.get("autoscaling")) and bool(spec.get("routingPolicyRef"))
 
 
-async def demand_at_zero(
+@dataclass(frozen=True, slots=True)
+class RouterDemand:
+    awake: int  # pods serving or on their way, as the last decision saw them (0 at zero replicas)
+    held: int  # requests the routers hold for the model
+    waiting: int  # requests queued in its pods, as the routers last heard (the most any router saw)
+
+
+async def router_demand(
     ctx: OperatorContext, namespace: str, name: str, session: aiohttp.ClientSession
-) -> int:
-    """Requests the routers hold for a deployment (its served model), read from their /metrics at once; 0
-    when it has no valid spec or router, or none could be read."""
+) -> tuple[RouterDemand, AutoscalingSpec] | None:
+    """What the routers of a deployment see of its demand now, read from their /metrics at once; None when
+    it has no valid spec or no router. Held requests add up over routers (each holds its own); the pods'
+    queues are the same pods seen by every router, so the largest figure counts."""
     body = await asyncio.to_thread(ctx.kube.get, "ModelDeployment", namespace, name)
     if body is None:
-        return 0
+        return None
     try:
         spec = parse_model_deployment(body.get("spec"))
     except ConfigError:
-        return 0
-    if not spec.routing_policy_ref:
-        return 0
+        return None
+    if not spec.routing_policy_ref or spec.autoscaling is None:
+        return None
     selector = ",".join(f"{k}={v}" for k, v in router_selector(spec.routing_policy_ref).items())
     routers = await asyncio.to_thread(ctx.kube.list, "Pod", namespace, selector)
     urls = [v.url for v in (pod_view(p, ROUTER_PORT) for p in routers) if v is not None and v.url]
+    if not urls:
+        return None
     model = model_mount(spec, {}).served_name
-    pending = 0.0
+    held = waiting = 0.0
     for text in await asyncio.gather(*(fetch_text(session, url) for url in urls)):
         try:
-            pending += router_pending(text, model) if text is not None else 0.0
+            h, w = router_gauges(text, model) if text is not None else (0.0, 0.0)
         except MetricsParseError:
             continue
-    return round(pending)
+        held, waiting = held + h, max(waiting, w)
+    last = ((body.get("status") or {}).get("autoscaling")) or {}
+    if spec.replicas == 0:
+        awake = 0
+    elif "awakeReplicas" in last:
+        awake = int(last.get("awakeReplicas") or 0) + int(last.get("startingReplicas") or 0)
+    else:
+        awake = spec.replicas
+    return RouterDemand(awake, round(held), round(waiting)), spec.autoscaling
 
 
 def register(
@@ -485,19 +505,24 @@ def register(
             except Exception as e:  # an API hiccup: the next tick decides again from stored state
                 logger.warning("autoscaler: no decision this period: %s", e)
 
-    @kopf.timer(*MD, interval=demand_seconds, when=_at_zero, id="autoscaler-demand", registry=registry)
+    @kopf.timer(*MD, interval=demand_seconds, when=_demand_watched, id="autoscaler-demand", registry=registry)
     async def demand_tick(
         memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger, **_: Any
     ) -> None:
-        """At zero replicas, a request the router holds should not wait for the next decision (up to a whole
-        interval, longer than the cold start it then waits for): the routers are read every
-        `demand_seconds`, and demand runs a decision at once — the same decision, which scales 0 -> N."""
+        """Demand should not wait for the next decision (up to a whole interval, longer than the cold start
+        it then waits for): the routers are read every `demand_seconds`, and when what they see calls for
+        more (`demand_calls_decision`: requests held, at zero or behind busy pods, or the pods' queues over
+        the target) the same decision runs at once."""
         async with scrape_session() as session:
             try:
-                if not await demand_at_zero(memo.ctx, namespace, name, session):
-                    return
+                seen = await router_demand(memo.ctx, namespace, name, session)
             except Exception as e:
-                logger.info("autoscaler: demand at zero not read: %s", e)
+                logger.info("autoscaler: routers' demand not read: %s", e)
+                return
+            if seen is None:
+                return
+            demand, spec = seen
+            if not demand_calls_decision(demand.awake, demand.held, demand.waiting, spec):
                 return
             book = memo.setdefault("autoscaler_scrapes", ScrapeBook())
             async with _decision_lock(memo):

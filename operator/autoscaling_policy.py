@@ -194,6 +194,24 @@ def _recommend(n_ready: int, total: float, target: float, tolerance: float, curr
     return math.ceil(total / target - 1e-9)
 
 
+def demand_calls_decision(awake: int, held: int, waiting: int, spec: AutoscalingSpec) -> bool:
+    """Whether what the routers see now is worth a decision before the periodic one: requests the routers
+    hold for the model (at zero, or every pod at its in-flight limit), or the pods' own queues beyond the
+    waiting target. The periodic decision may be a whole interval away, and new capacity only starts on
+    its way with a decision: at the start of a burst those seconds are most of the SLO misses. Only demand
+    for more is checked this way (fewer replicas wait for the periodic decision and its windows), and not
+    at `maxReplicas`, where a decision could only repeat itself.
+
+    `awake`: pods serving or on their way; `held`: requests the routers hold for the model; `waiting`:
+    requests queued in its pods, as the routers last heard from them."""
+    if awake >= spec.max_replicas:
+        return False
+    if held > 0:
+        return True
+    per = spec.targets.waiting_requests_per_replica
+    return per is not None and awake > 0 and waiting > per * awake * (1 + spec.tolerance)
+
+
 def _target_recommendations(
     current: int, ready: Sequence[PodSample], spec: AutoscalingSpec, pending_requests: int = 0
 ) -> tuple[dict[str, int], dict[str, float]]:

@@ -28,6 +28,7 @@ GENERATION_TOKENS = PREFIX + "generation_tokens"
 # The routers' gauge of requests held because no endpoint can take them: the demand that brings a model
 # back from zero replicas.
 ROUTER_PENDING = "tokenfleet:router_pending_requests"
+ROUTER_POD_WAITING = "tokenfleet:router_pod_waiting_requests"
 
 
 class MetricsParseError(ValueError):
@@ -77,17 +78,26 @@ def parse_metrics(text: str) -> PodMetrics:
 
 def router_pending(text: str, model: str) -> float:
     """Requests a router holds for `model` (its pending gauge); raises MetricsParseError on malformed text."""
+    return router_gauges(text, model)[0]
+
+
+def router_gauges(text: str, model: str) -> tuple[float, float]:
+    """(requests a router holds for `model`, requests queued in the model's pods as the router last heard
+    from them), from its /metrics; raises MetricsParseError on malformed text."""
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as e:
         raise MetricsParseError(f"malformed router /metrics: {e}") from e
-    return sum(
-        s.value
-        for family in families
-        if family.name == ROUTER_PENDING
-        for s in family.samples
-        if s.labels.get("model") == model
-    )
+    held = waiting = 0.0
+    for family in families:
+        if family.name not in (ROUTER_PENDING, ROUTER_POD_WAITING):
+            continue
+        total = sum(s.value for s in family.samples if s.labels.get("model") == model)
+        if family.name == ROUTER_PENDING:
+            held += total
+        else:
+            waiting += total
+    return held, waiting
 
 
 def _delta(new: float, old: float) -> float:

@@ -26,11 +26,12 @@ from aiohttp import web
 from kubernetes.client.exceptions import ApiException
 from tokenfleet.operator.api import parse_model_deployment
 from tokenfleet.operator.autoscaler import (
-    _at_zero,
+    RouterDemand,
+    _demand_watched,
     autoscale,
     autoscale_roles,
     autoscaling_changed,
-    demand_at_zero,
+    router_demand,
     scale_targets,
 )
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
@@ -232,6 +233,9 @@ class FakeRouter(FakePod):
     def hold(self, model: str, n: int) -> None:
         self.router_metrics.pending.labels(model).set(n)
 
+    def queued_in_pods(self, model: str, n: int) -> None:
+        self.router_metrics.pod_waiting.labels(model).set(n)
+
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.router_metrics.render(), content_type="text/plain")
 
@@ -368,22 +372,35 @@ async def test_min_zero_scales_to_zero_when_idle_and_back_on_router_demand(serve
     assert loop.status["signals"]["pending"] == 1.0
 
 
-async def test_at_zero_the_routers_held_requests_are_read_for_this_model_only(servers, session):
+async def test_the_routers_demand_is_read_for_this_model_only(servers, session):
     cluster = Cluster()
     spec = {"replicas": 0, "routingPolicyRef": "front", "autoscaling": autoscaling(minReplicas=0)}
     cluster.create_md("chat", spec)
     ctx = Loop(cluster, session).ctx
-    assert await demand_at_zero(ctx, NS, "chat", session) == 0  # no router pod yet
+    assert await router_demand(ctx, NS, "chat", session) is None  # no router pod yet
     one, two = await servers(FakeRouter()), await servers(FakeRouter())
     cluster.add_pod("front-router-x", router_labels("front"), one.port)
     cluster.add_pod("front-router-y", router_labels("front"), two.port)
     one.hold("another-model", 5)
-    assert await demand_at_zero(ctx, NS, "chat", session) == 0
+    one.queued_in_pods("another-model", 9)
+    demand, _ = await router_demand(ctx, NS, "chat", session)
+    assert demand == RouterDemand(awake=0, held=0, waiting=0)
     one.hold(MODEL, 1)
-    two.hold(MODEL, 2)
-    assert await demand_at_zero(ctx, NS, "chat", session) == 3
-    assert _at_zero(cluster.md("chat")["spec"])
-    assert not _at_zero({**cluster.md("chat")["spec"], "replicas": 1})
+    two.hold(MODEL, 2)  # each router holds its own requests: they add up
+    one.queued_in_pods(MODEL, 6)
+    two.queued_in_pods(MODEL, 5)  # the same pods seen by both: the larger figure counts
+    demand, policy = await router_demand(ctx, NS, "chat", session)
+    assert demand == RouterDemand(awake=0, held=3, waiting=6)
+    assert policy.max_replicas == 3
+    # Awake: what the last decision saw (serving + starting); the count written when it has not decided yet.
+    cluster.md("chat")["spec"]["replicas"] = 2
+    cluster.md("chat")["status"] = {"autoscaling": {"awakeReplicas": 1, "startingReplicas": 1}}
+    assert (await router_demand(ctx, NS, "chat", session))[0].awake == 2
+    cluster.md("chat")["status"] = {}
+    assert (await router_demand(ctx, NS, "chat", session))[0].awake == 2
+    assert _demand_watched(cluster.md("chat")["spec"])
+    assert not _demand_watched({**cluster.md("chat")["spec"], "routingPolicyRef": None})
+    assert not _demand_watched({"replicas": 1, "routingPolicyRef": "front"})
 
 
 async def test_unknown_pods_never_cause_a_scale_down(servers, session):

@@ -17,6 +17,7 @@ from tokenfleet.operator.autoscaling_policy import (
     PodSample,
     PodState,
     decide,
+    demand_calls_decision,
 )
 
 READY, STARTING, UNKNOWN = PodState.READY, PodState.STARTING, PodState.UNKNOWN
@@ -226,3 +227,17 @@ def test_invalid_specs_name_the_field(raw, field):
     with pytest.raises(ValidationError) as e:
         AutoscalingSpec.model_validate(raw)
     assert field in str(e.value)
+
+
+def test_demand_between_decisions_calls_for_one_only_when_more_may_be_needed():
+    s = spec(minReplicas=0, maxReplicas=4, targets={"waitingRequestsPerReplica": 2})
+    assert demand_calls_decision(0, 1, 0, s)  # held at zero
+    assert not demand_calls_decision(0, 0, 0, s)
+    assert demand_calls_decision(2, 1, 0, s)  # held behind busy pods
+    # The pods' queues against the target, with its tolerance (10 %): 2 pods x 2 = 4.4 at most.
+    assert not demand_calls_decision(2, 0, 4, s)
+    assert demand_calls_decision(2, 0, 5, s)
+    assert not demand_calls_decision(4, 9, 50, s)  # at maxReplicas a decision could only repeat itself
+    kv_only = spec(targets={"kvCacheUsage": 0.7})
+    assert not demand_calls_decision(1, 0, 50, kv_only)  # no waiting target: only held requests count
+    assert demand_calls_decision(1, 1, 0, kv_only)
