@@ -97,6 +97,12 @@ class SimConfig(_Model):
     autoscaling: AutoscalingSpec | None = None
     disaggregation: Disaggregation | None = None
     autoscale_interval_s: float = Field(15.0, gt=0)
+    demand_interval_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="How often the operator reads the routers' demand (held requests, the pods' queues) "
+        "between its periodic decisions, deciding at once when it calls for more (null: periodic only).",
+    )
     cold_start_s: float = Field(60.0, ge=0, description="From a new replica's creation to Ready.")
     wake_s: float = Field(
         1.0,

@@ -10,7 +10,8 @@ router's prefix index at the end of the step that caused them (the pod publishes
 router long-polls), load reports every `probe_interval_s`. With `fleet.cpu_shared_host` the replicas share
 one host's cores: a step stretches by the demand of the engines computing when it starts.
 Every `autoscale_interval_s` the operator's policy (`decide`) sees one sample per replica and sets the
-count: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
+count, and between those decisions, every `demand_interval_s`, the operator's demand check
+(`demand_calls_decision`: the router's held requests, the pods' queues) runs it at once: new replicas become Ready after `cold_start_s`; removed ones stop getting requests at once, finish
 what they hold and then leave (a lossless scale-down). With `autoscaling.idle: sleep` the operator's warm
 tier (`operator/warm_tier.plan`, unchanged) decides which idle replicas sleep and which sleepers wake; a
 woken replica is Ready after `wake_s`, and a request the router holds wakes one sleeper at once when no
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from tokenfleet.operator import warm_tier
-from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide
+from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide, demand_calls_decision
 from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.engine.long_lived_heap import long_lived_heap
 from tokenfleet.runtime.router.priority import Waiter
@@ -41,7 +42,7 @@ from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
-ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER, QUEUE_DEADLINE = range(10)
+ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER, QUEUE_DEADLINE, DEMAND = range(11)
 
 
 class _Pod:
@@ -444,6 +445,17 @@ class Simulation:
         self._autoscale()
         self._push(self.now + self.config.autoscale_interval_s, SCALE)
 
+    def _on_demand(self, _: object) -> None:
+        """The operator's demand check between decisions (`demand_calls_decision`, unchanged): held
+        requests, or the pods' queues beyond the target, decide at once."""
+        spec = self.config.autoscaling
+        assert spec is not None and self.config.demand_interval_s is not None
+        live = self._live()
+        waiting = sum(p.replica.num_waiting for p in live if p.ready)
+        if demand_calls_decision(len(live), self.router.num_queued, waiting, spec):
+            self._autoscale()
+        self._push(self.now + self.config.demand_interval_s, DEMAND)
+
     def _on_ready(self, name: str) -> None:
         pod = self.pods[name]
         if pod.retired is None and not pod.draining and not pod.asleep:
@@ -489,6 +501,8 @@ class Simulation:
         self._push(0.0, PROBE)
         if cfg.autoscaling is not None:
             self._push(0.0, SCALE)
+            if cfg.demand_interval_s is not None and cfg.disaggregation is None:
+                self._push(cfg.demand_interval_s, DEMAND)
         horizon = cfg.run_until_s or (cfg.trace and self.workload.duration_s) or cfg.workload.duration_s
         self._push(0.0, TICK)
         self._tick_s = float(horizon) / cfg.timeline_points
@@ -503,6 +517,7 @@ class Simulation:
             HANDOFF: self._on_handoff,
             DELIVER: self._on_deliver,
             QUEUE_DEADLINE: self._on_queue_deadline,
+            DEMAND: self._on_demand,
         }
         heap = self._heap
         pop = heapq.heappop

@@ -207,6 +207,8 @@ def test_a_warm_tier_wakes_sleepers_before_it_creates_pods_and_sleepers_leave_fi
             start_asleep=2,
             autoscaling=autoscaling,
             autoscale_interval_s=5,
+            # Periodic decisions only: the burst outgrows the pool before it is all awake, so a pod is created.
+            demand_interval_s=None,
             cold_start_s=20,
             wake_s=1.0,
             run_until_s=300,
@@ -228,6 +230,37 @@ def test_a_warm_tier_wakes_sleepers_before_it_creates_pods_and_sleepers_leave_fi
         n: (p.asleep, p.draining, p.retired) for n, p in sim.pods.items()
     }
     assert r["timeline"]["replicas"][-1] == 3 and r["timeline"]["ready"][-1] == 1
+
+
+def test_demand_between_decisions_starts_capacity_within_seconds_of_a_burst():
+    # The operator reads the routers every second and decides at once when the pods' queues exceed the
+    # target; with decisions a minute apart, that is the difference between seconds and a minute.
+    autoscaling = {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targets": {"waitingRequestsPerReplica": 2},
+        "scaleDown": {"stabilizationWindowSeconds": 600},
+    }
+
+    def run(demand: float | None) -> dict:
+        config = parse_config(
+            small(
+                fleet={"replicas": 1},
+                autoscaling=autoscaling,
+                autoscale_interval_s=60,
+                demand_interval_s=demand,
+                cold_start_s=5,
+                run_until_s=90,
+                workload={"rate": 80, "duration_s": 20, "output_tokens": 200, "user_tokens": 400},
+            )
+        )
+        return simulation(config).run()
+
+    on, off = run(1.0), run(None)
+    ups = [e for e in on["fleet"]["scale_events"] if e[2] > e[1]]
+    assert ups and ups[0][0] <= 3.0 and "waiting_requests_per_replica" in ups[0][3], ups
+    assert off["fleet"]["scale_events"] == []  # the next decision, at 60 s, finds the burst over
+    assert on["latency_s"]["ttft"]["p99"] < off["latency_s"]["ttft"]["p99"] / 2
 
 
 def test_sleeping_replicas_at_the_start_need_the_warm_tier():
