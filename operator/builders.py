@@ -180,16 +180,9 @@ def model_mount(
         # --status-port: the pod's HTTP port answers /ready with the download's progress until the server
         # takes it over (the operator reads it into status.loading).
         "command": [
-            "tokenfleet",
-            "fetch",
-            source,
-            "--cache-dir",
-            NODE_CACHE_DIR,
-            "--link",
-            link,
-            "--status-port",
-            str(RUNTIME_PORT),
-        ],  # fmt: skip
+            *("tokenfleet", "fetch", source, "--cache-dir", NODE_CACHE_DIR, "--link", link),
+            *("--status-port", str(RUNTIME_PORT)),
+        ],
         "env": env,
         "volumeMounts": [
             {"name": "model", "mountPath": MODELS_DIR},
