@@ -86,7 +86,9 @@ def test_idle_pod_sleeps_instead_of_leaving_and_the_router_wakes_it_for_a_reques
         "apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all([ROUTING_POLICY, MODEL_DEPLOYMENT])
     )
     (router,) = until(
-        "router Ready", lambda: (p := cluster.pods(ns, ROUTER)) and all(_ready(x) for x in p) and p
+        # Exactly one: the router rolls once when the deployment's backend (and its key) joins its config.
+        "router Ready",
+        lambda: (p := cluster.pods(ns, ROUTER)) and len(p) == 1 and _ready(p[0]) and p,
     )
     router_url = f"http://{router['status']['podIP']}:8080"
     (pod,) = until(
