@@ -163,10 +163,10 @@ def main() -> int:
                 plane.kubectl("create", "namespace", ns)
                 plane.kubectl("apply", "-n", ns, "-f", "-",
                               stdin=yaml.safe_dump_all([ROUTING_POLICY, MODEL_DEPLOYMENT]))  # fmt: skip
+                # Its one pod: the router rolls once when the deployment's backend joins its config.
                 (router,) = wait_for(
-                    lambda: (r := plane.pods(ns, ROUTER)) and all(
-                        any(c["type"] == "Ready" and c["status"] == "True" for c in x["status"].get("conditions", []))
-                        for x in r
+                    lambda: (r := plane.pods(ns, ROUTER)) and len(r) == 1 and any(
+                        c["type"] == "Ready" and c["status"] == "True" for c in r[0]["status"].get("conditions", [])
                     ) and r,
                     timeout=240, interval=0.5, what="router Ready",
                 )  # fmt: skip
