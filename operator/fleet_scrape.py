@@ -60,7 +60,8 @@ class PodView:
     url: str | None = None
 
 
-def _http_port(pod: Mapping[str, Any], default: int) -> int:
+def http_port(pod: Mapping[str, Any], default: int) -> int:
+    """The pod's port named `http` (a container's), else `default`."""
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") == "http" and port.get("containerPort"):
@@ -81,7 +82,7 @@ def pod_view(pod: Mapping[str, Any], default_port: int = RUNTIME_PORT) -> PodVie
     url = None
     if ip:
         host = f"[{ip}]" if ":" in ip else ip
-        url = f"http://{host}:{_http_port(pod, default_port)}/metrics"
+        url = f"http://{host}:{http_port(pod, default_port)}/metrics"
     if ready and url:
         return PodView(name, PodState.READY, url)
     containers = status.get("containerStatuses") or []

@@ -27,11 +27,12 @@ ASK_TIMEOUT_SECONDS = 2.0
 
 
 def loading_wanted(status: Mapping[str, Any] | None) -> bool:
-    """Whether a tick has anything to do: some pod is not Ready yet, or the last tick's entries must go."""
+    """Whether a tick has anything to do: some pod is not Ready yet (of either role of a disaggregated
+    deployment), or the last tick's entries must go."""
     status = status or {}
-    return bool(status.get("loading")) or int(status.get("replicas") or 0) > int(
-        status.get("readyReplicas") or 0
-    )
+    counts = [status, *((status.get("roles") or {}).values())]
+    behind = any(int(c.get("replicas") or 0) > int(c.get("readyReplicas") or 0) for c in counts if c)
+    return behind or bool(status.get("loading"))
 
 
 async def read_ready(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:

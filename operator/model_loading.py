@@ -8,13 +8,15 @@ then the server while it loads (`{"status": "loading", "progress": {"weights": {
 so `kubectl get md NAME -o yaml` shows a 40 GB download at 37 % instead of a pod that is merely not Ready.
 
 Pure: which pods to ask (`loading_targets`) and what their answers mean (`loading_entry`); the asking is in
-reconcile.py.
+loading_report.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from tokenfleet.operator.fleet_scrape import http_port
 
 # At most this many pods are asked and reported (a large scale-up shows its first pods; the rest are alike).
 MAX_REPORTED_PODS = 8
@@ -45,14 +47,6 @@ def _started(pod: Mapping[str, Any]) -> bool:
     return bool(statuses) and all(cs.get("started") for cs in statuses)
 
 
-def _port(pod: Mapping[str, Any], default: int) -> int:
-    for container in pod.get("spec", {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http" and port.get("containerPort"):
-                return int(port["containerPort"])
-    return default
-
-
 def loading_targets(pods: list[Mapping[str, Any]], default_port: int) -> list[tuple[str, str]]:
     """(pod name, its /ready URL) for each pod on its way to Ready: not Ready, not leaving, not finished, with
     an IP (the fetch and the server are only reachable once the pod has one). By name, at most
@@ -66,7 +60,7 @@ def loading_targets(pods: list[Mapping[str, Any]], default_port: int) -> list[tu
         if not ip or _ready(pod) or _started(pod):
             continue
         host = f"[{ip}]" if ":" in ip else ip
-        out.append((pod["metadata"]["name"], f"http://{host}:{_port(pod, default_port)}/ready"))
+        out.append((pod["metadata"]["name"], f"http://{host}:{http_port(pod, default_port)}/ready"))
     return out[:MAX_REPORTED_PODS]
 
 

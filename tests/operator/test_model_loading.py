@@ -97,6 +97,8 @@ def test_the_tick_runs_only_while_a_pod_is_on_its_way():
     assert loading_wanted({"replicas": 2, "readyReplicas": 1})
     assert loading_wanted({"replicas": 1, "readyReplicas": 1, "loading": [{"pod": "p", "stage": "load"}]})
     assert not loading_wanted({"replicas": 2, "readyReplicas": 2})
+    roles = {"prefill": {"replicas": 1, "readyReplicas": 0}, "decode": {"replicas": 1, "readyReplicas": 1}}
+    assert loading_wanted({"replicas": 1, "readyReplicas": 1, "roles": roles})  # a prefill pod loads
     assert not loading_wanted(None)
 
 
