@@ -24,8 +24,10 @@ Cost per step: a fleet simulator runs this class for every simulated step of eve
 server runs it between forward passes, so the common case is kept cheap. A running decode (one token, no
 proposals, no look-ahead) whose block table already holds its slot and fills no block is scheduled with
 two integer compares against its table's `fast_limit` (block_table.py), without a call into the KV cache
-manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` finds a request and
-its stop figures with one lookup and handles a single sampled token without the speculative path.
+manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` applies the step's
+leading run of such decodes from their requests (remembered by `schedule`), without reading their entries
+back or looking anything up by id but the sampled token; other entries find a request and its stop
+figures with one lookup, and a single sampled token skips the speculative path.
 
 Fair share (`fair_share`, fair_share.py): each tenant (`Request.tenant`) has a virtual token counter, the
 service it received, charged as each step is scheduled: the prompt tokens of its chunks (cache hits are not
@@ -108,7 +110,8 @@ class Scheduler:
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
         # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit, the
-        # request itself: `update` finds everything it needs with one lookup per request).
+        # request itself: `update` finds everything it needs with one lookup per request). The plain-decode
+        # run of `update` reads the same figures from `Request.stop_figures` instead.
         self._stop_info: dict[str, tuple[int, frozenset[int], int, int, Request]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
