@@ -11,12 +11,18 @@ whole heap of the process, not only what a step allocates. The collector runs wi
 collections rare); `--gc-young 700` shows CPython's default.
 
     python bench/scheduler_overhead.py [--seqs 256 1024 4096] [--steps 300] [--block-size 16] [--gc-young N]
+                                       [--profile [N]]
+
+`--profile` runs the measured steps under cProfile and prints the N functions with the most time of
+their own (the figures then include the profiler's own overhead: read them as shares, not as timings).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import time
 
@@ -97,7 +103,12 @@ def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, floa
 
 
 def run(
-    num_seqs: int, steps: int, block_size: int, gc_freeze: bool = True, gc_young: int = YOUNG_THRESHOLD
+    num_seqs: int,
+    steps: int,
+    block_size: int,
+    gc_freeze: bool = True,
+    gc_young: int = YOUNG_THRESHOLD,
+    profile_top: int = 0,
 ) -> float:
     """Measure one configuration, print it; the normalised CPU ms per step.
 
@@ -105,6 +116,7 @@ def run(
     simulator run with `YOUNG_THRESHOLD`; CPython's default is 700).
     `gc_freeze`: move everything built so far (KV blocks, requests) out of the collector's reach, as
     `tokenfleet serve` does once its engine is loaded, so that only what the steps allocate is collected.
+    `profile_top`: profile the measured steps and print that many functions by own time (0: no profile).
     """
     rng = random.Random(0)
     scheduler = build(num_seqs, steps, block_size, rng)
@@ -120,6 +132,9 @@ def run(
     gc_timer = GCTimer()
     gc_timer.active = True
     calibs = []
+    profiler = cProfile.Profile() if profile_top else None
+    if profiler is not None:
+        profiler.enable()
     for step in range(steps):
         if step % 10 == 0:
             # Interleaved with the steps, so that both see the same contention on a shared machine.
@@ -130,6 +145,8 @@ def run(
         cpus.append(cpu)
         sched_cpus.append(sched_cpu)
         update_cpus.append(update_cpu)
+    if profiler is not None:
+        profiler.disable()
     gc_timer.active = False
     gc_timer.close()
     gc.set_threshold(*threshold)
@@ -163,6 +180,11 @@ def run(
         f"  preemptions {scheduler.num_preemptions_total}, kv usage {scheduler.kv.usage:.0%}",
         flush=True,
     )
+    if profiler is not None:
+        print(
+            f"  cProfile of the measured steps (with the profiler's overhead), top {profile_top} by own time:"
+        )
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile_top)
     return normalised_ms
 
 
@@ -185,9 +207,19 @@ def main() -> None:
         help=f"young-generation threshold of the collector during the steps (default {YOUNG_THRESHOLD}, as "
         "`tokenfleet serve` and the simulator run; CPython's own default is 700)",
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=15,
+        default=0,
+        metavar="N",
+        help="profile the measured steps with cProfile and print the N functions with the most own time "
+        "(default 15); the timings then include the profiler's overhead",
+    )
     args = parser.parse_args()
     for num_seqs in args.seqs:
-        run(num_seqs, args.steps, args.block_size, args.gc_freeze, args.gc_young)
+        run(num_seqs, args.steps, args.block_size, args.gc_freeze, args.gc_young, args.profile)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,10 @@ class Request:
     # With `prompt_logprobs`: outputs.TokenLogprobs of prompt positions 1.., filled by the engine as prefill
     # chunks run (its length is how far the scoring got; a preempted request resumes scoring there).
     prompt_logprobs: list | None = None
+    # Set by the scheduler when it takes the request: (EOS + stop token ids, min_tokens, output tokens up to
+    # the length limit), the figures of the stop check that runs for every sampled token, kept here so
+    # that the check needs no lookup by id.
+    stop_figures: tuple[frozenset[int], int, int] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

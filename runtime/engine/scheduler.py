@@ -24,8 +24,10 @@ Cost per step: a fleet simulator runs this class for every simulated step of eve
 server runs it between forward passes, so the common case is kept cheap. A running decode (one token, no
 proposals, no look-ahead) whose block table already holds its slot and fills no block is scheduled with
 two integer compares against its table's `fast_limit` (block_table.py), without a call into the KV cache
-manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` finds a request and
-its stop figures with one lookup and handles a single sampled token without the speculative path.
+manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` applies the step's
+leading run of such decodes from their requests (remembered by `schedule`), without reading their entries
+back or looking anything up by id but the sampled token; other entries find a request and its stop
+figures with one lookup, and a single sampled token skips the speculative path.
 
 Fair share (`fair_share`, fair_share.py): each tenant (`Request.tenant`) has a virtual token counter, the
 service it received, charged as each step is scheduled: the prompt tokens of its chunks (cache hits are not
@@ -61,6 +63,8 @@ from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
 _RUNNING = RequestStatus.RUNNING
 _new_tuple = tuple.__new__
+_NO_STOP_IDS: frozenset[int] = frozenset()
+_ONE_TOKEN = (0,)  # stands for a plain decode's token_ids where only their number matters
 
 
 # Service by which a running request's tenant must be ahead of a waiting request's for fair share to
@@ -106,7 +110,8 @@ class Scheduler:
         self._order: dict[str, int] = {}
         # Per request, fixed at admission, for the stop check that runs for every sampled token:
         # (length limit, EOS + stop token ids, min_tokens, output tokens up to the length limit, the
-        # request itself: `update` finds everything it needs with one lookup per request).
+        # request itself: `update` finds everything it needs with one lookup per request). The plain-decode
+        # run of `update` reads the same figures from `Request.stop_figures` instead.
         self._stop_info: dict[str, tuple[int, frozenset[int], int, int, Request]] = {}
         self._counter = itertools.count()
         self._aborted_ids: list[str] = []
@@ -120,6 +125,11 @@ class Scheduler:
         # Requests whose prompt is still being scored (prompt logprobs): only while one is here does a step
         # look for prompt positions to score.
         self._scoring: dict[str, Request] = {}
+        # The last output whose leading entries are all plain decodes (one token, sampled, no proposals),
+        # and the requests of those entries in order: `update` applies them from the requests alone,
+        # without reading the entries back or looking the requests up by id (see `_update_plain`).
+        self._plain_output: SchedulerOutput | None = None
+        self._plain_requests: list[Request] = []
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -161,8 +171,11 @@ class Scheduler:
         limit = self.admission.check(request.num_prompt_tokens, params.max_tokens)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
-        eos = frozenset() if params.ignore_eos else request.eos_token_ids
-        stop_ids = eos | frozenset(params.stop_token_ids)
+        eos = _NO_STOP_IDS if params.ignore_eos else request.eos_token_ids
+        # frozenset() of a frozenset is that same set: no copy per request (a set given is copied).
+        stop_ids = eos | frozenset(params.stop_token_ids) if params.stop_token_ids else frozenset(eos)
+        if not stop_ids:
+            stop_ids = _NO_STOP_IDS  # one shared set: every stop check then reads the same object
         self._stop_info[rid] = (
             limit,
             stop_ids,
@@ -170,6 +183,7 @@ class Scheduler:
             limit - request.num_prompt_tokens,
             request,
         )
+        request.stop_figures = (stop_ids, params.min_tokens, limit - request.num_prompt_tokens)
         order = self._order[rid] = next(self._counter)
         self.waiting.push(request, order)
         if self.fair is not None:
@@ -213,9 +227,12 @@ class Scheduler:
         running = self.running
         plain = not self.num_lookahead_tokens
         i = 0
+        num_plain = 0  # leading entries from the first run of plain decodes (running[:num_plain])
         while i < len(running) and budget > 0:
             if plain:
                 n = self._schedule_decodes(i, budget, entries)
+                if i == 0:
+                    num_plain = n
                 i += n
                 budget -= n
                 if i == len(running) or budget == 0:
@@ -237,6 +254,12 @@ class Scheduler:
         )
         self._aborted_ids.clear()
         self._finished_ids.clear()
+        # A preemption may have taken entries back (and moved running requests): then no shortcut.
+        if num_plain and not preempted:
+            self._plain_output = output
+            self._plain_requests = running[:num_plain]
+        else:
+            self._plain_output = None
         return output
 
     def _schedule_decodes(self, i: int, budget: int, entries: list[ScheduledRequest]) -> int:
@@ -427,8 +450,15 @@ class Scheduler:
         rolled back. Tokens after a stop condition are dropped.
         """
         finished: list[Request] = []
+        scheduled = output.scheduled
+        if output is self._plain_output:
+            self._plain_output = None
+            requests = self._plain_requests
+            self._plain_requests = []
+            self._update_plain(requests, sampled, finished)
+            scheduled = scheduled[len(requests) :]  # the rest, if any (chunks, admissions)
         stop_info = self._stop_info
-        for rid, token_ids, _, _, sample, spec_token_ids in output.scheduled:
+        for rid, token_ids, _, _, sample, spec_token_ids in scheduled:
             info = stop_info.get(rid)
             if info is None:
                 continue  # aborted or finished since the step was scheduled
@@ -468,6 +498,40 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         return finished
+
+    def _update_plain(
+        self, requests: list[Request], sampled: dict[str, list[int]], finished: list[Request]
+    ) -> None:
+        """`update` for the leading plain-decode entries of the last output, given their requests.
+
+        Each entry is (rid, (one token,), num_computed_tokens, blocks, True, ()) of the request at the same
+        place, so the request itself says everything the entry would: nearly every running request goes
+        through here every step, without its entry being unpacked or its id looked up. The same effect,
+        in the same order, as the general loop of `update`.
+        """
+        for request in requests:
+            if request.status is not _RUNNING:
+                continue  # finished, aborted or preempted since the step was scheduled
+            rid = request.request_id
+            try:
+                (token_id,) = sampled[rid]
+            except (KeyError, ValueError):
+                # Missing or not one token: the general path raises, saying what is wrong.
+                self._apply_sampled(request, _ONE_TOKEN, (), sampled.get(rid))
+                raise AssertionError("unreachable") from None
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
+            request.num_computed_tokens += 1
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
+            stop_ids, min_tokens, max_output = request.stop_figures
+            if token_id in stop_ids and len(output_ids) >= min_tokens:
+                request.status = self._stop_token_status(request, token_id)
+            elif len(output_ids) >= max_output:
+                request.status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            finished.append(request)
 
     def _apply_sampled(
         self,

@@ -4,6 +4,10 @@ see is exactly what allocating every step would give (block tables, KV events, o
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
+import pytest
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra
 from tokenfleet.runtime.engine.kv_cache.kv_events import BlockStored
@@ -107,3 +111,50 @@ def test_a_decode_whose_next_block_is_not_free_preempts_the_newest():
     assert [(e.request_id, e.start_pos) for e in out.scheduled] == [("old", 8)]
     assert out.scheduled[0].block_ids[:2] == (0, 1) and len(out.scheduled[0].block_ids) == 3
     assert [r.request_id for r in s.running] == ["old"] and s.num_waiting == 1
+
+
+def _run_twin(seed: int, general: bool) -> list:
+    """Drive a scheduler through decodes that finish on EOS, a stop token (past min_tokens), the length
+    limit, an abort between schedule and update; `general`: update with a copy of each output, which
+    takes update's general loop instead of the plain-decode run. What every step produced."""
+    rng = random.Random(seed)
+    s = make(num_blocks=64, budget=64)
+    for i in range(6):
+        params = SamplingParams(
+            max_tokens=rng.randint(3, 20), stop_token_ids=[7], min_tokens=rng.randint(0, 8)
+        )
+        prompt = [rng.randint(10, 99) for _ in range(rng.randint(2, 9))]
+        s.add_request(Request(f"r{i}", prompt, params, eos_token_ids=frozenset({5}), arrival_time=float(i)))
+    trace = []
+    for step in range(30):
+        out = s.schedule()
+        if step == 4:
+            s.abort("r1")  # between schedule and update: its sampled token is dropped
+        sampled = {e.request_id: [rng.choice([5, 7, *range(11, 21)])] for e in out.scheduled if e.sample}
+        finished = s.update(dataclasses.replace(out) if general else out, sampled)
+        trace.append(
+            (
+                out,
+                [(r.request_id, r.status, r.stop_reason) for r in finished],
+                [(r.request_id, r.num_computed_tokens, tuple(r.output_token_ids)) for r in s.running],
+            )
+        )
+    return trace
+
+
+def test_the_plain_decode_run_of_update_matches_its_general_loop():
+    for seed in range(5):
+        assert _run_twin(seed, general=False) == _run_twin(seed, general=True)
+
+
+def test_a_plain_decode_without_its_sampled_token_fails_as_in_the_general_loop():
+    errors = []
+    for general in (False, True):
+        s = make()
+        s.add_request(req("a", [1, 2, 3]))
+        s.update(s.schedule(), {"a": [9]})
+        out = s.schedule()
+        with pytest.raises(ValueError) as info:
+            s.update(dataclasses.replace(out) if general else out, {"a": [9, 9]})
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "expected 1..1 sampled tokens" in errors[0]
