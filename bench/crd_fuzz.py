@@ -30,6 +30,7 @@ from cluster import install  # noqa: E402
 from crd_fuzz import field_names, generate, spec_schemas  # noqa: E402
 from crd_fuzz_run import call_figures, run_fuzz  # noqa: E402
 from envtest import ControlPlane  # noqa: E402
+from image_payload import cached_payload  # noqa: E402
 from kube_api import KubeApi  # noqa: E402
 from operator_process import OperatorProcess  # noqa: E402
 from test_crd_fuzz import handler_failures  # noqa: E402
@@ -52,7 +53,10 @@ def main() -> int:
     args = p.parse_args()
 
     plane = ControlPlane().start()
-    operator = OperatorProcess(plane.kubeconfig("operator"), plane.dir / "operator.log", args.resync, 3.0)
+    # The operator runs the image payload's `tokenfleet`, as in the e2e suite.
+    operator = OperatorProcess(
+        plane.kubeconfig("operator"), plane.dir / "operator.log", cached_payload(), args.resync, 3.0
+    )
     try:
         install(plane)
         operator.start()
