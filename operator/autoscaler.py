@@ -15,6 +15,11 @@ A kopf timer per such ModelDeployment runs one decision every interval:
    module then calls with the deployment's internal key (`status.autoscaling.scaledReplicas` is the count
    written, `awakeReplicas` / `sleepingReplicas` / `startingReplicas` what was seen).
 
+Between decisions a second timer reads only the routers, every DEMAND_POLL_SECONDS: the requests they hold
+for the model and its pods' queues as their load reports said. When `demand_calls_decision` says that
+calls for more (from zero, or at the start of a burst), the same decision runs at once instead of up to a
+whole interval later.
+
 Why the ModelDeployment's `/scale` and not the Deployment's: the reconcile writes the Deployment's replicas
 from `spec.replicas` (server-side apply), and each field has one writer. The autoscaler stands exactly where
 an HPA targeting `md/NAME` would, so `kubectl get md` shows the count it chose and rollouts keep working.
@@ -76,10 +81,10 @@ from tokenfleet.runtime.errors import ConfigError
 
 MD = (GROUP, VERSION, "modeldeployments")
 DEFAULT_INTERVAL_SECONDS = 15.0
+# Between decisions the routers' demand is read this often (a cheap scrape of the router pods only).
+DEMAND_POLL_SECONDS = 1.0
 # A pod put to sleep waits this long for requests in flight (it was idle when chosen; one may have just
 # arrived) before refusing; the call itself is bounded a little above it.
-# At zero replicas the routers' held requests are read this often (a cheap scrape of the router pods only).
-DEMAND_POLL_SECONDS = 1.0
 SLEEP_DRAIN_SECONDS = 5.0
 SLEEP_CALL_TIMEOUT_SECONDS = 30.0
 
@@ -517,7 +522,7 @@ def register(
             try:
                 seen = await router_demand(memo.ctx, namespace, name, session)
             except Exception as e:
-                logger.info("autoscaler: routers' demand not read: %s", e)
+                logger.debug("autoscaler: routers' demand not read: %s", e)  # every second: not worth more
                 return
             if seen is None:
                 return
