@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 import host_paths  # noqa: E402
 from cluster import running_cluster  # noqa: E402
 from envtest import ControlPlane, wait_for  # noqa: E402
+from failure_report import namespace_report  # noqa: E402
 from image_payload import cached_payload  # noqa: E402
 from kubelet import KubeletProcess  # noqa: E402
 from operator_process import OperatorProcess, refused_requests  # noqa: E402
@@ -36,6 +37,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """A failed test body's report gets its namespace's state as it was then (failure_report.py)."""
+    report = yield
+    args = getattr(item, "funcargs", {})
+    if report.when == "call" and report.failed and "namespace" in args and "cluster" in args:
+        try:
+            state = namespace_report(args["cluster"], args["namespace"], args.get("operator"))
+        except Exception as e:  # never hide the failure itself
+            state = f"not read: {type(e).__name__}: {e}"
+        report.sections.append(("namespace at the failure", state))
+    return report
 
 
 @pytest.fixture(scope="session")
