@@ -6,7 +6,11 @@ moment it answers 200 and times the first content chunk. The server's own `start
 (runtime/startup_timing.py) gives the parts inside the process; first token is measured from here.
 Prints the median of each part over --runs, with the load average (this machine's speed drifts).
 
-    python bench/cold_start.py --runs 3 [--model smollm2-135m-instruct] [--env KEY=VALUE ...]
+With --weight-cache, the same run also measures a second pod of the model on the same node: a server with
+`--weight-cache-dir` (runtime/model/weight_cache.py) whose entry a first server wrote (that first start, the
+cache miss, is reported too), each run beside one without the cache, interleaved so drift hits both.
+
+    python bench/cold_start.py --runs 3 [--model smollm2-135m-instruct] [--env KEY=VALUE ...] [--weight-cache]
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from tokenfleet.runtime.startup_timing import parse_line
 
@@ -72,9 +78,21 @@ def first_token_s(port: int, model: str) -> float:
         conn.close()
 
 
-def one_run(model: str, env: dict[str, str], timeout: float) -> dict[str, float]:
+def _entry_written(cache: Path) -> bool:
+    return any((cache / "weights").glob("*/entry.json"))
+
+
+def one_run(
+    model: str,
+    env: dict[str, str],
+    timeout: float,
+    cache: Path | None = None,
+    keep_until_stored: bool = False,
+) -> dict[str, float]:
     port = free_port()
     cmd = [sys.executable, "-m", "tokenfleet.runtime.cli", "serve", "--model", model, "--port", str(port)]
+    if cache is not None:
+        cmd += ["--weight-cache-dir", str(cache)]
     lines: list[str] = []
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -102,6 +120,11 @@ def one_run(model: str, env: dict[str, str], timeout: float) -> dict[str, float]
                 time.sleep(0.005)
         ttft = first_token_s(port, model)
         first_token = time.monotonic() - t0
+        # The entry is written in the background after the load: the first server lives until it is there.
+        while keep_until_stored and cache is not None and not _entry_written(cache):
+            if proc.poll() is not None or time.monotonic() - t0 > timeout:
+                raise RuntimeError("no weight cache entry was written:\n" + "".join(lines[-30:]))
+            time.sleep(0.05)
     finally:
         proc.terminate()
         try:
@@ -130,23 +153,38 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server process")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument(
+        "--weight-cache",
+        action="store_true",
+        help="also time a start whose converted weights a previous start cached (and that first start)",
+    )
     args = p.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
-    runs = []
     load_before = os.getloadavg()
-    for i in range(args.runs):
-        run = one_run(args.model, env, args.timeout)
-        runs.append(run)
-        print(f"run {i + 1}: spawn -> first token {run['bench: spawn -> first token']:.2f} s", flush=True)
+    columns: dict[str, list[dict[str, float]]] = {"no cache": []}
+    with tempfile.TemporaryDirectory(prefix="tokenfleet-weight-cache-") as tmp:
+        cache = Path(tmp)
+        if args.weight_cache:
+            columns["cache miss (first pod)"] = [one_run(args.model, env, args.timeout, cache, True)]
+            columns["cache hit (second pod)"] = []
+        for i in range(args.runs):
+            runs = [("no cache", None)] + ([("cache hit (second pod)", cache)] if args.weight_cache else [])
+            for name, where in runs:
+                run = one_run(args.model, env, args.timeout, where)
+                columns[name].append(run)
+                print(f"run {i + 1} {name}: spawn -> first token {run['bench: spawn -> first token']:.2f} s")
     load_after = os.getloadavg()
-    keys = list(dict.fromkeys(k for run in runs for k in run))
+    keys = list(dict.fromkeys(k for runs in columns.values() for run in runs for k in run))
     print(f"\ncold start of `tokenfleet serve --model {args.model}`, median of {args.runs} run(s), seconds")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs)")
     width = max(map(len, keys))
+    print(f"{'':<{width}}  " + "  ".join(f"{name:>22}" for name in columns))
     for k in keys:
-        values = [run.get(k, 0.0) for run in runs]
-        spread = f"  [{min(values):.3f} .. {max(values):.3f}]" if len(values) > 1 else ""
-        print(f"{k:<{width}}  {statistics.median(values):7.3f}{spread}")
+        cells = []
+        for runs in columns.values():
+            values = [run.get(k, 0.0) for run in runs]
+            cells.append(f"{statistics.median(values):22.3f}")
+        print(f"{k:<{width}}  " + "  ".join(cells))
     return 0
 
 

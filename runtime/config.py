@@ -72,6 +72,14 @@ class ModelConfig(_Strict):
         "generation_config auto) sets max_new_tokens; the built-in model's entry sets 512.",
     )
 
+    weight_cache_dir: str | None = Field(
+        None,
+        description="A directory for converted weights (dequantised, cast, sharded), one entry per model, "
+        "dtype, device type and shard: the next process loading the same model maps the entry instead of "
+        "converting the checkpoint again. Written after the first load, checked (size, CRC-32) on every "
+        "load. The operator points it at the model cache volume of hf:// models. None = off.",
+    )
+
     @property
     def name(self) -> str:
         return self.served_name or self.model

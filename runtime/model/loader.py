@@ -34,6 +34,7 @@ from tokenfleet.runtime.model.tensor_parallel import (
     shard_slice,
 )
 from tokenfleet.runtime.model.tokenizer import Tokenizer
+from tokenfleet.runtime.model.weight_cache import WeightCache, WeightCacheError, cache_key
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,35 @@ def _set_kernel_backend(model: torch.nn.Module, backend_name: str) -> None:
             module.kernel_backend = kernel_backend
 
 
+def build_rope_tables(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # every RoPE table (Gemma 3 has two)
+            module.build_tables()
+
+
+def assign_cached(model: torch.nn.Module, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Make a meta-built model's parameters the cached tensors themselves (no copy), then give its
+    non-persistent buffers (the RoPE tables) memory and values. WeightCacheError when the entry is not
+    exactly this model's state (names, shapes, dtypes): it is then converted again."""
+    expected = model.state_dict()
+    if set(expected) != set(tensors):
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise WeightCacheError(f"an entry of other parameters (missing {missing[:3]}, extra {extra[:3]})")
+    for name, want in expected.items():
+        got = tensors[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise WeightCacheError(f"an entry whose {name} is {got.dtype}{list(got.shape)}")
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.tie_weights()
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_strided(
+                    buf.size(), buf.stride(), dtype=buf.dtype, device=device
+                )
+    build_rope_tables(model)
+
+
 def load_model(
     model_config: ModelConfig,
     device: torch.device | str,
@@ -171,26 +201,43 @@ def load_model(
     backend_name = resolve_backend_name(model_config.attention_backend, device)
     backend = get_attention_backend(backend_name)
 
-    # Built on the meta device (no random init of weights about to be overwritten), then given
-    # uninitialised memory on the device in the target dtype. load_weights refuses a checkpoint that leaves
-    # any parameter unwritten, so no garbage survives; the RoPE tables (explicitly fp32) are recomputed.
+    cache = WeightCache(Path(model_config.weight_cache_dir)) if model_config.weight_cache_dir else None
+    key = cache_key(source.path, dtype, device, tp_rank, tp_size) if cache is not None else ""
     max_positions = max(max_model_len, arch.max_position_embeddings)
-    with torch.device("meta"), _default_dtype(dtype), _SkipInitOnMeta():
-        model = LlamaForCausalLM(shard, backend, max_positions=max_positions)
-    # Module.to_empty, minus its empty_like of meta tensors: that runs torch's Python reference, whose first
-    # call imports sympy (~0.7 s on 2 cores). Same result: uninitialised memory of each tensor's layout.
-    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
-    model.tie_weights()  # to_empty unties shared parameters
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):  # every RoPE table (Gemma 3 has two)
-            module.build_tables()
-    startup_timing.mark("model_build")
-    # The checkpoint's reader counts its own parts (weight_read, dequant); the rest is the copy in.
-    with _load_threads():
-        model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
-    startup_timing.mark("weight_copy")
+
+    def build() -> LlamaForCausalLM:
+        # On the meta device: no random init of weights about to be overwritten, no memory yet.
+        with torch.device("meta"), _default_dtype(dtype), _SkipInitOnMeta():
+            return LlamaForCausalLM(shard, backend, max_positions=max_positions)
+
+    model = build()
+    cached = False
+    if cache is not None:
+        try:
+            assign_cached(model, cache.load(key, device), device)
+            cached = True
+        except WeightCacheError as e:
+            log.info("weight cache: %s for %s: converting the checkpoint", e, source.path)
+            model = build()  # a refused entry may have assigned some parameters already
+        startup_timing.mark("weight_cache")
+    if not cached:
+        # Given uninitialised memory on the device in the target dtype: load_weights refuses a checkpoint
+        # that leaves any parameter unwritten, so no garbage survives. Module.to_empty, minus its
+        # empty_like of meta tensors: that runs torch's Python reference, whose first call imports sympy
+        # (~0.7 s on 2 cores). Same result: uninitialised memory of each tensor's layout.
+        model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+        model.tie_weights()  # to_empty unties shared parameters
+        build_rope_tables(model)
+        startup_timing.mark("model_build")
+        # The checkpoint's reader counts its own parts (weight_read, dequant); the rest is the copy in.
+        with _load_threads():
+            model.load_weights(_tracked(checkpoint.weights(select), checkpoint.num_weights, progress))
+        startup_timing.mark("weight_copy")
     if tp_size > 1:
         keep_row_parallel_biases_on_rank_0(model, tp_rank)
+    if cache is not None and not cached:
+        # As loaded (before fp8, which is applied on every load): the next process on this volume maps it.
+        cache.store_in_background(key, dict(model.state_dict()), str(source.path))
     model.eval().requires_grad_(False)
     if model_config.quantization == "fp8":
         saved = quantize_model_fp8(model)

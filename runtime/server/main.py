@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", action="append", default=[], help="accepted Bearer key (repeatable)")
     p.add_argument("--api-key-file", help="file of keys, one per line, re-read when it changes")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument(
+        "--weight-cache-dir", help="keep converted weights here; the next start of the same model maps them"
+    )
     p.add_argument("--max-waiting", type=int, help="bounded waiting queue; beyond it 429")
     p.add_argument(
         "--scheduling-policy",
@@ -76,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("model", "model"): args.model,
         ("model", "served_name"): args.served_name,
         ("model", "max_model_len"): args.max_model_len,
+        ("model", "weight_cache_dir"): args.weight_cache_dir,
         ("server", "host"): args.host,
         ("server", "port"): args.port,
         ("server", "api_key_file"): args.api_key_file,
