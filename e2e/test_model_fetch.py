@@ -5,7 +5,8 @@ repository of its own, at a bounded rate so the download takes a few seconds.
 
 1. the first pod downloads; meanwhile `status.loading` shows the download with its bytes and percent;
    the pod serves the same greedy tokens as the same file loaded directly (the offline engine, here);
-2. a second pod on a node with the entry downloads nothing (the Hub sees no second file GET);
+2. a second pod on a node with the entry downloads nothing (the Hub sees no second file GET), and maps
+   the weights the first pod converted (its start-up has no conversion) instead of dequantising again;
 3. a byte of the cached file flipped on the node, the next pod's fetch finds the digest wrong, downloads
    again and serves the same tokens: a corrupt entry is never loaded;
 4. a repository that does not exist: the ModelDeployment's Ready condition carries the fetch's reason.
@@ -22,7 +23,13 @@ import yaml
 from fake_hub import FakeHub, FakeRepo, serve_hub
 from workload import post_json
 
-WAITS = {"first pod Ready": 240, "second pod Ready": 180, "replacement Ready": 180, "the fetch's reason": 120}
+WAITS = {
+    "first pod Ready": 240,
+    "converted weights cached": 60,
+    "second pod Ready": 180,
+    "replacement Ready": 180,
+    "the fetch's reason": 120,
+}
 SETUP_S = 120
 REPO = "tinyorg/smol-gguf"
 COMMIT = "c0ffee" + "0" * 34
@@ -78,8 +85,21 @@ def _complete(pod: dict) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(sum(WAITS.values()) + SETUP_S)
+def _startup_phases(kubelets, ns: str, pod: dict) -> dict[str, float]:
+    """The server's own `startup:` line from the pod's container log, as its node's kubelet wrote it."""
+    from tokenfleet.runtime.startup_timing import parse_line
+
+    for kubelet in kubelets.values():
+        path = kubelet.workdir / "logs" / f"{ns}_{pod['metadata']['name']}" / "runtime-0.log"
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                if (record := parse_line(line)) is not None:
+                    return record["phases"]
+    raise AssertionError(f"no startup line in {pod['metadata']['name']}'s log")
+
+
 def test_an_hf_model_is_fetched_once_per_node_verified_and_its_progress_shown(
-    cluster, namespace, pod_network, operator, wait
+    cluster, kubelets, namespace, pod_network, operator, wait
 ):
     def until(what: str, predicate):
         return wait(predicate, timeout=WAITS[what], interval=0.5, what=what)
@@ -118,7 +138,15 @@ def test_an_hf_model_is_fetched_once_per_node_verified_and_its_progress_shown(
         expected = _reference(_builtin_gguf())
         assert _complete(pod) == expected
 
-        # 2. A second pod: the node's entry is verified and used; nothing is downloaded again.
+        # The first server converted the GGUF (dequantised it) and keeps the result on the cache volume.
+        assert "weight_copy" in _startup_phases(kubelets, ns, pod)
+        until(
+            "converted weights cached",
+            lambda: list((operator.node_cache_dir / "weights").glob("*/entry.json")),
+        )
+
+        # 2. A second pod: the node's entry is verified and used, and so are the converted weights: nothing
+        # is downloaded or converted again, and it serves the same tokens from the mapped entry.
         cluster.kubectl("patch", "md", "fetched", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":2}}')
         started = time.monotonic()
         pods = until("second pod Ready", lambda: (p := cluster.pods(ns, RUNTIME)) and len(p) == 2
@@ -126,6 +154,9 @@ def test_an_hf_model_is_fetched_once_per_node_verified_and_its_progress_shown(
         second_s = time.monotonic() - started
         assert hub.gets(FILE) == 1, "the second pod downloaded the model again"
         assert all(_complete(p) == expected for p in pods)
+        second = next(p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"])
+        phases = _startup_phases(kubelets, ns, second)
+        assert "weight_cache" in phases and "weight_copy" not in phases, phases
 
         # 3. A corrupt entry is found by its digest and fetched again, never loaded.
         (entry,) = (operator.node_cache_dir / "hf" / REPO).glob(f"{COMMIT}/{FILE}")

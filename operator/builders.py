@@ -122,6 +122,9 @@ class ModelMount:
 
     model_path: str  # what RuntimeConfig.model.model says
     served_name: str
+    # The serving container's writable cache volume: converted weights (RuntimeConfig
+    # model.weight_cache_dir) and compile caches, for the next pod (or restart) of the model on it.
+    cache_dir: str | None = None
     volumes: tuple[dict[str, Any], ...] = ()
     mounts: tuple[dict[str, Any], ...] = ()
     init_containers: tuple[dict[str, Any], ...] = ()
@@ -207,10 +210,24 @@ def model_mount(
         volumes=({"name": "model", "emptyDir": {}}, {"name": "model-cache", **cache}),
         mounts=(
             {"name": "model", "mountPath": MODELS_DIR, "readOnly": True},
-            {"name": "model-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True},
+            # Writable: the server keeps the converted weights and compile caches beside the downloads.
+            # The downloads stay safe from it: every fetch checks an entry's digests before linking it.
+            {"name": "model-cache", "mountPath": NODE_CACHE_DIR},
         ),
         init_containers=(fetch,),
+        cache_dir=NODE_CACHE_DIR,
     )
+
+
+def compile_cache_env(cache_dir: str | None) -> list[dict[str, str]]:
+    """Where Triton's JIT and torch.compile (inductor) keep what they built: the cache volume, shared
+    by the pods that mount it (both key their entries by compiler version and source), else /tmp."""
+    if cache_dir is None:
+        return [{"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}]
+    return [
+        {"name": "TRITON_CACHE_DIR", "value": f"{cache_dir}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{cache_dir}/inductor"},
+    ]
 
 
 def _stem(path: str) -> str:
@@ -224,6 +241,7 @@ OPERATOR_SET_FIELDS = frozenset(
     {
         "model.model",
         "model.served_name",
+        "model.weight_cache_dir",  # the model cache volume, where there is one (hf://)
         "model.device",
         "cache.cpu_offload_gib",
         "server.host",
@@ -276,6 +294,7 @@ def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | Non
         {
             "model.model": mount.model_path,
             "model.served_name": mount.served_name,
+            "model.weight_cache_dir": mount.cache_dir,
             "model.device": "cuda" if spec.resources.gpus > 0 else "cpu",
             # In a pod the server listens on every interface: the Service and the kubelet's probes reach it.
             "server.host": "0.0.0.0",
@@ -448,8 +467,9 @@ def build_deployment(
         "image": spec.image,
         "command": ["tokenfleet", "serve", "--config", f"{CONFIG_DIR}/{RUNTIME_CONFIG_FILE}"],
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
-        # The root filesystem is read-only: caches (Triton JIT, HF, torch) go to the writable /tmp.
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}],
+        # The root filesystem is read-only: caches (Triton JIT, HF, torch) go to the writable /tmp, or
+        # the compile caches to the model cache volume where there is one (the next pod skips compiling).
+        "env": [{"name": "HOME", "value": "/tmp"}, *compile_cache_env(mount.cache_dir)],
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # A crash's last log lines become lastState.terminated.message (and so the ModelDeployment's status).

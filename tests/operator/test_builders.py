@@ -176,11 +176,25 @@ def test_hf_source_uses_an_init_container():
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]  # no cache named: lost with the pod
     assert all(e["name"] != "HF_ENDPOINT" for e in init["env"])  # the hub client's default
     main = next(c for c in pod["containers"] if c["name"] == "runtime")
-    # The link and the entry it points at are at the same paths in both containers, read-only in the server.
+    # The link and the entry it points at are at the same paths in both containers; the link read-only in
+    # the server, the cache writable: it keeps the converted weights and compile caches there.
     for name, path in (("model", "/models"), ("model-cache", "/var/cache/tokenfleet")):
         assert {"name": name, "mountPath": path} in init["volumeMounts"]
-        assert {"name": name, "mountPath": path, "readOnly": True} in main["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]
+    assert {"name": "model-cache", "mountPath": "/var/cache/tokenfleet"} in main["volumeMounts"]
+    assert cfg.model.weight_cache_dir == "/var/cache/tokenfleet"
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/tokenfleet/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/tokenfleet/inductor"
     assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]  # HF_HOME on a read-only root
+
+
+def test_sources_without_a_cache_volume_convert_on_every_start():
+    md, cfg = _runtime({"model": {"source": "smollm2-135m-instruct"}})
+    assert cfg.model.weight_cache_dir is None  # nowhere shared to keep it: the pod's /tmp dies with it
+    main = build_deployment("chat", md, cfg)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/tmp/triton" and "TORCHINDUCTOR_CACHE_DIR" not in env
 
 
 def test_hf_source_with_a_token_and_a_cache_claim():
