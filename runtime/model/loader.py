@@ -167,7 +167,10 @@ def assign_cached(model: torch.nn.Module, tensors: dict[str, torch.Tensor], devi
         got = tensors[name]
         if got.shape != want.shape or got.dtype != want.dtype:
             raise WeightCacheError(f"an entry whose {name} is {got.dtype}{list(got.shape)}")
-    model.load_state_dict(tensors, strict=True, assign=True)
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as e:  # what the checks above did not foresee: still only a miss
+        raise WeightCacheError(f"an entry the model refused ({e})") from None
     model.tie_weights()
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -214,11 +217,17 @@ def load_model(
     cached = False
     if cache is not None:
         try:
-            assign_cached(model, cache.load(key, device), device)
-            cached = True
+            tensors = cache.load(key, device)
         except WeightCacheError as e:
             log.info("weight cache: %s for %s: converting the checkpoint", e, source.path)
-            model = build()  # a refused entry may have assigned some parameters already
+        else:
+            try:
+                assign_cached(model, tensors, device)
+                cached = True
+            except WeightCacheError as e:  # whatever wrote it, it is not this model's: replaced below
+                cache.remove(key, str(e))
+                model = build()  # a refused entry may have assigned some parameters already
+            del tensors
         startup_timing.mark("weight_cache")
     if not cached:
         # Given uninitialised memory on the device in the target dtype: load_weights refuses a checkpoint

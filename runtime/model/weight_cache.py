@@ -190,18 +190,18 @@ class WeightCache:
         except FileNotFoundError:
             raise WeightCacheError("no entry") from None
         except (OSError, ValueError) as e:
-            self._remove(entry, f"its record is unreadable ({e})")
+            self._remove_entry(entry, f"its record is unreadable ({e})")
             raise WeightCacheError("a damaged record") from None
         weights = entry / WEIGHTS_FILE
         try:
             size = weights.stat().st_size
             crc = _crc32(weights) if size == record.get("size") else None
         except OSError as e:
-            self._remove(entry, f"its weights are unreadable ({e})")
+            self._remove_entry(entry, f"its weights are unreadable ({e})")
             raise WeightCacheError("unreadable weights") from None
         if size != record.get("size") or crc != record.get("crc32"):
             why = f"size {size} != {record.get('size')}" if crc is None else "its CRC-32 does not match"
-            self._remove(entry, why)
+            self._remove_entry(entry, why)
             raise WeightCacheError(f"a damaged entry ({why})")
         tensors = load_file(weights, device=str(device) if device.type != "cpu" else "cpu")
         for name, target in (record.get("aliases") or {}).items():
@@ -261,8 +261,12 @@ class WeightCache:
         thread.start()
         return thread
 
+    def remove(self, key: str, why: str) -> None:
+        """Take the entry away (one the model refused): the next store writes it anew."""
+        self._remove_entry(self.entry(key), why)
+
     @staticmethod
-    def _remove(entry: Path, why: str) -> None:
+    def _remove_entry(entry: Path, why: str) -> None:
         log.warning("weight cache: entry %s removed, to be rebuilt: %s", entry.name, why)
         # Renamed away first: a reader that mapped it keeps its mapping, and nobody finds it half-deleted.
         doomed = entry.parent / f"{TMP_PREFIX}{entry.name}-removed-{uuid.uuid4().hex[:8]}"

@@ -159,11 +159,14 @@ def test_an_entry_of_other_parameters_is_refused(tmp_path, tiny, default_model_p
     key = cache_key(tiny, torch.float32, CPU)
     WeightCache(cache).store(key, dict(other.model.state_dict()), "another model")
     conversions = _Conversions(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="tokenfleet.runtime.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.runtime.model.weight_cache"):
         loaded = _load(tiny, cache)
     assert conversions.count == 1
-    assert "an entry of other parameters" in caplog.text
+    assert "an entry of other parameters" in caplog.text  # removed, then written anew by this load
     assert loaded.model.model.embed_tokens.weight.shape[1] == 64  # the tiny model's own width
+    again = _load(tiny, cache)
+    assert conversions.count == 1  # the replacement entry is the tiny model's
+    _same_state(loaded.model, again.model)
 
 
 def test_the_key_follows_the_checkpoint_dtype_device_and_shard(tiny):
@@ -195,3 +198,28 @@ def test_bfloat16_entries_round_trip(tmp_path, tiny, monkeypatch):
     assert conversions.count == 0
     assert again.model.model.embed_tokens.weight.dtype == torch.bfloat16
     _same_state(plain.model, again.model)
+
+
+def test_tensor_parallel_shards_have_entries_of_their_own(tmp_path, tiny, monkeypatch):
+    """Each rank maps its own shard (the key names it), equal to the shard a conversion slices out."""
+    cache = tmp_path / "cache"
+
+    def shard(rank: int, where: Path | None):
+        config = ModelConfig(
+            model=str(tiny),
+            dtype="float32",
+            attention_backend="torch",
+            weight_cache_dir=str(where) if where else None,
+        )
+        loaded = load_model(config, CPU, tp_rank=rank, tp_size=2)
+        assert wait_for_writes(60)
+        return loaded
+
+    plain = [shard(rank, None) for rank in (0, 1)]
+    for rank in (0, 1):
+        shard(rank, cache)
+    assert len(_entries(cache)) == 2
+    conversions = _Conversions(monkeypatch)
+    for rank in (0, 1):
+        _same_state(plain[rank].model, shard(rank, cache).model)
+    assert conversions.count == 0
