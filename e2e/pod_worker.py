@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from host_paths import ensure_target
 from pod_container import Container, now, seconds_between, termination
-from pod_env import PodSpecError, container_argv, container_env
+from pod_env import PodSpecError, container_argv, container_env, expand
 from pod_probes import ProbeRunner
 from pod_volumes import Volumes
 
@@ -214,7 +214,7 @@ class PodWorker:
         term_file = self.dir / "termination" / c.name
         term_file.parent.mkdir(parents=True, exist_ok=True)
         term_file.write_bytes(b"")
-        mounts = self._mounts(c, term_file)
+        mounts = self._mounts(c, term_file, env)
         spec_file = self.dir / f"{c.name}.exec.json"
         spec_file.write_text(json.dumps({
             "argv": argv, "env": env, "mounts": mounts, "workingDir": c.spec.get("workingDir"),
@@ -252,15 +252,19 @@ class PodWorker:
         self.kick()
         return exit_code
 
-    def _mounts(self, c: Container, term_file: Path) -> list[dict[str, Any]]:
+    def _mounts(self, c: Container, term_file: Path, env: dict[str, str]) -> list[dict[str, Any]]:
         assert self.volumes is not None
         mounts = []
         for m in c.spec.get("volumeMounts") or []:
             if m["name"] not in self.volumes.paths:
                 raise PodSpecError(f"volumeMount {m['name']} names no volume of the pod")
             source = self.volumes.paths[m["name"]]
-            if m.get("subPath"):
-                source = (source / m["subPath"]).resolve()
+            # subPathExpr: the container's `$(VAR)`s expanded, as the kubelet does.
+            sub = m.get("subPath") or (expand(m["subPathExpr"], env) if m.get("subPathExpr") else None)
+            if sub:
+                if Path(sub).is_absolute() or ".." in Path(sub).parts:
+                    raise PodSpecError(f"volumeMount {m['name']}: subPath {sub!r} leaves its volume")
+                source = (source / sub).resolve()
                 if not source.exists():
                     source.mkdir(parents=True)
             mounts.append(

@@ -140,10 +140,9 @@ def test_an_hf_model_is_fetched_once_per_node_verified_and_its_progress_shown(
 
         # The first server converted the GGUF (dequantised it) and keeps the result on the cache volume.
         assert "weight_copy" in _startup_phases(kubelets, ns, pod)
-        until(
-            "converted weights cached",
-            lambda: list((operator.node_cache_dir / "weights").glob("*/entry.json")),
-        )
+        # In the deployment's own directory of the node cache, the one part of it its pods can write.
+        work = operator.node_cache_dir / "deployments" / ns / "fetched"
+        until("converted weights cached", lambda: list((work / "weights").glob("*/entry.json")))
 
         # 2. A second pod: the node's entry is verified and used, and so are the converted weights: nothing
         # is downloaded or converted again, and it serves the same tokens from the mapped entry.

@@ -122,18 +122,36 @@ class ModelMount:
 
     model_path: str  # what RuntimeConfig.model.model says
     served_name: str
-    # The serving container's writable cache volume: converted weights (RuntimeConfig
-    # model.weight_cache_dir) and compile caches, for the next pod (or restart) of the model on it.
+    # The serving container's own writable part of the cache volume: converted weights (RuntimeConfig
+    # model.weight_cache_dir) and compile caches, for the next pod (or restart) of the deployment.
     cache_dir: str | None = None
     volumes: tuple[dict[str, Any], ...] = ()
     mounts: tuple[dict[str, Any], ...] = ()
     init_containers: tuple[dict[str, Any], ...] = ()
+    env: tuple[dict[str, Any], ...] = ()  # the serving container's, for what the mounts name
+
+
+# The serving container's part of an hf:// model's cache volume, mounted alone: the directory of its own
+# ModelDeployment. The volume may be a node's directory shared by every deployment on the node, of every
+# namespace: what one server writes there (weights it will map, kernels it will run) no other deployment's
+# pods ever read, so a compromised server cannot reach another tenant's pods through the cache.
+WORK_MOUNT = "/var/cache/tokenfleet-work"
+_NAMESPACE_ENV = {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+
+
+def work_subpath(md_name: str) -> str:
+    """The deployment's directory in the cache volume (`$(POD_NAMESPACE)` is expanded by the kubelet)."""
+    return f"deployments/$(POD_NAMESPACE)/{md_name}"
 
 
 def model_mount(
-    spec: ModelDeploymentSpec, security_context: dict[str, Any], node_cache_dir: str = NODE_CACHE_DIR
+    spec: ModelDeploymentSpec,
+    security_context: dict[str, Any],
+    node_cache_dir: str = NODE_CACHE_DIR,
+    md_name: str = "",
 ) -> ModelMount:
-    """`node_cache_dir`: the node's directory behind `model.nodeCache` (the operator's --node-cache-dir)."""
+    """`node_cache_dir`: the node's directory behind `model.nodeCache` (the operator's --node-cache-dir);
+    `md_name`: the ModelDeployment whose own part of the cache the pods get (volumes and mounts only)."""
     source = spec.model.source
     kind = source_kind(source)
     if kind == "builtin":
@@ -184,9 +202,9 @@ def model_mount(
         # takes it over (the operator reads it into status.loading).
         "command": [
             *("tokenfleet", "fetch", source, "--cache-dir", NODE_CACHE_DIR, "--link", link),
-            *("--status-port", str(RUNTIME_PORT)),
+            *("--status-port", str(RUNTIME_PORT), "--work-dir", work_subpath(md_name)),
         ],
-        "env": env,
+        "env": [*env, _NAMESPACE_ENV],
         "volumeMounts": [
             {"name": "model", "mountPath": MODELS_DIR},
             {"name": "model-cache", "mountPath": NODE_CACHE_DIR},
@@ -210,18 +228,19 @@ def model_mount(
         volumes=({"name": "model", "emptyDir": {}}, {"name": "model-cache", **cache}),
         mounts=(
             {"name": "model", "mountPath": MODELS_DIR, "readOnly": True},
-            # Writable: the server keeps the converted weights and compile caches beside the downloads.
-            # The downloads stay safe from it: every fetch checks an entry's digests before linking it.
-            {"name": "model-cache", "mountPath": NODE_CACHE_DIR},
+            {"name": "model-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True},
+            # Created by the fetch (as the pods' user: a subPath the kubelet creates belongs to root).
+            {"name": "model-cache", "mountPath": WORK_MOUNT, "subPathExpr": work_subpath(md_name)},
         ),
         init_containers=(fetch,),
-        cache_dir=NODE_CACHE_DIR,
+        cache_dir=WORK_MOUNT,
+        env=(_NAMESPACE_ENV,),
     )
 
 
 def compile_cache_env(cache_dir: str | None) -> list[dict[str, str]]:
-    """Where Triton's JIT and torch.compile (inductor) keep what they built: the cache volume, shared
-    by the pods that mount it (both key their entries by compiler version and source), else /tmp."""
+    """Where Triton's JIT and torch.compile (inductor) keep what they built: the deployment's part of the
+    cache volume, for its next pods (both key their entries by compiler version and source), else /tmp."""
     if cache_dir is None:
         return [{"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}]
     return [
@@ -439,7 +458,7 @@ def build_deployment(
     (default `name`; a disaggregated role's Deployment is `<md>-<role>` and shares its deployment's key)."""
     gpu = spec.resources.gpus > 0
     csc = container_security_context()
-    mount = model_mount(spec, csc, node_cache_dir)
+    mount = model_mount(spec, csc, node_cache_dir, md_name or name)
     names = child_names(name)
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map}},
@@ -469,7 +488,7 @@ def build_deployment(
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         # The root filesystem is read-only: caches (Triton JIT, HF, torch) go to the writable /tmp, or
         # the compile caches to the model cache volume where there is one (the next pod skips compiling).
-        "env": [{"name": "HOME", "value": "/tmp"}, *compile_cache_env(mount.cache_dir)],
+        "env": [{"name": "HOME", "value": "/tmp"}, *compile_cache_env(mount.cache_dir), *mount.env],
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # A crash's last log lines become lastState.terminated.message (and so the ModelDeployment's status).

@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--status-host", default="0.0.0.0", help="address for --status-port (default 0.0.0.0)")
     p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="a directory inside the cache to create for the serving container (its converted weights "
+        "and compile caches, mounted alone and writable there; this container alone writes the cache root)",
+    )
+    p.add_argument(
         "--termination-log",
         default="/dev/termination-log",
         help="where the failure reason goes (skipped if it cannot be written)",
@@ -53,6 +60,23 @@ def write_termination_log(path: str, reason: str) -> None:
             Path(path).write_text(reason + "\n")
 
 
+def make_work_dir(cache_dir: Path, work_dir: Path) -> Path:
+    """`cache_dir/work_dir`, created with its parents by this (non-root) user, so that the kubelet finds it
+    when it mounts it as a subPath (one it had to create itself would belong to root)."""
+    if work_dir.is_absolute() or ".." in work_dir.parts:
+        raise FetchError(
+            f"--work-dir {work_dir}: a relative path inside the cache, without '..'", transient=False
+        )
+    path = cache_dir / work_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(
+            f"the cache's work directory {path} cannot be created: {e.strerror}", transient=False
+        ) from None
+    return path
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     status = FetchStatusServer(args.status_host, args.status_port) if args.status_port is not None else None
@@ -64,6 +88,8 @@ def main(argv: list[str]) -> int:
             status.update(fields)
 
     try:
+        if args.work_dir is not None:
+            make_work_dir(args.cache_dir, args.work_dir)
         fetch(args.source, args.cache_dir, args.link, args.attempts, args.backoff_seconds, log=log)
     except FetchError as e:
         write_termination_log(args.termination_log, e.reason)

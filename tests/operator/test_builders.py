@@ -170,22 +170,31 @@ def test_hf_source_uses_an_init_container():
         "tokenfleet", "fetch", "hf://Qwen/Qwen2.5-0.5B-Instruct@v1",
         "--cache-dir", "/var/cache/tokenfleet", "--link", "/models/Qwen/Qwen2.5-0.5B-Instruct",
         "--status-port", "8000",  # the download's progress on the pod's port, for status.loading
+        "--work-dir", "deployments/$(POD_NAMESPACE)/qwen",  # made as the pods' user, for the subPath
     ]  # fmt: skip
     assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"  # its reason reaches the status
     assert {"name": "model", "emptyDir": {}} in pod["volumes"]
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]  # no cache named: lost with the pod
     assert all(e["name"] != "HF_ENDPOINT" for e in init["env"])  # the hub client's default
     main = next(c for c in pod["containers"] if c["name"] == "runtime")
-    # The link and the entry it points at are at the same paths in both containers; the link read-only in
-    # the server, the cache writable: it keeps the converted weights and compile caches there.
+    # The link and the entry it points at are at the same paths in both containers, read-only in the server.
     for name, path in (("model", "/models"), ("model-cache", "/var/cache/tokenfleet")):
         assert {"name": name, "mountPath": path} in init["volumeMounts"]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]
-    assert {"name": "model-cache", "mountPath": "/var/cache/tokenfleet"} in main["volumeMounts"]
-    assert cfg.model.weight_cache_dir == "/var/cache/tokenfleet"
-    env = {e["name"]: e["value"] for e in main["env"]}
-    assert env["TRITON_CACHE_DIR"] == "/var/cache/tokenfleet/triton"
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/tokenfleet/inductor"
+        assert {"name": name, "mountPath": path, "readOnly": True} in main["volumeMounts"]
+    # The server writes only its deployment's own directory of the cache (converted weights, compile
+    # caches): a node cache is shared by every deployment on the node, of every namespace.
+    work = {
+        "name": "model-cache",
+        "mountPath": "/var/cache/tokenfleet-work",
+        "subPathExpr": "deployments/$(POD_NAMESPACE)/qwen",
+    }
+    assert work in main["volumeMounts"]
+    assert cfg.model.weight_cache_dir == "/var/cache/tokenfleet-work"
+    namespace = {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+    assert namespace in main["env"] and namespace in init["env"]
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/tokenfleet-work/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/var/cache/tokenfleet-work/inductor"
     assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]  # HF_HOME on a read-only root
 
 

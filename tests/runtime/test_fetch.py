@@ -130,6 +130,7 @@ def test_cli_fetches_verifies_and_links(hub: FakeHub, tmp_path: Path) -> None:
         "--link",
         str(tmp_path / "model"),
     ]
+    argv += ["--work-dir", "deployments/team-a/chat"]  # the serving container's own part of the cache
     proc = subprocess.run(
         [sys.executable, "-m", "tokenfleet.runtime.cli", *argv, "--termination-log", str(termination)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
@@ -138,6 +139,7 @@ def test_cli_fetches_verifies_and_links(hub: FakeHub, tmp_path: Path) -> None:
     entry = _entry(tmp_path)
     assert os.readlink(tmp_path / "model") == str(entry)
     _assert_intact(tmp_path, hub)
+    assert (tmp_path / "cache" / "deployments" / "team-a" / "chat").is_dir()
     manifest = json.loads((entry / MANIFEST).read_text())
     assert manifest["commit"] == COMMIT
     files = {f["name"]: f for f in manifest["files"]}
@@ -385,3 +387,12 @@ def test_a_cache_the_pod_cannot_write_fails_at_once_with_the_reason() -> None:
         failure = classify(e, parse_source(f"hf://{REPO}"))
     assert not failure.transient
     assert "/var/cache/tokenfleet/hf" in failure.reason and "writable" in failure.reason
+
+
+@pytest.mark.parametrize("work_dir", ["/etc/tokenfleet", "deployments/../../etc"])
+def test_a_work_dir_outside_the_cache_is_refused(tmp_path: Path, work_dir: str) -> None:
+    termination = tmp_path / "termination-log"
+    argv = ["hf://org/model", "--cache-dir", str(tmp_path / "cache"), "--link", str(tmp_path / "model")]
+    assert fetch_cli.main([*argv, "--work-dir", work_dir, "--termination-log", str(termination)]) == 1
+    assert "a relative path inside the cache" in termination.read_text()
+    assert not (tmp_path / "cache").exists()
