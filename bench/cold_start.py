@@ -8,7 +8,8 @@ Prints the median of each part over --runs, with the load average (this machine'
 
 With --weight-cache, the same run also measures a second pod of the model on the same node: a server with
 `--weight-cache-dir` (runtime/model/weight_cache.py) whose entry a first server wrote (that first start, the
-cache miss, is reported too), each run beside one without the cache, interleaved so drift hits both.
+cache miss, is reported too), each run beside one without the cache, interleaved so drift hits both. The
+server's peak resident memory and, at its first token, its anonymous and file-mapped parts are printed too.
 
     python bench/cold_start.py --runs 3 [--model smollm2-135m-instruct] [--env KEY=VALUE ...] [--weight-cache]
 """
@@ -78,6 +79,23 @@ def first_token_s(port: int, model: str) -> float:
         conn.close()
 
 
+def memory_mib(pid: int) -> dict[str, float]:
+    """The server's peak resident memory so far and, at its first token, how much of what is resident is
+    its own (anonymous) and how much is mapped files (pages of the page cache, shared with every process
+    that maps the same file): MiB, from /proc."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {
+        "memory: peak resident (MiB)": fields.get("VmHWM", 0.0),
+        "memory: anonymous at first token (MiB)": fields.get("RssAnon", 0.0),
+        "memory: mapped files at first token (MiB)": fields.get("RssFile", 0.0),
+    }
+
+
 def _entry_written(cache: Path) -> bool:
     return any((cache / "weights").glob("*/entry.json"))
 
@@ -120,6 +138,7 @@ def one_run(
                 time.sleep(0.005)
         ttft = first_token_s(port, model)
         first_token = time.monotonic() - t0
+        memory = memory_mib(proc.pid)
         # The entry is written in the background after the load: the first server lives until it is there.
         while keep_until_stored and cache is not None and not _entry_written(cache):
             if proc.poll() is not None or time.monotonic() - t0 > timeout:
@@ -144,6 +163,7 @@ def one_run(
         "bench: spawn -> /ready 200": ready,
         "bench: first request -> first token": ttft,
         "bench: spawn -> first token": first_token,
+        **memory,
     }
 
 
