@@ -52,7 +52,8 @@ def deployment_lines(deployments: list[dict[str, Any]]) -> list[str]:
         st = d.get("status") or {}
         out.append(
             f"deployment {d['metadata']['name']}: spec {d['spec'].get('replicas')} replicas "
-            f"{st.get('replicas', 0)} ready {st.get('readyReplicas', 0)} available {st.get('availableReplicas', 0)}"
+            f"{st.get('replicas', 0)} ready {st.get('readyReplicas', 0)} "
+            f"available {st.get('availableReplicas', 0)}"
         )
     return out
 

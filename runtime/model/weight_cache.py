@@ -9,8 +9,9 @@ pages); on a GPU it is read straight into device memory in its final dtype.
 
 The key is a digest of what determines the converted tensors: the checkpoint's files as the filesystem
 describes them (relative name, size, modification time: a fetched entry never changes once written, and
-a file rewritten in place has a new mtime; dotfiles, a downloader's own records, are left out), the dtype, the device type, the shard, and `LAYOUT_VERSION`,
-raised whenever a loader change alters what a parameter holds. A model whose parameters do not match an
+a file rewritten in place has a new mtime; dotfiles, a downloader's own records, are left out), the
+dtype, the device type, the shard, and `LAYOUT_VERSION`, raised whenever a loader change alters what a
+parameter holds. A model whose parameters do not match an
 entry's tensors exactly (names, shapes, dtypes) refuses it, and it is rebuilt.
 
 An entry is written to a temporary directory beside the entries and renamed into place whole, so no
