@@ -9,9 +9,9 @@ pages); on a GPU it is read straight into device memory in its final dtype.
 
 The key is a digest of what determines the converted tensors: the checkpoint's files as the filesystem
 describes them (relative name, size, modification time: a fetched entry never changes once written, and
-a file rewritten in place has a new mtime; dotfiles, a downloader's own records, are left out), the
-dtype, the device type, the shard, and `LAYOUT_VERSION`, raised whenever a loader change alters what a
-parameter holds. A model whose parameters do not match an
+a file rewritten in place has a new mtime; dotfiles, a downloader's own records, are left out), for a
+model `tokenfleet fetch` downloaded also its files' sha256 (its verified manifest), the dtype, the device
+type, the shard, and `LAYOUT_VERSION`, raised whenever a loader change alters what a parameter holds. A model whose parameters do not match an
 entry's tensors exactly (names, shapes, dtypes) refuses it, and it is rebuilt.
 
 An entry is written to a temporary directory beside the entries and renamed into place whole, so no
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenfleet.runtime.model.fetch import manifest_files, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,19 @@ def checkpoint_files(path: Path) -> list[tuple[str, int, int]]:
     return out
 
 
+def fetched_digests(checkpoint: Path) -> list[tuple[str, str]] | None:
+    """(name, sha256) of each file of the `tokenfleet fetch` entry the checkpoint is in, from the entry's
+    manifest (written only once every file matched the Hub's digests, and checked again by every pod's
+    fetch before the server starts); None for a checkpoint that was not fetched."""
+    path = checkpoint.resolve()
+    entry = path if path.is_dir() else path.parent
+    try:
+        manifest = read_manifest(entry)
+        return None if manifest is None else sorted((f.name, f.sha256) for f in manifest_files(manifest))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a manifest the fetch would refuse: the files' metadata still key the entry
+
+
 def cache_key(
     checkpoint: Path, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1
 ) -> str:
@@ -109,6 +123,7 @@ def cache_key(
     what = {
         "layout": LAYOUT_VERSION,
         "files": checkpoint_files(checkpoint),
+        "sha256": fetched_digests(checkpoint),
         "dtype": str(dtype),
         "device": device.type,
         "shard": [tp_rank, tp_size],

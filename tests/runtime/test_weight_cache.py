@@ -223,3 +223,23 @@ def test_tensor_parallel_shards_have_entries_of_their_own(tmp_path, tiny, monkey
     for rank in (0, 1):
         _same_state(plain[rank].model, shard(rank, cache).model)
     assert conversions.count == 0
+
+
+def test_a_fetched_models_key_has_its_verified_digests(tiny):
+    """A model `tokenfleet fetch` downloaded is keyed by its files' sha256 too (its entry's manifest)."""
+    from tokenfleet.runtime.model.fetch import MANIFEST
+
+    plain = cache_key(tiny, torch.float32, CPU)
+    manifest = {
+        "version": 1,
+        "commit": "c" * 40,
+        "files": [{"name": "model.safetensors", "size": 1, "sha256": "a" * 64}],
+    }
+    (tiny / MANIFEST).write_text(json.dumps(manifest))
+    fetched = cache_key(tiny, torch.float32, CPU)
+    assert fetched != plain
+    manifest["files"][0]["sha256"] = "b" * 64
+    (tiny / MANIFEST).write_text(json.dumps(manifest))
+    assert cache_key(tiny, torch.float32, CPU) not in (plain, fetched)
+    (tiny / MANIFEST).write_text("{not json")  # what the fetch would refuse: the files' metadata alone
+    assert cache_key(tiny, torch.float32, CPU) == plain
