@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 from tokenfleet.runtime.config_file import load_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -167,6 +167,50 @@ class ServerConfig(_Strict):
     )
 
 
+class LoRAModuleSpec(_Strict):
+    """An adapter loaded at start-up (vLLM's `--lora-modules name=path`, or its JSON form)."""
+
+    name: str = Field(min_length=1, description="The `model` clients send to use the adapter.")
+    path: str = Field(
+        min_length=1, description="Folder with adapter_config.json + adapter_model.safetensors."
+    )
+    base_model_name: str | None = Field(
+        None, description="Listed as the adapter's `parent`; default the model."
+    )
+
+
+class LoRAConfig(_Strict):
+    """LoRA adapters served on top of the base model (vLLM's flags and defaults)."""
+
+    enable: bool = Field(False, description="Serve PEFT LoRA adapters (`--enable-lora`).")
+    modules: tuple[LoRAModuleSpec, ...] = ()
+    max_loras: int = Field(1, gt=0, le=64, description="Distinct adapters in one batch (device slots).")
+    max_lora_rank: int = Field(16, gt=0, le=512, description="Largest adapter rank served (slot width).")
+    max_cpu_loras: int | None = Field(
+        None,
+        gt=0,
+        description="Adapters loaded at once (host memory); loading one more evicts the least recently used "
+        "idle one. Default and minimum: max_loras.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora.modules names must be unique, got {names}")
+        if len(names) > self.host_limit:
+            raise ValueError(f"{len(names)} lora.modules but max_cpu_loras is {self.host_limit}")
+        if self.modules and not self.enable:
+            raise ValueError("lora.modules given but lora.enable is false (--enable-lora)")
+        return self
+
+    @property
+    def host_limit(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 class MetricsConfig(_Strict):
     naming: Literal["tokenfleet", "vllm"] = Field(
         "tokenfleet",
@@ -183,6 +227,7 @@ class RuntimeConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
     metrics: MetricsConfig = MetricsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @classmethod
     def load(cls, path: str | Path) -> RuntimeConfig:

@@ -42,3 +42,19 @@ class Overloaded(TokenfleetError):
 
 class EngineDeadError(TokenfleetError):
     """The engine loop has stopped; requests can no longer be served."""
+
+
+class ModelNotFound(TokenfleetError):
+    """The request names a model (or LoRA adapter) this server does not serve (404 `model_not_found`)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
+
+class AdaptersBusy(TokenfleetError):
+    """No adapter can be loaded now: every loaded one has requests in flight (503, retry after)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -23,7 +23,7 @@ from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta
 from tokenfleet.runtime.engine.request import ResumeFrom
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
-from tokenfleet.runtime.errors import EngineDeadError, Overloaded
+from tokenfleet.runtime.errors import EngineDeadError, ModelNotFound, Overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class _Add:
     arrival_time: float
     resume: ResumeFrom | None = None
     tenant: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         resume: ResumeFrom | None = None,
         tenant: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Validate and enqueue now (errors raise here); iterate the result for the output deltas.
         `resume` continues a stream begun elsewhere (see ResumeFrom); `tenant`: whose fair share it
@@ -129,6 +131,8 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.core.check_admission(prompt_token_ids, params)  # the scheduler's check, before queueing
+        if lora_name is not None and (self.core.lora is None or self.core.lora.get(lora_name) is None):
+            raise ModelNotFound(lora_name)  # unloaded since the server looked the name up
         waiting = self._stats.num_waiting + (self._submitted - self._ingested)
         if waiting >= self.config.scheduler.max_waiting:
             raise Overloaded(
@@ -148,6 +152,7 @@ class AsyncEngine:
                 time.monotonic(),
                 resume,
                 tenant,
+                lora_name,
             )
         )
         return self._stream(request_id, q)
@@ -279,6 +284,7 @@ class AsyncEngine:
                     cmd.arrival_time,
                     cmd.resume,
                     cmd.tenant,
+                    cmd.lora_name,
                 )
             except Exception as e:  # validated up front; this is a rare race (e.g. a duplicate id)
                 self._post(cmd.request_id, e)

@@ -73,6 +73,8 @@ def decode_buckets(max_num_seqs: int, sizes: Sequence[int] | None) -> tuple[int,
 def unsupported_reason(model: LlamaForCausalLM, device: torch.device) -> str | None:
     """Why this model's decode step cannot be compiled on `device`, or None when it can."""
     arch = model.arch
+    if getattr(model, "lora", None) is not None:
+        return "LoRA adapters (the per-token adapter deltas run outside the captured step)"
     if arch.tp_size > 1:
         return "tensor parallelism (collectives are not captured)"
     if any(arch.is_moe_layer(i) for i in range(arch.num_layers)):

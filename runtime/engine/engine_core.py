@@ -11,6 +11,7 @@ an injected clock (`time.monotonic` by default), so the same engine runs on virt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import torch
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
+from tokenfleet.runtime.engine.lora_manager import LoRAAdapter, LoRAManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
 from tokenfleet.runtime.engine.output_processor import OutputProcessor
 from tokenfleet.runtime.engine.outputs import EngineStats, RequestDelta
@@ -30,8 +32,9 @@ from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.engine.spec_decode.coordinator import SpecDecoder
 from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
 from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
-from tokenfleet.runtime.errors import InvalidRequest
+from tokenfleet.runtime.errors import ConfigError, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
+from tokenfleet.runtime.model.lora_slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +88,14 @@ class EngineCore:
         self.kv_manager = KVCacheManager.from_config(
             config.cache, num_blocks, self.loaded.name, clock, sliding_window=window
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, lookahead)
+        self.lora = self._build_lora(config)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            lookahead,
+            max_loras=config.lora.max_loras if self.lora is not None else None,
+        )
         self.runner = ModelRunner(
             self.loaded,
             config.cache,
@@ -107,6 +117,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.arch.vocab_size)
         self._prompt_tokens_total = 0
         self._num_steps = 0
+        # Requests in flight under a LoRA adapter: each holds it until it ends (see LoRAManager).
+        self._lora_requests: dict[str, LoRAAdapter] = {}
         # Where the block pool's stored/removed events go after each step (the server's KV-event log for
         # the router). Until a sink is set they wait in a bounded backlog, so the blocks computed before a
         # router could listen (pinned prefixes at start-up) are still announced.
@@ -122,6 +134,35 @@ class EngineCore:
         self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (until every part is awake again)
         self.cache_policy = CachePolicyRuntime(self)
 
+    def _build_lora(self, config: RuntimeConfig) -> LoRAManager | None:
+        """The adapter slots hooked into the model and the start-up adapters loaded, when LoRA is on."""
+        if not config.lora.enable:
+            return None
+        if config.parallel.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters are not served with tensor parallelism yet")
+        model = self.loaded.model
+        if getattr(model, "lora", None) is not None:
+            raise ConfigError("this model already serves LoRA adapters for another engine")
+        slots = LoRASlots(
+            model, config.lora.max_loras, config.lora.max_lora_rank, self.loaded.dtype, self.device
+        )
+        model.lora = slots  # the runner sets the step's token -> slot map on it; compiling is then off
+        self._lora_slots = slots  # hooks removed at shutdown: a model passed in outlives the engine
+        manager = LoRAManager(config.lora, slots, self.loaded.arch, self.loaded.dtype, config.model.name)
+        for module in config.lora.modules:
+            try:
+                manager.register(module.name, module.path, module.base_model_name)
+            except InvalidRequest as exc:
+                raise ConfigError(f"lora.modules {module.name}: {exc}") from None
+        logger.info(
+            "LoRA: %d slots of rank %d (%.1f MiB), adapters %s",
+            slots.max_loras,
+            slots.max_rank,
+            slots.nbytes / 2**20,
+            [a.name for a in manager.adapters()],
+        )
+        return manager
+
     def check_health(self) -> None:
         """Raise EngineDeadError when a part the engine needs has died (a tensor-parallel worker)."""
         if self.workers is not None:
@@ -132,6 +173,11 @@ class EngineCore:
         engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.stop()
+        slots = getattr(self, "_lora_slots", None)
+        if slots is not None:
+            slots.detach()
+            del self.loaded.model.lora
+            self._lora_slots = None
         runner = getattr(self, "runner", None)  # absent when construction failed before it was built
         if runner is not None and runner.compiled is not None:
             runner.compiled.close()
@@ -158,12 +204,19 @@ class EngineCore:
         arrival_time: float | None = None,
         resume: ResumeFrom | None = None,
         tenant: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request; raises (and keeps nothing) when the scheduler refuses it. With `resume` it
         continues a stream begun elsewhere (recomputed like a preempted request, prefix cache permitting).
-        `tenant`: whose share it counts against under `scheduler.fair_share` (None: the anonymous one)."""
+        `tenant`: whose share it counts against under `scheduler.fair_share` (None: the anonymous one).
+        `lora_name`: the loaded LoRA adapter it runs under (ModelNotFound when there is none of that name)."""
         if self.sleep_level:  # the server answers 503 `sleeping` before this; offline callers get told
             raise RuntimeError("the engine is asleep (sleep mode): wake_up() first")
+        adapter = None
+        if lora_name is not None:
+            if self.lora is None:
+                raise ModelNotFound(lora_name)
+            adapter = self.lora.acquire(lora_name)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -173,6 +226,7 @@ class EngineCore:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             tenant=tenant,
+            lora=adapter,
             grammar=self.grammars.new_state(params.structured_output),
         )
         if resume is not None:
@@ -181,7 +235,14 @@ class EngineCore:
         elif params.prompt_logprobs is not None:
             # Scored as its prefill runs; a continuation's prompt was scored where the stream began.
             request.prompt_logprobs = []
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if adapter is not None:
+                self.lora.release(adapter)
+            raise
+        if adapter is not None:
+            self._lora_requests[request_id] = adapter
         self.outputs.add(request)
         self._prompt_tokens_total += len(prompt_token_ids)
 
@@ -192,6 +253,7 @@ class EngineCore:
             return None
         self.scheduler.abort(request_id)
         self.runner.release(request_id)
+        self._release_lora(request_id)
         self._publish_kv_events()
         return out
 
@@ -214,6 +276,10 @@ class EngineCore:
                     req.first_scheduled_time = now
             if self.kv_event_sink is not None:
                 self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
+        if self._lora_requests:
+            adapters = [requests[s.request_id].lora for s in sched.scheduled]
+            if any(a is not None for a in adapters):
+                sched = dataclasses.replace(sched, lora_slots=self.lora.slots_for(adapters))
         result = self.runner.execute(sched, requests)
         for rid, scored in result.prompt_logprobs.items():
             requests[rid].prompt_logprobs.extend(scored)
@@ -225,12 +291,19 @@ class EngineCore:
         outputs, ended = self.outputs.process(num_before, result.logprobs, finished)
         for rid in ended:
             self.runner.release(rid)
+            if self._lora_requests:
+                self._release_lora(rid)
         if ended and self.finish_listeners:
             done = [requests[rid] for rid in ended if rid in requests]
             for listener in self.finish_listeners:
                 listener(done)
         self._publish_kv_events()
         return outputs
+
+    def _release_lora(self, request_id: str) -> None:
+        adapter = self._lora_requests.pop(request_id, None)
+        if adapter is not None:
+            self.lora.release(adapter)
 
     def set_kv_event_sink(self, sink: Callable[[Sequence[object]], object] | None) -> None:
         """Engine thread only. Hands the backlog to the new sink first, so nothing stored is missed."""
@@ -327,7 +400,21 @@ class EngineCore:
             num_steps=self._num_steps,
             kv_metrics=km.metrics(),
             **self._spec_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, object]:
+        if self.lora is None:
+            return {}
+        running_ids = {r.request_id for r in self.scheduler.running}
+        running, waiting = set(), set()
+        for rid, adapter in self._lora_requests.items():
+            (running if rid in running_ids else waiting).add(adapter.name)
+        return {
+            "running_lora_adapters": tuple(sorted(running)),
+            "waiting_lora_adapters": tuple(sorted(waiting)),
+            "max_lora": self.config.lora.max_loras,
+        }
 
     def _spec_stats(self) -> dict[str, object]:
         spec = self.spec_decoder

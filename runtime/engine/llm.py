@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.runtime.config import CacheConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig
+from tokenfleet.runtime.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
 from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.engine.offline_outputs import (
     CompletionOutput,
@@ -27,6 +34,16 @@ from tokenfleet.runtime.model.loader import LoadedModel
 Prompt = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 ProgressBar = bool | Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A PEFT LoRA adapter to run a prompt under, as vLLM's offline API names it (`lora_int_id` is kept
+    for scripts written for vLLM; the name identifies the adapter). Loaded on first use."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +75,24 @@ class LLM:
         **overrides: object,
     ):
         config = config or RuntimeConfig()
-        sections: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}}
+        sections: dict[str, dict[str, object]] = {
+            "model": {},
+            "cache": {},
+            "scheduler": {},
+            "parallel": {},
+            "lora": {},
+        }
         if model is not None:
             sections["model"]["model"] = model
         for key, value in overrides.items():
+            if key == "enable_lora":  # vLLM's name for lora.enable
+                key = "enable"
             for name, cls in (
                 ("model", ModelConfig),
                 ("cache", CacheConfig),
                 ("scheduler", SchedulerConfig),
                 ("parallel", ParallelConfig),
+                ("lora", LoRAConfig),
             ):
                 if key in cls.model_fields:
                     sections[name][key] = value
@@ -106,19 +132,21 @@ class LLM:
         *,
         use_tqdm: ProgressBar = True,
         on_step: Callable[[list[RequestDelta]], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in the prompts' order.
 
         With `n > 1` a prompt's n completions are its `outputs` (a given seed becomes seed + i for the
         i-th). `use_tqdm`: a progress bar over the prompts (or a tqdm-like factory); `on_step` sees each
-        engine step's deltas (for streaming to a terminal).
+        engine step's deltas (for streaming to a terminal). `lora_request`: the adapter of every prompt,
+        or one per prompt (None: the base model); needs `enable_lora=True`.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         items = [self._prompt(p) for p in prompts]  # type: ignore[union-attr]
-        return self._run(items, sampling_params, use_tqdm, on_step)
+        return self._run(items, sampling_params, use_tqdm, on_step, lora_request)
 
     def chat(
         self,
@@ -130,6 +158,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         on_step: Callable[[list[RequestDelta]], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, rendered with the model's chat template
         (`tools` passed to it, as the server does); one RequestOutput per conversation."""
@@ -144,7 +173,23 @@ class LLM:
             )
             # The template already holds the special tokens (BOS, role markers): add none.
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(items, sampling_params, use_tqdm, on_step)
+        return self._run(items, sampling_params, use_tqdm, on_step, lora_request)
+
+    def _load_lora(self, lora: LoRARequest) -> str:
+        """The adapter's name, loading it from `lora_path` the first time it is named."""
+        manager = self.engine.lora
+        if manager is None:
+            raise ValueError("lora_request needs LoRA on: LLM(..., enable_lora=True)")
+        loaded = manager.get(lora.lora_name)
+        if loaded is None:
+            if not lora.lora_path:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} is not loaded and has no lora_path")
+            manager.register(lora.lora_name, lora.lora_path)
+        elif lora.lora_path and lora.lora_path != loaded.path:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} is loaded from {loaded.path}, not {lora.lora_path}"
+            )
+        return lora.lora_name
 
     def _prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -163,7 +208,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: ProgressBar,
         on_step: Callable[[list[RequestDelta]], None] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != len(items):
+                raise ValueError("one lora_request per prompt, or a single one for all")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(items)
+        lora_names = [None if lora is None else self._load_lora(lora) for lora in loras]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, Sequence):
@@ -174,7 +227,7 @@ class LLM:
             raise ValueError("one SamplingParams per prompt, or a single one for all")
 
         submitted: list[_Submitted] = []
-        for (text, ids), p in zip(items, params_list, strict=True):
+        for (text, ids), p, lora_name in zip(items, params_list, lora_names, strict=True):
             rid = str(next(self._ids))
             engine_ids = [rid] if p.n == 1 else [f"{rid}-{i}" for i in range(p.n)]
             for i, engine_id in enumerate(engine_ids):
@@ -184,7 +237,7 @@ class LLM:
                     sub.seed = p.seed + i
                 if i:  # the n completions share the prompt: the first one scores it
                     sub.prompt_logprobs = None
-                self.engine.add_request(engine_id, ids, sub)
+                self.engine.add_request(engine_id, ids, sub, lora_name=lora_name)
             submitted.append(_Submitted(rid, text, ids, engine_ids))
 
         tokens: dict[str, list[int]] = {e: [] for s in submitted for e in s.engine_ids}

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from tokenfleet.kernels.lora import LoRABatch, make_lora_batch_from_runs
 from tokenfleet.runtime.config import CacheConfig, ModelConfig
 from tokenfleet.runtime.engine.compiled_decode import (
     COMPILE_CACHE_DIR,
@@ -116,6 +117,7 @@ class StepInputs:
     # Prompt positions to score, one row each, last in logit_rows (empty unless a request asks for them).
     prompt_chunks: tuple[PromptLogprobsChunk, ...] = ()
     num_prompt_rows: int = 0
+    lora: LoRABatch | None = None  # each token's adapter slot, when any entry uses an adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +355,11 @@ class ModelRunner:
             ),
             self.device,
         )
+        lora = None
+        if output.lora_slots:
+            pairs = zip(output.lora_slots, output.scheduled, strict=True)
+            runs = [(slot, entry.num_tokens) for slot, entry in pairs]
+            lora = make_lora_batch_from_runs(runs, self.device)
         return StepInputs(
             input_ids=ids_t,
             positions=positions,
@@ -369,6 +376,7 @@ class ModelRunner:
             verify_drafts=tuple(verify_drafts),
             prompt_chunks=output.prompt_logprobs,
             num_prompt_rows=len(prompt_rows),
+            lora=lora,
         )
 
     @torch.inference_mode()
@@ -381,7 +389,15 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)
             return logits.index_select(0, inputs.logit_rows)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
+        if inputs.lora is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
+        else:
+            lora_slots = self.model.lora  # the hooks read the step's token -> slot map while it runs
+            lora_slots.batch = inputs.lora
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
+            finally:
+                lora_slots.batch = None
         if self.proposer is not None:
             self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if inputs.logit_rows.numel() == 0:

@@ -69,6 +69,10 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at proposal position i
     # Per-tier hits, evictions by reason, pins and offload traffic (kv_cache/cache_metrics.py).
     kv_metrics: KVCacheMetrics | None = None
+    # LoRA: the adapters of running and of waiting requests (sorted names) and the device slots (0: off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

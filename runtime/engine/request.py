@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenfleet.runtime.engine.lora_manager import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +65,8 @@ class Request:
     # Whose share of the engine this request counts against under `scheduler.fair_share` (None: the one
     # anonymous tenant); the server sets it from a trusted tenant header or the client's key digest.
     tenant: str | None = None
+    # The LoRA adapter the request runs under (None: the base model); part of its block hashes.
+    lora: LoRAAdapter | None = None
     # A continuation of a stream begun on another pod starts with the tokens generated there and the number
     # of characters of their text the client already holds (the detokenizer resumes from both).
     output_token_ids: list[int] = field(default_factory=list)

@@ -81,6 +81,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        max_loras: int | None = None,
     ):
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -94,6 +95,8 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        # LoRA: the most distinct adapters the running requests may use (the device slots); None: no LoRA.
+        self.max_loras = max_loras
         self.admission = AdmissionLimits(
             max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_blocks
         )
@@ -357,10 +360,21 @@ class Scheduler:
         waiting = self.waiting
         # Either rule may make room: a more urgent priority, or (fair share) a much less served tenant.
         preempts = self.config.policy == "priority" or self.fair is not None
+        # LoRA: a request whose adapter would exceed the slots waits, and those behind it go ahead (put
+        # back in their places after the loop). The running adapters are gathered only when one is met.
+        adapters: set | None = None
+        passed_over: list[Request] = []
         while budget > 0:
             request = waiting.peek()
             if request is None:
                 break
+            lora = request.lora
+            if lora is not None and self.max_loras is not None:
+                if adapters is None:
+                    adapters = {r.lora for r in self.running if r.lora is not None}
+                if lora not in adapters and len(adapters) >= self.max_loras:
+                    passed_over.append(waiting.pop())
+                    continue
             if len(self.running) >= self.config.max_num_seqs:
                 if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
                     break
@@ -398,6 +412,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = _RUNNING
             self.running.append(request)
+            if adapters is not None and lora is not None:
+                adapters.add(lora)
             if self.fair is not None:  # charged now: the next pick in this same step sees it
                 self._charge_entry(request, num_hit_tokens, end, end == num_tokens, 1)
             entries.append(
@@ -410,6 +426,8 @@ class Scheduler:
                 )
             )
             budget -= num_new
+        for request in passed_over:
+            waiting.push(request, self._order[request.request_id])
         return budget
 
     def _prompt_positions(self, entries: list[ScheduledRequest]) -> tuple[PromptLogprobsChunk, ...]:

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # Prompt positions to score in this step; empty unless a scheduled request asks for prompt logprobs
     # (then, and only then, the runner computes logits beyond the sampling rows).
     prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()
+    # LoRA: the device slot of each scheduled entry's adapter (-1: the base model), set by the engine once
+    # the slots are loaded; empty when no entry uses an adapter.
+    lora_slots: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:

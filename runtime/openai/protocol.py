@@ -328,6 +328,9 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "tokenfleet"
     max_model_len: int
+    # vLLM's fields: where the weights come from, and for a LoRA adapter the model it runs on.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(_Response):

@@ -6,8 +6,9 @@
   `server.api_key_file`) or the deployment's internal key opens them; with no client key configured they
   are open, as they always were.
 - INTERNAL: what only routers and the other role's pods call — KV events, KV fetch and holds, /v1/config,
-  /v1/tokenizer, and sleep mode's /sleep, /wake_up, /is_sleeping (vLLM's admin endpoints; here the
-  router and the operator drive them, and a tenant must not be able to put a pod to sleep). With `server.internal_api_key_file` set only the internal key opens them: a client key
+  /v1/tokenizer, sleep mode's /sleep, /wake_up, /is_sleeping and the LoRA adapter loads and unloads
+  (vLLM's admin endpoints; here the router and the operator drive them: a tenant must not be able to put
+  a pod to sleep or load files from its disk). With `server.internal_api_key_file` set only the internal key opens them: a client key
   must not let a tenant read the fleet's cache contents, pin KV or download the config. Without an
   internal key they fall back to CLIENT, so a pod configured as before keeps working as before.
 """
@@ -19,6 +20,9 @@ from enum import Enum
 from tokenfleet.runtime.openai import kv_transfer as kv_wire
 from tokenfleet.runtime.openai.tokenizer_wire import TOKENIZER_PATH
 
+# vLLM's runtime LoRA endpoints: they load files from the pod's disk (server/lora_endpoints.py).
+LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
 
 class Access(Enum):
     OPEN = "open"
@@ -28,14 +32,16 @@ class Access(Enum):
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics", "/version"})
 SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})  # vLLM's paths: outside /v1
-INTERNAL_PATHS = frozenset({"/v1/kv-events", kv_wire.FETCH_PATH, "/v1/config", TOKENIZER_PATH, *SLEEP_PATHS})
+INTERNAL_PATHS = frozenset(
+    {"/v1/kv-events", kv_wire.FETCH_PATH, "/v1/config", TOKENIZER_PATH, *SLEEP_PATHS, *LORA_ADMIN_PATHS}
+)
 INTERNAL_PREFIXES = (kv_wire.HOLDS_PATH + "/",)
 
 WHY = {
     Access.OPEN: "probes and load figures: kubelets and routers read them without credentials",
     Access.CLIENT: "the OpenAI API: a client key, or the internal key a router proxies with",
     Access.INTERNAL: "router and pod-to-pod traffic (cache contents, KV transfer, config, tokenizer, "
-    "sleep mode): only the deployment's internal key (server.internal_api_key_file)",
+    "sleep mode, LoRA adapter loads): only the deployment's internal key (server.internal_api_key_file)",
 }
 
 

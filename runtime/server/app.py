@@ -24,6 +24,7 @@ from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.errors import ApiError, error_response, from_exception, unauthorized
 from tokenfleet.runtime.server.kv_events import kv_events_endpoint, load_endpoint
 from tokenfleet.runtime.server.live_config import config_endpoint
+from tokenfleet.runtime.server.lora_endpoints import add_lora_routes
 from tokenfleet.runtime.server.metrics import CONTENT_TYPE
 from tokenfleet.runtime.server.request_context import CONTEXT_KEY, RequestContext, client_request_id
 from tokenfleet.runtime.server.resume import HANDOFF_KEY, Handoff
@@ -183,8 +184,16 @@ async def version(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     engine = state.require_engine()
-    card = ModelCard(id=state.model_name, created=int(state.started_at), max_model_len=engine.max_model_len)
-    return web.Response(text=ModelList(data=[card]).model_dump_json(), content_type="application/json")
+    created, max_len = int(state.started_at), engine.max_model_len
+    cards = [
+        ModelCard(id=state.model_name, created=created, max_model_len=max_len, root=state.config.model.model)
+    ]
+    if state.lora is not None:  # each adapter is a model of its own, as vLLM lists them
+        cards += [
+            ModelCard(id=a.name, created=created, max_model_len=max_len, root=a.path, parent=a.parent)
+            for a in state.lora.adapters()
+        ]
+    return web.Response(text=ModelList(data=cards).model_dump_json(), content_type="application/json")
 
 
 def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=None) -> web.Application:
@@ -210,6 +219,7 @@ def build_app(config: RuntimeConfig, api_keys: ApiKeys | None = None, engine=Non
     app.router.add_get("/load", load_endpoint)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post("/v1/chat/completions", chat.handle)
+    add_lora_routes(app)
     kv_transfer.install(app)  # prefill/decode disaggregation: KV blocks fetched by hash
     sleep.install(app)  # sleep mode: answers 404 unless server.enable_sleep_mode
     return app

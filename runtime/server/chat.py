@@ -48,7 +48,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     wire, raw = StreamWire.read(request, await request.read())
     req = parse_request(ChatCompletionRequest, raw)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
+    served = lora or state.model_name  # the response names the model (or adapter) that served it
     plan = tool_plan(req, engine.tokenizer)
     params = chat_params(req, generation_defaults(state, engine), plan.constraint)
     # A continuation carries the prompt as the first pod's engine saw it: no template, no truncation.
@@ -57,7 +58,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     )
     params = fit_default_max_tokens(params, req, [len(prompt.token_ids)], engine.max_model_len)
     gen, response_id, created, why_not, renderer = await start_generation(
-        request, ctx, wire, req, [prompt], params, tools=plan.parser is not None
+        request, ctx, wire, req, [prompt], params, tools=plan.parser is not None, lora=lora
     )
 
     def message(st: ChoiceState) -> tuple[AssistantMessage, bool]:
@@ -79,7 +80,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return ChatCompletionResponse(
             id=response_id,
             created=created,
-            model=state.model_name,
+            model=served,
             choices=choices,
             usage=usage_of(gen.choices),
             prompt_logprobs=None if scored is None else prompt_logprobs_out(renderer, scored),
@@ -87,9 +88,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse.event(
-            ChatCompletionChunk(
-                id=response_id, created=created, model=state.model_name, choices=choices, usage=usage
-            )
+            ChatCompletionChunk(id=response_id, created=created, model=served, choices=choices, usage=usage)
         )
 
     async def events():

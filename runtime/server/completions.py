@@ -27,7 +27,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     wire, raw = StreamWire.read(request, await request.read())
     req = parse_request(CompletionRequest, raw)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
+    served = lora or state.model_name  # the response names the model (or adapter) that served it
     params = completion_params(req, generation_defaults(state, engine))
     prompts, dropped = completion_prompt_list(state, engine, req, params.max_tokens)
     continued = wire.prompt(req.stream)
@@ -35,13 +36,11 @@ async def handle(request: web.Request) -> web.StreamResponse:
         prompts, dropped = [replace(prompts[0], token_ids=continued[0].token_ids)], 0
     params = fit_default_max_tokens(params, req, [len(p.token_ids) for p in prompts], engine.max_model_len)
     gen, response_id, created, why_not, renderer = await start_generation(
-        request, ctx, wire, req, prompts, params, tools=False
+        request, ctx, wire, req, prompts, params, tools=False, lora=lora
     )
 
     def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(
-            id=response_id, created=created, model=state.model_name, choices=choices, usage=usage
-        )
+        return CompletionResponse(id=response_id, created=created, model=served, choices=choices, usage=usage)
 
     # Echo without generation (max_tokens 0): the engine sampled one token; it is not part of the answer.
     echo_only = req.max_tokens == 0

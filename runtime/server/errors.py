@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from tokenfleet.runtime.errors import (
+    AdaptersBusy,
     CapacityError,
     ContextLengthExceeded,
     EngineDeadError,
     InvalidRequest,
+    ModelNotFound,
     Overloaded,
     TokenfleetError,
 )
@@ -75,6 +77,10 @@ def from_exception(exc: TokenfleetError) -> ApiError:
             code="rate_limit_exceeded",
             headers=(("Retry-After", _retry_after_header(exc.retry_after)),),
         )
+    if isinstance(exc, ModelNotFound):
+        return model_not_found(exc.name)
+    if isinstance(exc, AdaptersBusy):
+        return unavailable(str(exc), code="lora_slots_busy", retry_after=exc.retry_after)
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", code="engine_dead")
     return ApiError(500, f"{type(exc).__name__}: {exc}", type="internal_error", code="internal_error")

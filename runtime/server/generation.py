@@ -52,6 +52,7 @@ class Generation:
         cache_salt: str | None = None,
         resume: ResumeFrom | None = None,
         tenant: str | None = None,
+        lora_name: str | None = None,
     ):
         self._engine = engine
         self._metrics = metrics
@@ -62,6 +63,7 @@ class Generation:
         self._cache_salt = cache_salt
         self._resume = resume  # continue a stream begun on another pod (one choice only)
         self._tenant = tenant  # whose fair share the engine counts it against (None: anonymous)
+        self._lora_name = lora_name  # the LoRA adapter it runs under (None: the base model)
         self.choices: list[ChoiceState] = []
         self._streams: list[AsyncIterator[RequestDelta]] = []
         self._pumps: list[asyncio.Task] = []
@@ -90,6 +92,8 @@ class Generation:
                     extra = {"resume": self._resume} if self._resume is not None else {}
                     if self._tenant is not None:
                         extra["tenant"] = self._tenant
+                    if self._lora_name is not None:
+                        extra["lora_name"] = self._lora_name
                     stream = self._engine.add_request(
                         self.engine_id(index),
                         prompt.token_ids,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -67,8 +68,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="expose POST /sleep, POST /wake_up and GET /is_sleeping (as vLLM does with this flag)",
     )
+    p.add_argument(
+        "--enable-lora", action="store_true", default=None, help="serve PEFT LoRA adapters (as vLLM's flag)"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        help='adapters loaded at start: name=path, or JSON {"name", "path", "base_model_name"}',
+    )
+    p.add_argument("--max-loras", type=int, help="distinct adapters in one batch (device slots; default 1)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank served (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters loaded at once (default --max-loras)")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def lora_module(text: str) -> dict[str, str]:
+    """One `--lora-modules` entry in either of vLLM's forms: `name=path` or a JSON object."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("a JSON entry must be an object with name and path")
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return {"name": name, "path": path}
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
@@ -88,6 +117,11 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("scheduler", "fair_share"): args.fair_share,
         ("parallel", "tensor_parallel_size"): args.tensor_parallel_size,
         ("server", "enable_sleep_mode"): args.enable_sleep_mode,
+        ("lora", "enable"): args.enable_lora,
+        ("lora", "modules"): args.lora_modules,
+        ("lora", "max_loras"): args.max_loras,
+        ("lora", "max_lora_rank"): args.max_lora_rank,
+        ("lora", "max_cpu_loras"): args.max_cpu_loras,
     }
     for (section, key), value in overrides.items():
         if value is not None:

@@ -18,6 +18,7 @@ deltas it receives.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -108,6 +109,7 @@ VLLM_DEFINED = frozenset(
         "num_requests_waiting",
         "kv_cache_usage_perc",
         "cache_config_info",
+        "lora_requests_info",
         "prefix_cache_queries",
         "prefix_cache_hits",
         "num_preemptions",
@@ -199,6 +201,8 @@ class EngineStatsCollector(Collector):
             return family
 
         yield self._cache_config_info(stats)
+        if stats.max_lora:
+            yield self._lora_requests_info(stats)
 
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
@@ -256,6 +260,25 @@ class EngineStatsCollector(Collector):
             yield gauge(
                 "kv_offload_total_blocks", "Host-tier capacity in blocks (0 = off).", kv.host_total_blocks
             )
+
+    def _lora_requests_info(self, stats: EngineStats) -> Metric:
+        """vLLM's LoRA gauge, which LoRA-affinity schedulers (the Gateway API inference extension's) read:
+        its labels list the adapters of running and of waiting requests (comma-separated) and the slot
+        count; its value is the time of the reading, so the newest series is the current one."""
+        family = GaugeMetricFamily(
+            self._naming.name("lora_requests_info"),
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric(
+            [
+                str(stats.max_lora),
+                ",".join(stats.waiting_lora_adapters),
+                ",".join(stats.running_lora_adapters),
+            ],
+            time.time(),
+        )
+        return family
 
     def _cache_config_info(self, stats: EngineStats) -> Metric:
         """An info metric: a gauge fixed at 1 whose labels carry the facts (what vLLM exposes too)."""

@@ -34,6 +34,7 @@ async def start_generation(
     prompts: list[Prompt],
     params: SamplingParams,
     tools: bool,
+    lora: str | None = None,
 ) -> Started:
     """`req`: the validated chat or completion request (its `priority` and `cache_salt`). A bad grammar
     raises here, before any engine request exists (a 400)."""
@@ -51,6 +52,7 @@ async def start_generation(
         req.cache_salt,
         wire.resume_from(params, engine),
         request_tenant(request),
+        lora,
     )
     return Started(
         gen=gen,

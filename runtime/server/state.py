@@ -68,10 +68,20 @@ class ServerState:
             )
         return self.engine
 
-    def check_model(self, name: str | None) -> None:
+    @property
+    def lora(self):
+        """The engine's LoRAManager, or None (LoRA off, or no engine yet)."""
+        return getattr(getattr(self.engine, "core", None), "lora", None)
+
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` selects, None for the base model; 404 for anything else."""
         # A missing `model` means the one model this pod serves (vLLM does the same).
-        if name is not None and name != self.model_name:
-            raise HttpError(model_not_found(name))
+        if name is None or name == self.model_name:
+            return None
+        lora = self.lora
+        if lora is not None and lora.get(name) is not None:
+            return name
+        raise HttpError(model_not_found(name))
 
     # In-flight accounting for the SIGTERM drain.
     def enter(self) -> None:

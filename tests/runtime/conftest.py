@@ -48,6 +48,16 @@ def hf_tokenizer(default_model_path: Path):
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(hf_oracle, tmp_path_factory):
+    """(PEFT model holding the adapters of lora_adapters.ADAPTERS, {name: saved adapter folder})."""
+    from .lora_adapters import ADAPTERS, adapter_dir, make_adapters
+
+    out = tmp_path_factory.mktemp("lora_adapters")
+    peft_model = make_adapters(hf_oracle, out)
+    return peft_model, {name: adapter_dir(out, name) for name in ADAPTERS}
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """tokenfleet's LoadedModel of the built-in default model (fp32, CPU, torch attention)."""
     from tokenfleet.runtime.config import ModelConfig

@@ -40,6 +40,18 @@ def with_salt(base_extra: tuple[ExtraItem, ...], cache_salt: str | None) -> tupl
     return base_extra if cache_salt is None else (*base_extra, cache_salt)
 
 
+def with_adapter(
+    base_extra: tuple[ExtraItem, ...], cache_salt: str | None, adapter_key: str | None
+) -> tuple[ExtraItem, ...]:
+    """The extra of a request run under a LoRA adapter (`adapter_key`: its name and weights digest): KV
+    computed under one adapter is never a hit for another one, for the base model, or for the same name
+    loaded with other weights. The key follows the salt's place (None when unsalted), so its item count
+    differs from every extra without an adapter: no client salt can collide with an adapter's key."""
+    if adapter_key is None:
+        return with_salt(base_extra, cache_salt)
+    return (*base_extra, cache_salt, adapter_key)
+
+
 def encode_extra(extra: tuple[ExtraItem, ...]) -> bytes:
     """Canonical bytes of `extra`; type-tagged so that ("1",) and (1,) never collide."""
     parts = [_U32.pack(len(extra))]

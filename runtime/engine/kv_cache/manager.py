@@ -56,6 +56,7 @@ from tokenfleet.runtime.engine.kv_cache.block_hash import (
     append_block_hashes,
     encode_extra,
     hash_extra,
+    with_adapter,
     with_salt,
 )
 from tokenfleet.runtime.engine.kv_cache.block_pool import BlockPool, KVBlock
@@ -109,7 +110,7 @@ class KVCacheManager:
         # Request id -> its block table. Read-only outside the manager: the scheduler reads
         # `fast_limit` and `block_ids` on its hot path instead of calling `allocate_slots` / `get_block_ids`.
         self.tables: dict[str, RequestBlocks] = {}
-        self._extra_bytes: dict[str | None, bytes] = {}
+        self._extra_bytes: dict[object, bytes] = {}  # by salt, or (salt, adapter key)
         self.prefix_queries = 0
         self.prefix_hits = 0
         # The last lookup's (request id, device hits, host hits, misses) in blocks; counted on admission.
@@ -454,12 +455,17 @@ class KVCacheManager:
     # ---- hashing and caching --------------------------------------------------------------------------------
 
     def _extra_for(self, request: Request) -> bytes:
-        salt = request.cache_salt
-        extra = self._extra_bytes.get(salt)
+        lora = request.lora
+        key = request.cache_salt if lora is None else (request.cache_salt, lora.cache_key)
+        extra = self._extra_bytes.get(key)
         if extra is None:
             if len(self._extra_bytes) >= _MAX_SALT_MEMO:
                 self._extra_bytes.clear()
-            extra = self._extra_bytes[salt] = encode_extra(with_salt(self.hash_extra, salt))
+            if lora is None:
+                extra = encode_extra(with_salt(self.hash_extra, request.cache_salt))
+            else:
+                extra = encode_extra(with_adapter(self.hash_extra, request.cache_salt, lora.cache_key))
+            self._extra_bytes[key] = extra
         return extra
 
     def _update_hashes(self, request: Request) -> None:

@@ -1,0 +1,161 @@
+"""Which LoRA adapters a server has loaded, and which of them sit in the device slots a step computes with.
+
+Two levels, as in vLLM:
+- **Loaded** (host memory, at most `max_cpu_loras`): checked and parsed when loaded (`register`, from any
+  thread: start-up modules, `POST /v1/load_lora_adapter`), so a bad adapter is refused before anything
+  changes. Loading one more than the limit evicts the least recently used adapter that no request is using;
+  when every one is in use the load is refused with a retry-after (nothing is ever pulled from under a
+  running request). Unloading makes the name unknown to new requests at once; requests already holding the
+  adapter finish with it.
+- **In a slot** (device, at most `max_loras`): assigned per step by `slots_for` on the engine thread, a copy
+  from the host weights into the slot (no allocation). The scheduler never lets the running requests use
+  more distinct adapters than there are slots, so a step always finds one; the slot evicted is the least
+  recently used one the step does not need.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tokenfleet.runtime.config import LoRAConfig
+from tokenfleet.runtime.errors import AdaptersBusy, InvalidRequest, ModelNotFound
+from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, load_adapter
+from tokenfleet.runtime.model.lora_slots import LoRASlots
+
+
+@dataclass(eq=False)
+class LoRAAdapter:
+    """A loaded adapter as requests hold it (identity matters: a reload under the same name is another)."""
+
+    name: str
+    weights: LoRAAdapterWeights
+    parent: str  # the base model's served name (listed as the adapter's `parent`)
+    in_flight: int = 0  # requests added and not finished (engine thread writes, under the manager's lock)
+    last_used: int = 0
+
+    @property
+    def cache_key(self) -> str:
+        """What the KV block hashes carry: name and weights digest."""
+        return f"{self.name}@{self.weights.digest}"
+
+    @property
+    def path(self) -> str:
+        return self.weights.path
+
+
+class LoRAManager:
+    def __init__(
+        self, config: LoRAConfig, slots: LoRASlots, arch: ModelArch, dtype: torch.dtype, parent: str
+    ):
+        self.config = config
+        self.slots = slots
+        self._arch = arch
+        self._dtype = dtype
+        self._parent = parent
+        self._lock = threading.Lock()
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._clock = 0  # a use counter: LRU order without reading time
+        # Engine thread only: the adapter in each device slot, and when the slot was last used.
+        self._slot_owner: list[LoRAAdapter | None] = [None] * slots.max_loras
+        self._slot_used = [0] * slots.max_loras
+        self.num_slot_loads = 0
+
+    # ---- loaded adapters (any thread) -----------------------------------------------------------------------
+
+    def register(self, name: str, path: str, base_model_name: str | None = None) -> LoRAAdapter:
+        """Check, parse and load the adapter at `path` as `name` (slow: file reads; not on the event loop).
+        Raises InvalidRequest (a bad adapter or a name taken) or AdaptersBusy; changes nothing then."""
+        if not name or name == self._parent:
+            raise InvalidRequest(f"`{name}` cannot name an adapter: it is the base model's name", "lora_name")
+        with self._lock:
+            if name in self._adapters:
+                raise InvalidRequest(f"The lora adapter `{name}` has already been loaded.", "lora_name")
+        weights = load_adapter(path, self._arch, self.config.max_lora_rank, self._dtype)
+        adapter = LoRAAdapter(name, weights, base_model_name or self._parent)
+        with self._lock:
+            if name in self._adapters:  # a concurrent load of the same name won
+                raise InvalidRequest(f"The lora adapter `{name}` has already been loaded.", "lora_name")
+            if len(self._adapters) >= self.config.host_limit:
+                idle = [a for a in self._adapters.values() if a.in_flight == 0]
+                if not idle:
+                    raise AdaptersBusy(
+                        f"all {self.config.host_limit} loaded adapters (max_cpu_loras) have requests in "
+                        f"flight; `{name}` can be loaded when one of them is idle",
+                        retry_after=1.0,
+                    )
+                del self._adapters[min(idle, key=lambda a: a.last_used).name]
+            self._clock += 1
+            adapter.last_used = self._clock
+            self._adapters[name] = adapter
+        return adapter
+
+    def unregister(self, name: str) -> LoRAAdapter:
+        """Forget `name` for new requests (ModelNotFound if unknown); in-flight requests finish with it."""
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            raise ModelNotFound(name)
+        return adapter
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        with self._lock:
+            return self._adapters.get(name)
+
+    def adapters(self) -> list[LoRAAdapter]:
+        with self._lock:
+            return sorted(self._adapters.values(), key=lambda a: a.name)
+
+    # ---- requests (engine thread) ---------------------------------------------------------------------------
+
+    def acquire(self, name: str) -> LoRAAdapter:
+        """The adapter a new request runs under, counted in flight until `release`; ModelNotFound if none."""
+        with self._lock:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                raise ModelNotFound(name)
+            adapter.in_flight += 1
+            self._clock += 1
+            adapter.last_used = self._clock
+            return adapter
+
+    def release(self, adapter: LoRAAdapter) -> None:
+        with self._lock:
+            adapter.in_flight -= 1
+
+    def slots_for(self, adapters: Sequence[LoRAAdapter | None]) -> tuple[int, ...]:
+        """The device slot of each scheduled entry's adapter (-1: none), loading the ones not in a slot."""
+        needed = {a for a in adapters if a is not None}
+        if len(needed) > len(self._slot_owner):
+            raise RuntimeError(
+                f"a step uses {len(needed)} adapters but there are {len(self._slot_owner)} slots"
+            )
+        owner = self._slot_owner
+        slot_of: dict[LoRAAdapter, int] = {}
+        missing = []
+        for adapter in needed:
+            try:
+                slot_of[adapter] = owner.index(adapter)
+            except ValueError:
+                missing.append(adapter)
+        if missing:
+            # Free slots first (never used: time 0), then the least recently used ones this step leaves alone.
+            spare = sorted(
+                (s for s in range(len(owner)) if owner[s] not in needed), key=lambda s: self._slot_used[s]
+            )
+            for adapter, slot in zip(missing, spare, strict=False):
+                self.slots.load(slot, adapter.weights)
+                owner[slot] = adapter
+                slot_of[adapter] = slot
+                self.num_slot_loads += 1
+        self._clock += 1
+        for slot in slot_of.values():
+            self._slot_used[slot] = self._clock
+        return tuple(-1 if a is None else slot_of[a] for a in adapters)
+
+    def loaded_slots(self) -> dict[str, int]:
+        """Adapter name -> its device slot, for the adapters in one (engine thread)."""
+        return {a.name: s for s, a in enumerate(self._slot_owner) if a is not None}
