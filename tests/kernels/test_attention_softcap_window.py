@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenfleet.kernels import custom_ops  # noqa: F401 (registers tokenfleet::triton_paged_decode)
-from tokenfleet.kernels._utils import causal_attention_ref, make_paged_batch
+from tokenfleet.kernels._utils import causal_attention_ref
 from tokenfleet.kernels.paged_attention import paged_attention_ref, paged_decode_attention
 from tokenfleet.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from tokenfleet.runtime.model.attention.base import DecodeMetadata, get_attention_backend
 from tokenfleet.runtime.model.attention.metadata import SeqSpec, build_attention_metadata
+
+from .paged_batch import make_paged_batch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

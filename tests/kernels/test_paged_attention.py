@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenfleet.kernels._utils import make_paged_batch
 from tokenfleet.kernels.fp8_format import FP8_DTYPE
 from tokenfleet.kernels.paged_attention import paged_attention_ref, paged_decode_attention
+
+from .paged_batch import make_paged_batch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
