@@ -34,6 +34,7 @@ from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
 from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
+from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, shard_adapter
 from tokenfleet.runtime.model.lora_slots import LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,6 @@ class EngineCore:
         """The adapter slots hooked into the model and the start-up adapters loaded, when LoRA is on."""
         if not config.lora.enable:
             return None
-        if config.parallel.tensor_parallel_size > 1:
-            raise ConfigError("LoRA adapters are not served with tensor parallelism yet")
         model = self.loaded.model
         if getattr(model, "lora", None) is not None:
             raise ConfigError("this model already serves LoRA adapters for another engine")
@@ -148,7 +147,16 @@ class EngineCore:
         )
         model.lora = slots  # the runner sets the step's token -> slot map on it; compiling is then off
         self._lora_slots = slots  # hooks removed at shutdown: a model passed in outlives the engine
-        manager = LoRAManager(config.lora, slots, self.loaded.arch, self.loaded.dtype, config.model.name)
+        size = config.parallel.tensor_parallel_size
+        manager = LoRAManager(
+            config.lora,
+            slots,
+            self.loaded.arch,
+            self.loaded.dtype,
+            config.model.name,
+            size,
+            self._replicate_lora if size > 1 else None,
+        )
         for module in config.lora.modules:
             try:
                 manager.register(module.name, module.path, module.base_model_name)
@@ -162,6 +170,12 @@ class EngineCore:
             [a.name for a in manager.adapters()],
         )
         return manager
+
+    def _replicate_lora(self, slot: int, weights: LoRAAdapterWeights) -> None:
+        """Tensor parallelism: each worker loads its part of the adapter rank 0 put into `slot`."""
+        size = self.config.parallel.tensor_parallel_size
+        parts = [shard_adapter(weights, self.loaded.arch, rank, size) for rank in range(1, size)]
+        self.workers.load_lora(slot, parts)
 
     def check_health(self) -> None:
         """Raise EngineDeadError when a part the engine needs has died (a tensor-parallel worker)."""

@@ -16,14 +16,14 @@ Two levels, as in vLLM:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.config import LoRAConfig
 from tokenfleet.runtime.errors import AdaptersBusy, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.arch import ModelArch
-from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, load_adapter
+from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, load_adapter, shard_adapter
 from tokenfleet.runtime.model.lora_slots import LoRASlots
 
 
@@ -47,12 +47,29 @@ class LoRAAdapter:
         return self.weights.path
 
 
+# Called when rank 0 loads a device slot under tensor parallelism: (slot, the whole adapter) -> the other
+# ranks load their parts of it into the same slot before the next step.
+Replicate = Callable[[int, LoRAAdapterWeights], None]
+
+
 class LoRAManager:
+    """`arch`: the whole model's shape (adapters are checked against it); `slots`: this rank's. Under tensor
+    parallelism (`tp_size` > 1) rank 0 loads its part of an adapter and `replicate` has the others load theirs."""
+
     def __init__(
-        self, config: LoRAConfig, slots: LoRASlots, arch: ModelArch, dtype: torch.dtype, parent: str
+        self,
+        config: LoRAConfig,
+        slots: LoRASlots,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        parent: str,
+        tp_size: int = 1,
+        replicate: Replicate | None = None,
     ):
         self.config = config
         self.slots = slots
+        self._tp_size = tp_size
+        self._replicate = replicate
         self._arch = arch
         self._dtype = dtype
         self._parent = parent
@@ -147,7 +164,9 @@ class LoRAManager:
                 (s for s in range(len(owner)) if owner[s] not in needed), key=lambda s: self._slot_used[s]
             )
             for adapter, slot in zip(missing, spare, strict=False):
-                self.slots.load(slot, adapter.weights)
+                self.slots.load(slot, shard_adapter(adapter.weights, self._arch, 0, self._tp_size))
+                if self._replicate is not None:
+                    self._replicate(slot, adapter.weights)
                 owner[slot] = adapter
                 slot_of[adapter] = slot
                 self.num_slot_loads += 1

@@ -14,6 +14,7 @@ targets), a module the model does not have, a rank over the limit, or shapes of 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 from tokenfleet.runtime.errors import InvalidRequest
 from tokenfleet.runtime.model.arch import ModelArch
+from tokenfleet.runtime.model.tensor_parallel import shard_slice
 
 # The projections an adapter may target, and the fused projection of the model each one lands in (the
 # model concatenates q/k/v and gate/up) with its slice index there.
@@ -217,3 +219,28 @@ def load_adapter(path: str | Path, arch: ModelArch, max_rank: int, dtype: torch.
     config_bytes = json.dumps(config, sort_keys=True).encode()
     digest = hashlib.sha256(config_bytes + b"\0" + data).hexdigest()
     return LoRAAdapterWeights(str(folder), modules, digest)
+
+
+def shard_adapter(weights: LoRAAdapterWeights, full: ModelArch, rank: int, size: int) -> LoRAAdapterWeights:
+    """Rank `rank`'s part of an adapter under tensor parallelism, split as its base projection is split.
+
+    A column-parallel projection (q/k/v, gate/up: the output rows split) keeps all of A and its own rows of
+    B; a row-parallel one (o, down: the input columns split) keeps its own columns of A and all of B, so
+    its delta is a partial sum that joins the projection's own partial sum before the all-reduce that
+    already follows it — LoRA adds no communication. The parts are copies (they travel to the workers).
+    """
+    if size == 1:
+        return weights
+    modules = {}
+    for (layer, name), module in weights.modules.items():
+        block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        cut = shard_slice(f"model.layers.{layer}.{block}.{name}.weight", full, rank, size)
+        a, b = module.a, module.b
+        if cut is not None:
+            dim, start, length = cut
+            if dim == 0:
+                b = b.narrow(0, start, length).clone()
+            else:
+                a = a.narrow(1, start, length).clone()
+        modules[(layer, name)] = LoRAModule(a, b, module.scaling)
+    return dataclasses.replace(weights, modules=modules)

@@ -15,9 +15,10 @@ model's parameters, their names and everything that reads them (checkpoint loadi
 sleep mode) stay as they are. A step without any adapter, or a projection no slot in the step targets,
 costs one attribute read per projection.
 
-Tensor parallelism would hold, for a column-parallel projection (q/k/v, gate/up), all of A and this rank's
-rows of B; for a row-parallel one (o, down), this rank's columns of A and all of B, whose partial sums the
-projection's existing all-reduce adds up. That split is not wired yet: LoRA refuses tensor parallelism.
+Under tensor parallelism every rank has slots of its own shard's widths and holds its part of each adapter
+(lora_adapter.shard_adapter): for a column-parallel projection (q/k/v, gate/up) all of A and its rows of
+B; for a row-parallel one (o, down) its columns of A and all of B, whose partial delta the projection's
+existing all-reduce adds up with the rest.
 """
 
 from __future__ import annotations

@@ -114,6 +114,14 @@ def worker_main(
         if config.speculative.method in SHARDED_DRAFTS
         else None
     )
+    lora_slots = None
+    if config.lora.enable:  # rank 0 sends this rank's part of each adapter when it fills a slot
+        from tokenfleet.runtime.model.lora_slots import LoRASlots
+
+        lora_slots = LoRASlots(
+            loaded.model, config.lora.max_loras, config.lora.max_lora_rank, loaded.dtype, device
+        )
+        loaded.model.lora = lora_slots
     runner = ModelRunner(loaded, config.cache, device, num_blocks, proposer)
     host_kv = HostKVReplica()
     while True:
@@ -131,6 +139,8 @@ def worker_main(
             kind == "propose"
         ):  # the same argmax loop as rank 0 (the logits are all-gathered: same proposals)
             runner.propose(work)
+        elif kind == "lora_load":
+            lora_slots.load(*work)
         else:
             conn.send(move_kv(kind, work, runner.kv_caches))
     conn.close()

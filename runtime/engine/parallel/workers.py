@@ -182,6 +182,11 @@ class TPWorkers:
         ]
         self._send(("propose", compact))
 
+    def load_lora(self, slot: int, parts: Sequence[object]) -> None:
+        """Worker r loads `parts[r - 1]` (its part of a LoRA adapter) into device slot `slot`; the pipe's order
+        puts it before the next step that may use the slot."""
+        self._send_each("lora_load", [(slot, part) for part in parts])
+
     def read_kv(self, block_ids: Sequence[int]) -> list[list[bytes]]:
         """Each worker's shard of these device blocks (kv_cache/kv_connector.read_blocks on its own cache),
         per rank 1 .. N-1. The host KV copies queued so far run first, as before a step."""
