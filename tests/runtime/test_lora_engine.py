@@ -225,3 +225,44 @@ def test_start_up_modules_are_checked(adapters, fresh_model, tmp_path):
     with pytest.raises(ConfigError, match=r"lora\.modules bad: .*no such adapter path"):
         lora_llm(fresh_model, modules=[{"name": "bad", "path": str(tmp_path / "nope")}])
     assert getattr(fresh_model.model, "lora", None) is None  # a failed start leaves no hooks behind
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"scheduler": {"max_num_batched_tokens": 7}},  # chunked prefill
+        {"cache": {"num_blocks": 5, "block_size": 16}},  # preemption (and recompute) under adapters
+        {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, "ngram_max": 2}},
+        {"speculative": {"method": "self", "num_speculative_tokens": 2, "draft_layers": 4}},
+    ],
+    ids=["chunked", "preempted", "ngram", "self-draft"],
+)
+def test_adapters_with_chunking_preemption_and_speculation_equal_peft(
+    adapters, fresh_model, hf_tokenizer, settings
+):
+    """The draft of self-speculation runs the base model's first layers without the adapter: it may
+    propose worse tokens, never other outputs."""
+    peft_model, paths = adapters
+    names = ["all16", None, "mlp4", "qv8"]
+    ids = [hf_tokenizer.encode(p) for p in PROMPTS]
+    data = {
+        "model": {"dtype": "float32", "attention_backend": "torch"},
+        "cache": {"num_blocks": 256},
+        "lora": {"enable": True, "max_loras": 3, "max_lora_rank": 16},
+    }
+    for section, values in settings.items():
+        data[section] = {**data.get(section, {}), **values}
+    llm = LLM(config=RuntimeConfig.model_validate(data), loaded=fresh_model)
+    try:
+        loras = [None if n is None else LoRARequest(n, 0, str(paths[n])) for n in names]
+        outs = llm.generate(
+            [{"prompt_token_ids": i} for i in ids], GREEDY, lora_request=loras, use_tqdm=False
+        )
+        for name, prompt, out in zip(names, ids, outs, strict=True):
+            assert out.outputs[0].token_ids == peft_greedy(peft_model, name, prompt, MAX_NEW), name
+        if "cache" in settings:
+            assert llm.engine.scheduler.num_preemptions_total > 0
+        km = llm.engine.kv_manager
+        assert km.num_free_blocks == km.num_blocks
+    finally:
+        llm.shutdown()
