@@ -246,6 +246,7 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "cache.max_pinned_fraction",
         "cache.cpu_offload_gib",
         "scheduler.max_waiting",
+        "lora.modules",
         "server.api_keys",
         "server.api_key_file",
         "server.internal_api_key_file",

@@ -2,18 +2,23 @@
 
 `runtime/config_watch.ConfigWatcher` polls the mounted config file and hands live changes (LIVE_FIELDS)
 to `on_change`; here they reach the server (API keys, drain grace) and the engine (cache policy, queue
-limit). Restart-only changes are reported by /v1/config so the operator can roll the pod. API keys are
+limit, the LoRA adapters of `lora.modules`: removed ones unloaded, new ones loaded — no restart). Restart-only changes are reported by /v1/config so the operator can roll the pod. API keys are
 redacted there: the endpoint sits behind the same keys, but a config dump must never echo secrets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from aiohttp import web
-from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.config import LoRAConfig, RuntimeConfig
+from tokenfleet.runtime.errors import TokenfleetError
 from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.state import STATE_KEY, ServerState
+
+logger = logging.getLogger(__name__)
 
 
 async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
@@ -23,7 +28,34 @@ async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
     tier); `max_waiting` is read by `AsyncEngine.add_request` from its config.
     """
     await engine.call(lambda core: core.apply_cache_policy(new.cache))
+    await sync_adapters(engine, engine.config.lora, new.lora)
     engine.config = new
+
+
+async def sync_adapters(engine: Any, old: LoRAConfig, new: LoRAConfig) -> None:
+    """Make the loaded adapters follow an edited `lora.modules`: an adapter the old list named and the new
+    one drops (or points elsewhere) is unloaded — its requests in flight finish with it — and a new entry
+    is loaded (read and checked off the event loop). Adapters loaded through the API are left alone. A
+    refused adapter is logged and skipped; the others still apply."""
+    manager = getattr(getattr(engine, "core", None), "lora", None)
+    if manager is None or old.modules == new.modules:
+        return
+    wanted = {m.name: m for m in new.modules}
+    for spec in old.modules:
+        loaded = manager.get(spec.name)
+        keep = wanted.get(spec.name)
+        if loaded is not None and (keep is None or keep.path != loaded.path):
+            manager.unregister(spec.name)
+            logger.info("LoRA adapter %s unloaded (lora.modules changed)", spec.name)
+    for spec in new.modules:
+        if manager.get(spec.name) is not None:
+            continue
+        try:
+            await asyncio.to_thread(manager.register, spec.name, spec.path, spec.base_model_name)
+        except TokenfleetError as exc:
+            logger.warning("LoRA adapter %s from lora.modules not loaded: %s", spec.name, exc)
+        else:
+            logger.info("LoRA adapter %s loaded from %s (lora.modules changed)", spec.name, spec.path)
 
 
 def on_change_for(state: ServerState):

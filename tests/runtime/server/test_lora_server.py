@@ -144,3 +144,28 @@ def test_bad_loads_change_nothing_and_unloaded_is_404(oai, lora_server, lora_ada
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
     # The server keeps serving the base model and the adapters still loaded.
     assert complete(oai, BASE, "hello").choices[0].finish_reason == "length"
+
+
+def test_an_edited_lora_modules_list_applies_live(oai, lora_server, lora_adapters, hf_tokenizer):
+    """What the operator does when spec.adapters changes: the mounted config's lora.modules is rewritten and
+    the pod follows it without a restart (the config watcher hands the change to `on_change`)."""
+    import asyncio
+
+    from tokenfleet.runtime.server.live_config import on_change_for
+
+    _, paths = lora_adapters
+    state = lora_server.state
+    old = state.config
+    lora = old.lora.model_copy(
+        update={
+            "modules": (old.lora.modules[0].model_copy(update={"name": "m4", "path": str(paths["mlp4"])}),)
+        }
+    )
+    new = old.model_copy(update={"lora": lora})
+    asyncio.run_coroutine_threadsafe(on_change_for(state)(old, new), lora_server.loop).result(60)
+    ids = {m.id for m in oai.models.list().data}
+    assert "m4" in ids and "qv8" not in ids
+    resp = complete(oai, "m4", PROMPTS[0])
+    assert resp.choices[0].text == expected_text(lora_adapters, hf_tokenizer, "mlp4", PROMPTS[0])
+    with pytest.raises(openai.NotFoundError):
+        complete(oai, "qv8", PROMPTS[0])
