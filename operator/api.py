@@ -136,6 +136,38 @@ class ModelSpec(_Spec):
     )
 
 
+# An adapter's files: a folder on a PersistentVolumeClaim, or on the node (development only).
+ADAPTER_SOURCE_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|file:///[^\s]*)$"
+
+
+class Adapter(_Spec):
+    """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) served on top of the model."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        max_length=128,
+        description="The `model` clients send to use the adapter.",
+    )
+    source: str = Field(
+        pattern=ADAPTER_SOURCE_PATTERN,
+        max_length=1024,
+        description="pvc://CLAIM/PATH (a folder on a PersistentVolumeClaim) or file:///PATH (hostPath, "
+        "development only). Adding or removing an adapter on a claim the pods already mount applies live "
+        "(no restart); a new claim or path changes the pods' volumes, which rolls them.",
+    )
+
+
+class LoRASettings(_Spec):
+    """How the pods serve `adapters` (vLLM's --max-loras, --max-lora-rank, --max-cpu-loras)."""
+
+    max_loras: runtime_field("lora.max_loras")
+    max_lora_rank: runtime_field("lora.max_lora_rank")
+    max_cpu_loras: runtime_field(
+        "lora.max_cpu_loras",
+        "Adapters loaded at once per pod (host memory); default: every listed adapter, at least maxLoras.",
+    )
+
+
 class Resources(_Spec):
     """Per-replica compute. GPUs become `nvidia.com/gpu` limits; memory is both request and limit."""
 
@@ -339,6 +371,12 @@ class ModelDeploymentSpec(_Spec):
         "resources.gpus > 0 (which must then be a multiple of it), else on CPU.",
     )
     engine: Engine = Engine()
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=256,
+        description="LoRA adapters every runtime pod serves beside the model, each under its own name.",
+    )
+    lora: LoRASettings = LoRASettings()
     disaggregation: Disaggregation | None = Field(
         None, description="Split prefill and decode into two Deployments; `replicas` is then unused."
     )
@@ -367,6 +405,14 @@ class ModelDeploymentSpec(_Spec):
             raise ValueError("model.quantization fp8 needs GPUs (resources.gpus > 0)")
         if self.engine.speculative.method == "draft" and not self.engine.speculative.draft_model:
             raise ValueError("engine.speculative.method draft needs engine.speculative.draftModel")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: names must be unique, got {names}")
+        limit = self.lora.max_cpu_loras
+        if limit is not None and len(names) > limit:
+            raise ValueError(f"adapters: {len(names)} listed but lora.maxCpuLoras is {limit}")
+        if limit is not None and limit < self.lora.max_loras:
+            raise ValueError(f"lora.maxCpuLoras ({limit}) must be >= lora.maxLoras ({self.lora.max_loras})")
         if self.autoscaling is not None:
             if self.disaggregation is not None:
                 raise ValueError(

@@ -22,6 +22,7 @@ from tokenfleet.operator.api import GROUP, NODE_CACHE_DIR, CachePolicySpec, Mode
 from tokenfleet.operator.internal_key import pod_key_path, pod_key_volume
 from tokenfleet.operator.runtime_fields import runtime_values
 from tokenfleet.runtime.config import LIVE_FIELDS, RuntimeConfig
+from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.router.config import SecretKeyRef
 
 RUNTIME_PORT = 8000
@@ -267,6 +268,8 @@ OPERATOR_SET_FIELDS = frozenset(
         "server.port",
         "server.api_key_file",  # the mounted `apiKeySecret`, when one is named
         "server.internal_api_key_file",  # the deployment's generated internal-key Secret
+        "lora.enable",  # on exactly when `adapters` lists some
+        "lora.modules",  # `adapters`, at their mounted paths
     }
 )
 # RuntimeConfig fields no custom resource exposes: every pod runs with the runtime's own default.
@@ -288,6 +291,54 @@ POD_DEFAULT_FIELDS = frozenset(
         "server.enable_sleep_mode",
     }
 )
+
+
+ADAPTERS_DIR = "/adapters"
+
+
+def adapter_path(source: str) -> str:
+    """Where a pod finds an adapter: pvc://CLAIM/PATH under its claim's mount, file:///PATH as it is."""
+    if source.startswith("file://"):
+        return source.removeprefix("file://")
+    claim, _, sub = source.removeprefix("pvc://").partition("/")
+    return posixpath.join(ADAPTERS_DIR, claim, sub)
+
+
+def adapter_volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for the adapters' sources: each claim mounted once, read-only, whatever
+    adapters it holds — so listing another adapter on a mounted claim changes only the config (live)."""
+    volumes: dict[str, dict[str, Any]] = {}
+    mounts: dict[str, dict[str, Any]] = {}
+    for adapter in spec.adapters:
+        source = adapter.source
+        if source.startswith("file://"):
+            key, path = source, source.removeprefix("file://")
+            volume = {"hostPath": {"path": path}}
+        else:
+            key = source.removeprefix("pvc://").partition("/")[0]
+            path = posixpath.join(ADAPTERS_DIR, key)
+            volume = {"persistentVolumeClaim": {"claimName": key, "readOnly": True}}
+        if key in volumes:
+            continue
+        name = "adapters-" + hashlib.sha256(key.encode()).hexdigest()[:10]  # a claim name may be 253 long
+        volumes[key] = {"name": name, **volume}
+        mounts[key] = {"name": name, "mountPath": path, "readOnly": True}
+    return list(volumes.values()), list(mounts.values())
+
+
+def _lora_values(spec: ModelDeploymentSpec, served_name: str) -> dict[str, Any]:
+    """The RuntimeConfig lora fields of `spec.adapters` (LoRA is on only when some are listed)."""
+    if not spec.adapters:
+        return {}
+    for adapter in spec.adapters:
+        if adapter.name == served_name:
+            raise ConfigError(f"adapters: {adapter.name!r} is the model's own served name")
+    host = spec.lora.max_cpu_loras or max(len(spec.adapters), spec.lora.max_loras)
+    return {
+        "lora.enable": True,
+        "lora.max_cpu_loras": host,
+        "lora.modules": [{"name": a.name, "path": adapter_path(a.source)} for a in spec.adapters],
+    }
 
 
 def _nest(values: dict[str, Any]) -> dict[str, Any]:
@@ -323,6 +374,7 @@ def build_runtime_config(spec: ModelDeploymentSpec, cache: CachePolicySpec | Non
             "server.enable_sleep_mode": spec.autoscaling is not None and spec.autoscaling.idle == "sleep",
         }
     )
+    values.update(_lora_values(spec, mount.served_name))
     return RuntimeConfig.model_validate(_nest(values))
 
 
@@ -473,6 +525,9 @@ def build_deployment(
     key_volumes, key_mounts = api_key_volume(spec.api_key_secret)
     volumes += key_volumes
     mounts += key_mounts
+    lora_volumes, lora_mounts = adapter_volumes(spec)
+    volumes += lora_volumes
+    mounts += lora_mounts
     internal_volume, internal_mount = pod_key_volume(md_name or name)
     volumes.append(internal_volume)
     mounts.append(internal_mount)

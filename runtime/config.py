@@ -247,6 +247,7 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "cache.cpu_offload_gib",
         "scheduler.max_waiting",
         "lora.modules",
+        "lora.max_cpu_loras",
         "server.api_keys",
         "server.api_key_file",
         "server.internal_api_key_file",

@@ -2,7 +2,8 @@
 
 `runtime/config_watch.ConfigWatcher` polls the mounted config file and hands live changes (LIVE_FIELDS)
 to `on_change`; here they reach the server (API keys, drain grace) and the engine (cache policy, queue
-limit, the LoRA adapters of `lora.modules`: removed ones unloaded, new ones loaded — no restart). Restart-only changes are reported by /v1/config so the operator can roll the pod. API keys are
+limit, the LoRA adapters of `lora.modules` — removed ones unloaded, new ones loaded — and their host
+limit `lora.max_cpu_loras`: no restart). Restart-only changes are reported by /v1/config so the operator can roll the pod. API keys are
 redacted there: the endpoint sits behind the same keys, but a config dump must never echo secrets.
 """
 
@@ -38,7 +39,10 @@ async def sync_adapters(engine: Any, old: LoRAConfig, new: LoRAConfig) -> None:
     is loaded (read and checked off the event loop). Adapters loaded through the API are left alone. A
     refused adapter is logged and skipped; the others still apply."""
     manager = getattr(getattr(engine, "core", None), "lora", None)
-    if manager is None or old.modules == new.modules:
+    if manager is None:
+        return
+    manager.config = new  # max_cpu_loras applies from the next load (nothing is evicted by lowering it)
+    if old.modules == new.modules:
         return
     wanted = {m.name: m for m in new.modules}
     for spec in old.modules:

@@ -344,3 +344,87 @@ def test_the_gpu_example_shards_over_the_gpus_it_reserves():
     gpus = build_deployment("llama-8b", md, cfg)["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert int(gpus["limits"]["nvidia.com/gpu"]) == cfg.parallel.tensor_parallel_size == 2
     assert cfg.model.device == "cuda"
+
+
+LORA = {
+    "model": {"servedName": "smol"},
+    "adapters": [
+        {"name": "sql", "source": "pvc://adapters/team-a/sql"},
+        {"name": "chat-v2", "source": "pvc://adapters/team-b/chat"},
+        {"name": "dev", "source": "file:///srv/lora/dev"},
+    ],
+    "lora": {"maxLoras": 2, "maxLoraRank": 32},
+}
+
+
+def test_adapters_reach_the_pods_config_and_volumes():
+    md, cfg = _runtime(LORA)
+    assert cfg.lora.enable and (cfg.lora.max_loras, cfg.lora.max_lora_rank) == (2, 32)
+    assert cfg.lora.max_cpu_loras == 3  # unset: every listed adapter fits in host memory
+    assert [(m.name, m.path) for m in cfg.lora.modules] == [
+        ("sql", "/adapters/adapters/team-a/sql"),
+        ("chat-v2", "/adapters/adapters/team-b/chat"),
+        ("dev", "/srv/lora/dev"),
+    ]
+    pod = build_deployment("m", md, cfg)["spec"]["template"]["spec"]
+    adapter_volumes = [v for v in pod["volumes"] if v["name"].startswith("adapters-")]
+    # One read-only volume per claim, however many adapters it holds; a hostPath per file:// path.
+    assert [v.get("persistentVolumeClaim") or v.get("hostPath") for v in adapter_volumes] == [
+        {"claimName": "adapters", "readOnly": True},
+        {"path": "/srv/lora/dev"},
+    ]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert [(mounts[v["name"]]["mountPath"], mounts[v["name"]]["readOnly"]) for v in adapter_volumes] == [
+        ("/adapters/adapters", True),
+        ("/srv/lora/dev", True),
+    ]
+
+
+def test_editing_adapters_on_a_mounted_claim_needs_no_rollout():
+    md, cfg = _runtime(LORA)
+    edited = {**LORA, "adapters": [*LORA["adapters"][1:], {"name": "sum", "source": "pvc://adapters/x/sum"}]}
+    md2, cfg2 = _runtime(edited)
+    assert [m.name for m in cfg2.lora.modules] == ["chat-v2", "dev", "sum"]
+    assert config_hash(cfg2) == config_hash(cfg)  # lora.modules and the host limit apply live
+    template = build_deployment("m", md, cfg)["spec"]["template"]["spec"]
+    assert build_deployment("m", md2, cfg2)["spec"]["template"]["spec"] == template
+    # The first adapter turns LoRA on (device slots, eager decode): that one rolls the pods.
+    _, plain = _runtime({"model": {"servedName": "smol"}})
+    assert not plain.lora.enable and config_hash(plain) != config_hash(cfg)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"adapters": [{"name": "a", "source": "pvc://c/x"}, {"name": "a", "source": "pvc://c/y"}]},
+            "unique",
+        ),
+        ({"adapters": [{"name": "a", "source": "hf://org/name"}]}, "source"),
+        (
+            {
+                "adapters": [{"name": "a", "source": "pvc://c/x"}] * 1,
+                "lora": {"maxCpuLoras": 1, "maxLoras": 2},
+            },
+            ">=",
+        ),
+        (
+            {
+                "adapters": [{"name": f"a{i}", "source": "pvc://c/x"} for i in range(3)],
+                "lora": {"maxCpuLoras": 2},
+            },
+            "3 listed",
+        ),
+    ],
+)
+def test_bad_adapter_lists_are_refused(spec, message):
+    with pytest.raises((ValueError, ConfigError), match=message):
+        parse_model_deployment(spec)
+
+
+def test_an_adapter_named_like_the_model_is_refused():
+    md = parse_model_deployment(
+        {"model": {"servedName": "smol"}, "adapters": [{"name": "smol", "source": "pvc://c/x"}]}
+    )
+    with pytest.raises(ConfigError, match="served name"):
+        build_runtime_config(md, None)
