@@ -23,8 +23,9 @@ median over rounds of its value, every ratio the median of the ratios to the bas
     changed       requests whose greedy tokens differ from the base run's (shows the adapters act; random
                   adapters are small, so a few or none may change)
 
-The per-added-adapter line divides the step time added between the smallest and the largest adapter count
-by the adapters added, and by the projections hooked (4 fused per layer: qkv, o, gate_up, down).
+The per-added-adapter lines divide the step time added between consecutive adapter counts by the adapters
+added, and by the projections hooked (4 fused per layer: qkv, o, gate_up, down). On CPU the step from 1
+adapter includes leaving the single-adapter fast path (no gathers), so the later pairs are the marginal cost.
 
 Loading: `engine.lora.register(name, path)` (read the safetensors from the page cache, parse, check the
 shapes, convert to the model dtype, digest: host work) and the first copy of the adapter into a device slot

@@ -97,6 +97,7 @@ def build_backend(
         tokenizer=config.model.model if builtin_model else None,
         block_size=config.cache.block_size,
         internal_key_file=router_key_path(key_owner or md_name),
+        adapters=tuple(m.name for m in config.lora.modules),
     )
 
 

@@ -20,7 +20,8 @@ pod learns it within one poll, so requests sharing that prefix follow it to this
 runs, whichever router replica they reach; `stored` confirms the blocks once their KV is written.
 
     GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float,
-                  "tokenizer_digest": str | null, "access": {path: {"needs": ..., "why": ...}}}
+                  "tokenizer_digest": str | null, "lora_adapters": {name: key, ...},
+                  "access": {path: {"needs": ..., "why": ...}}}
 
 `tokenizer_digest` is that of the pod's `GET /v1/tokenizer` (openai/tokenizer_wire.py): a router that
 fetched the tokenizer refetches it when the digest changes. `access` is for people (which key each
@@ -28,7 +29,10 @@ endpoint needs and why); routers ignore it.
 
 `hash_extra` is the pod's base extra of the block hash (`block_hash.hash_extra(model_name, pod_salt)`): the
 router appends a request's `cache_salt` with `block_hash.with_salt` exactly as the engine does, so it computes
-the same chained hashes from the same token ids.
+the same chained hashes from the same token ids. `lora_adapters` (only on a pod serving LoRA adapters) maps
+each loaded adapter to the key its requests' blocks are hashed with (`block_hash.with_adapter`: the name and
+the weights' digest), so a router hashes an adapter's prompt as that pod does — and knows which pods hold
+which adapter.
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
 Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
@@ -153,6 +157,7 @@ class LoadReport:
     num_waiting: int
     kv_cache_usage: float
     tokenizer_digest: str | None = None
+    lora_adapters: dict[str, str] | None = None  # adapter name -> its block-hash key; None: LoRA off
 
     def to_json(self) -> dict:
         out: dict = {
@@ -162,4 +167,6 @@ class LoadReport:
         }
         if self.tokenizer_digest is not None:
             out["tokenizer_digest"] = self.tokenizer_digest
+        if self.lora_adapters is not None:
+            out["lora_adapters"] = dict(self.lora_adapters)
         return out

@@ -382,7 +382,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     token_ids = prompt_token_ids(request.path, body, tokenizer) if tokenizer is not None else None
     salt = payload.get("cache_salt") if isinstance(payload.get("cache_salt"), str) else None
     text = prompt_text(payload) if token_ids is None else ""
-    prompt = PromptKey(tuple(token_ids) if token_ids is not None else None, text, salt)
+    # A LoRA adapter's blocks are hashed apart from its base model's (with the key its pods report).
+    adapter = model if any(model in b.adapters for b in router.config.backends) else None
+    prompt = PromptKey(tuple(token_ids) if token_ids is not None else None, text, salt, adapter)
     num_prompt_tokens = len(token_ids) if token_ids is not None else max(len(prompt_text(payload)) // 4, 1)
 
     rate = router.limiter.check(key, tier, num_prompt_tokens, time.monotonic())
@@ -416,6 +418,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             targets=tuple(targets),
             prompt=prompt,
             session_key=session_key,
+            adapter=adapter,
         )
         # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected):
         # the request still counts as the primary's demand while it runs, or the primary would never wake.

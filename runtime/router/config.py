@@ -264,6 +264,11 @@ class Backend(_Spec):
         description="Model source to load the tokenizer from (built-in name, .gguf, HF dir); default `model`.",
     )
     block_size: int = Field(16, description="Used until the pods report theirs on the KV-event stream.")
+    adapters: tuple[str, ...] = Field(
+        (),
+        description="LoRA adapters its pods serve beside `model`: a request naming one goes to this backend "
+        "(the pods' own list, on /load, makes its prefix matches exact).",
+    )
     internal_key_file: str | None = Field(
         None,
         description="The deployment's internal key (a mounted Secret, re-read live): every router -> pod call "

@@ -60,6 +60,8 @@ class Endpoint:
     role: str = "both"  # prefill | decode | both (serves whole requests)
     tokenizer_digest: str | None = None  # what its /load reports (pod_tokenizers.py follows it)
     sleep_level: int | None = None  # what its /ready said while it slept (1: weights kept in host memory)
+    # LoRA adapters its /load reports loaded: name -> the key their blocks are hashed with (kv_wire.py).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def id(self) -> str:

@@ -49,6 +49,7 @@ class PromptKey:
     token_ids: tuple[int, ...] | None
     text: str
     cache_salt: str | None
+    adapter: str | None = None  # the LoRA adapter it names (its blocks are hashed apart from the base's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,15 +405,17 @@ class Fleet:
         Returns (matches, prompt blocks, approximate-index hashes per endpoint for recording the route).
         """
         hash_cache: dict[tuple, list[bytes]] = {}
+        adapter = prompt.adapter
+        named = model if adapter is None else adapter  # the router's own names keep adapters apart too
 
-        def hashes(block_size: int, extra: tuple) -> list[bytes]:
-            key = (block_size, extra)
+        def hashes(block_size: int, extra: tuple, adapter_key: str | None = None) -> list[bytes]:
+            key = (block_size, extra, adapter_key)
             if key not in hash_cache:
                 if prompt.token_ids is None:
-                    hash_cache[key] = text_block_hashes(prompt.text, model, prompt.cache_salt)
+                    hash_cache[key] = text_block_hashes(prompt.text, named, prompt.cache_salt)
                 else:
                     hash_cache[key] = token_block_hashes(
-                        prompt.token_ids, block_size, extra, prompt.cache_salt
+                        prompt.token_ids, block_size, extra, prompt.cache_salt, adapter_key
                     )
             return hash_cache[key]
 
@@ -425,18 +428,26 @@ class Fleet:
         for ep in eps:
             backend = backends.get(ep.backend)
             default_bs = backend.block_size if backend else 16
-            approx_key = (default_bs, approx_extra(ep.model)) if prompt.token_ids is not None else (0, ())
+            if prompt.token_ids is None:
+                approx_key: tuple = (0, ())
+            else:
+                approx_key = (default_bs, approx_extra(ep.model if adapter is None else adapter))
             approx[ep.id] = hashes(*approx_key)
             follower = self._followers.get(ep.id)
-            if prompt.token_ids is not None and follower is not None and follower.live and follower.position:
+            # An adapter's blocks are hashed with the key the pod reports for it: none (not loaded there),
+            # and nothing of that pod can match exactly.
+            adapter_key = None if adapter is None else ep.lora_adapters.get(adapter)
+            live = follower is not None and follower.live and follower.position
+            if prompt.token_ids is not None and live and (adapter is None or adapter_key is not None):
                 pos = follower.position
-                exact_groups.setdefault((pos.block_size, pos.hash_extra, approx_key), []).append(ep.id)
+                group = (pos.block_size, pos.hash_extra, adapter_key, approx_key)
+                exact_groups.setdefault(group, []).append(ep.id)
             else:
                 approx_groups.setdefault(approx_key, []).append(ep.id)
         matches: dict[str, int] = {}
         num_blocks = 0
-        for (block_size, extra, approx_key), ids in exact_groups.items():
-            exact_h = hashes(block_size, extra)
+        for (block_size, extra, adapter_key, approx_key), ids in exact_groups.items():
+            exact_h = hashes(block_size, extra, adapter_key)
             # Same block units: add what this router sent there that is still being prefilled.
             same_units = block_size == approx_key[0]
             matches |= exact_matches(

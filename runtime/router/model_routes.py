@@ -56,7 +56,7 @@ def _pool(model: str, route: ModelRoute | None, backends: Sequence[Backend], dra
         return (split_choice(route, draw),)
     if route is not None and route.backends:
         return route.backends
-    return tuple(b.name for b in backends if b.model == model)
+    return tuple(b.name for b in backends if b.model == model or model in b.adapters)
 
 
 def route_targets(
@@ -86,8 +86,9 @@ def route_targets(
 
 
 def served_models(spec: RoutingSpec, backends: Sequence[Backend]) -> list[str]:
-    """Every model name a client may ask for: the backends' models and the routes' names."""
-    names = {b.model for b in backends} | {r.model for r in spec.model_routes}
+    """Every model name a client may ask for: the backends' models, their adapters and the routes' names."""
+    names = {b.model for b in backends} | {a for b in backends for a in b.adapters}
+    names |= {r.model for r in spec.model_routes}
     return sorted(names)
 
 

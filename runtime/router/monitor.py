@@ -45,6 +45,12 @@ async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
     )
     digest = data.get("tokenizer_digest")
     ep.tokenizer_digest = digest if isinstance(digest, str) else None
+    adapters = data.get("lora_adapters")
+    ep.lora_adapters = (
+        {k: v for k, v in adapters.items() if isinstance(k, str) and isinstance(v, str)}
+        if isinstance(adapters, dict)
+        else {}
+    )
     return Probe.OK
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from tokenfleet.runtime.engine.kv_cache.block_hash import BlockHash, block_hashes_for, with_salt
+from tokenfleet.runtime.engine.kv_cache.block_hash import BlockHash, block_hashes_for, with_adapter
 from tokenfleet.runtime.errors import InvalidRequest
 from tokenfleet.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenfleet.runtime.openai.translate import Tokenizer, chat_prompt, completion_prompts, parse_request
@@ -45,9 +45,14 @@ def prompt_text(payload: dict) -> str:
 
 
 def token_block_hashes(
-    token_ids: Sequence[int], block_size: int, hash_extra: tuple, cache_salt: str | None
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_extra: tuple,
+    cache_salt: str | None,
+    adapter_key: str | None = None,
 ) -> list[BlockHash]:
-    return block_hashes_for(token_ids, block_size, with_salt(tuple(hash_extra), cache_salt))
+    """The pod's block hashes of a prompt; `adapter_key`: the LoRA adapter it runs under, as the pod names it."""
+    return block_hashes_for(token_ids, block_size, with_adapter(tuple(hash_extra), cache_salt, adapter_key))
 
 
 def text_block_hashes(text: str, model: str, cache_salt: str | None) -> list[BlockHash]:

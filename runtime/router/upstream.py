@@ -43,6 +43,7 @@ class Outgoing:
     targets: tuple[RouteTarget, ...]
     prompt: PromptKey
     session_key: str | None
+    adapter: str | None = None  # a LoRA adapter of the backends: the pods are asked for it by its name
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,8 @@ def body_for(out: Outgoing, pick: Pick) -> bytes:
     payload = out.payload
     if CONTINUATION_FIELD in payload:  # only the router continues streams; a client cannot claim to
         payload = {k: v for k, v in payload.items() if k != CONTINUATION_FIELD}
-    if payload.get("model") != pick.endpoint.model:
+    model = payload.get("model")
+    if model != pick.endpoint.model and model != out.adapter:
         payload = {**payload, "model": pick.endpoint.model}  # a fallback or an alias: name the pod's model
     return json.dumps(payload).encode()
 

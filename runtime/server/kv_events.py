@@ -35,8 +35,12 @@ class KVEventPump:
 
     def load(self) -> LoadReport:
         s = self.engine.stats()
+        lora = self.engine.core.lora
         return LoadReport(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            lora_adapters=None if lora is None else {a.name: a.cache_key for a in lora.adapters()},
         )
 
     async def start(self) -> None:

@@ -41,7 +41,7 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 
 import tokenizers  # noqa: E402
-from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra  # noqa: E402
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra, with_adapter  # noqa: E402
 from tokenfleet.runtime.engine.kv_cache.kv_events import (  # noqa: E402
     AllBlocksCleared,
     BlockStored,
@@ -98,6 +98,7 @@ class FakePod:
         self.prefill_seconds = 0.0  # > 0: blocks are stored only after this "prefill"
         self.announce_prefills = True  # ... and announced as `scheduled` when it starts
         self._prefilling: dict[bytes, asyncio.Event] = {}
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> its block-hash key (on /load, as a pod)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._loading_gate])
@@ -108,7 +109,13 @@ class FakePod:
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
                 *kv_event_routes(
-                    self.log, lambda: LoadReport(self.running, self.waiting, len(self.cached) / 10_000)
+                    self.log,
+                    lambda: LoadReport(
+                        self.running,
+                        self.waiting,
+                        len(self.cached) / 10_000,
+                        lora_adapters=dict(self.adapters) if self.adapters else None,
+                    ),
                 ),
             ]
         )
@@ -137,10 +144,13 @@ class FakePod:
         self.requests.append({"payload": payload, "headers": dict(request.headers), "path": request.path})
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
-        if payload.get("model") != self.model:
+        model = payload.get("model")
+        if model != self.model and model not in self.adapters:
             return web.json_response({"error": {"message": "wrong model"}}, status=404)
         ids = prompt_token_ids(request.path, body, self.tokenizer) or []
-        hashes = block_hashes_for(ids, self.block_size, self.extra)
+        # An adapter's blocks are hashed with its key, as the engine does.
+        extra = with_adapter(self.extra, None, self.adapters.get(model))
+        hashes = block_hashes_for(ids, self.block_size, extra)
         self.query_blocks += len(hashes)
         # A prefix this pod is computing right now is reused once that computation is done (as chunked
         # prefill caches blocks chunk by chunk), so following a prefill to its pod pays off.

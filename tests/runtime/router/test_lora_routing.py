@@ -1,0 +1,51 @@
+"""LoRA adapters through the router: a request naming an adapter goes to a backend serving it, and its
+prefix matches are exact — hashed with the key each pod reports for the adapter on /load, as the pod hashes
+them — and apart from the base model's blocks of the same prompt."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from .test_prefix_routing import CLIENT_TIMEOUT, chat, send
+
+
+def adapter_chat(model: str) -> dict:
+    return {**chat(1, "w1999"), "model": model}
+
+
+async def test_adapter_requests_follow_the_pod_holding_the_adapters_blocks(
+    serve_app, start_router, make_pod, wait_until
+):
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.adapters = {"sql": "sql@digest-1"}
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["sql"]} for i, u in enumerate((u0, u1))
+        ]
+        # Affinity unbounded: this is about which blocks match, not about spreading load.
+        routing = {"strategy": "prefix-affinity", "balance": {"maxRatio": None}}
+        async with start_router(backends, routing) as (url, router):
+            eps = router.fleet.endpoints.by_id.values()
+            await wait_until(
+                lambda: all(router.fleet.kv_events_live().values()) and all(ep.lora_adapters for ep in eps)
+            )
+            # The adapter's prompt is computed on pod 1 behind the router's back: only its events tell.
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(u1 + "/v1/chat/completions", json=adapter_chat("sql")) as r,
+            ):
+                assert r.status == 200
+            await wait_until(lambda: router.fleet.exact.num_blocks(u1) == len(pods[1].cached) > 0)
+            for _ in range(3):
+                assert await send(url, adapter_chat("sql")) == (200, u1, "prefix_hit")
+            assert pods[1].hit_blocks > 0 and pods[0].hit_blocks == 0  # the pod's own count: reused
+            # The same prompt for the base model matches nothing: its blocks would be other KV.
+            status, _, reason = await send(url, adapter_chat("m"))
+            assert status == 200 and reason != "prefix_hit"
+            # An adapter no backend lists is unknown to the router.
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(url + "/v1/chat/completions", json=adapter_chat("nope")) as r,
+            ):
+                assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
