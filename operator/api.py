@@ -591,6 +591,14 @@ class PodLoading(_Spec):
     weights_total: int | None = None
 
 
+class AdapterStatus(_Spec):
+    """One listed LoRA adapter: on how many of the Ready pods it is loaded (each pod's /load says)."""
+
+    name: str
+    loaded_pods: int = Field(description="Ready pods that report it loaded.")
+    ready: bool = Field(description="Loaded on every Ready pod (and there is one).")
+
+
 class ModelDeploymentStatus(_Spec):
     phase: Phase | None = None
     replicas: int | None = Field(None, description="Runtime pods the Deployment has (scale subresource).")
@@ -604,6 +612,12 @@ class ModelDeploymentStatus(_Spec):
     roles: RolesStatus | None = Field(None, description="Disaggregated: per role (prefill, decode).")
     loading: tuple[PodLoading, ...] | None = Field(
         None, description="Pods on their way to Ready (at most 8): the model's download and load, per pod."
+    )
+    adapters: tuple[AdapterStatus, ...] | None = Field(
+        None, description="The listed LoRA adapters and how many Ready pods have each loaded."
+    )
+    adapters_ready: str | None = Field(
+        None, description="READY/LISTED: adapters loaded on every Ready pod, of those listed."
     )
 
 

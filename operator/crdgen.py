@@ -39,6 +39,7 @@ PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
         },
         # Empty unless a pod is on its way: the first starting pod's stage (download, load, ...).
         {"name": "Loading", "type": "string", "jsonPath": ".status.loading[0].stage", "priority": 1},
+        {"name": "Adapters", "type": "string", "jsonPath": ".status.adaptersReady"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

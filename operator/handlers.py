@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 import kopf
-from tokenfleet.operator import autoscaler, loading_report
+from tokenfleet.operator import adapter_report, autoscaler, loading_report
 from tokenfleet.operator.api import GROUP, VERSION
 from tokenfleet.operator.builders import MANAGED_BY
 from tokenfleet.operator.reconcile import (
@@ -78,6 +78,7 @@ def register(
     # ModelDeployments with spec.autoscaling: a decision every autoscale_seconds (autoscaler.py).
     autoscaler.register(registry, autoscale_seconds)
     loading_report.register(registry)
+    adapter_report.register(registry)
 
     @kopf.on.startup(registry=registry)
     def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -35,9 +35,9 @@ def loading_wanted(status: Mapping[str, Any] | None) -> bool:
     return behind or bool(status.get("loading"))
 
 
-async def read_ready(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    """The JSON body of a pod's /ready answer, whatever its status code (503 while loading); None when the
-    pod does not answer, or answers something else."""
+async def read_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    """The JSON object a pod answers at `url` (its /ready, whatever the status code: 503 while loading; its
+    /load), read with a bounded size; None when the pod does not answer, or answers something else."""
     try:
         async with session.get(url) as resp:
             raw = await resp.content.read(MAX_BODY_BYTES + 1)
@@ -55,7 +55,7 @@ async def read_ready(session: aiohttp.ClientSession, url: str) -> dict[str, Any]
 async def report_loading(kube: Any, namespace: str, name: str, session: aiohttp.ClientSession) -> None:
     pods = await asyncio.to_thread(kube.list, "Pod", namespace, f"{GROUP}/model-deployment={name}")
     targets = loading_targets(pods, RUNTIME_PORT)
-    bodies = await asyncio.gather(*(read_ready(session, url) for _, url in targets))
+    bodies = await asyncio.gather(*(read_json(session, url) for _, url in targets))
     loading = loading_status(
         [loading_entry(pod, body) for (pod, _), body in zip(targets, bodies, strict=True)]
     )

@@ -35,7 +35,7 @@ _FETCH_FIELDS: dict[str, tuple[str, type]] = {
 }
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def pod_ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -57,7 +57,7 @@ def loading_targets(pods: list[Mapping[str, Any]], default_port: int) -> list[tu
         if pod["metadata"].get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
             continue
         ip = status.get("podIP")
-        if not ip or _ready(pod) or _started(pod):
+        if not ip or pod_ready(pod) or _started(pod):
             continue
         host = f"[{ip}]" if ":" in ip else ip
         out.append((pod["metadata"]["name"], f"http://{host}:{http_port(pod, default_port)}/ready"))

@@ -57,7 +57,7 @@ def test_model_deployment_crd_shape():
         "labelSelectorPath": ".status.selector",
     }
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Model", "Replicas", "Desired", "Ready", "Asleep", "Loading", "Phase", "Endpoint", "Age"
+        "Model", "Replicas", "Desired", "Ready", "Asleep", "Loading", "Adapters", "Phase", "Endpoint", "Age"
     ]  # fmt: skip
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["properties"]["replicas"]["default"] == 1

@@ -52,6 +52,7 @@ def test_registry_has_stable_handler_ids_and_no_finalizer_handlers():
         "autoscaler",
         "autoscaler-demand",
         "model-deployment-loading",
+        "model-deployment-adapters",
     }
 
 
