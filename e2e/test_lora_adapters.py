@@ -36,6 +36,7 @@ WAITS = {
     "router Ready": MODEL_READY_S,
     "qv-a through the router": 60,
     "qv-b through the router": 60,
+    "status.adapters": 30,  # the operator asks the pods every 5 s
 }
 SETUP_S = 60
 HASH = "serving.tokenfleet.dev/config-hash"
@@ -187,6 +188,12 @@ def _assert_not_found(status: int, body: dict, model: str, who: str) -> None:
     assert isinstance(error.get("type"), str) and error["type"], f"{who}: {body}"
 
 
+def _adapters_ready(cluster, namespace: str) -> dict | None:
+    status = (cluster.get("md", "lora", namespace) or {}).get("status") or {}
+    names = [a.get("name") for a in status.get("adapters") or []]
+    return status if status.get("adaptersReady") == "1/1" and names == ["qv-b"] else None
+
+
 def _template(cluster, namespace: str) -> tuple:
     """What a rollout changes: the template's config hash, the Deployment's generation, its ReplicaSets."""
     dep = cluster.get("deployment", "lora", namespace)
@@ -241,7 +248,8 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
         swap_s = time.monotonic() - swapped
         assert served["model"] == "qv-b" and served["choices"][0]["text"], served
         runtime = yaml.safe_load(cluster.get("configmap", "lora-runtime", ns)["data"]["runtime.yaml"])
-        assert runtime["lora"]["modules"] == [{"name": "qv-b", "path": f"/adapters/{CLAIM}/b"}], runtime["lora"]
+        modules = [(m["name"], m["path"]) for m in runtime["lora"]["modules"]]
+        assert modules == [("qv-b", f"/adapters/{CLAIM}/b")], runtime["lora"]
 
         # The old name is gone: the router no longer routes it, and the pod itself unloaded it.
         _assert_not_found(*_complete(front, "qv-a"), "qv-a", "router")
@@ -254,6 +262,10 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
         assert listed == {BASE, "qv-b"}, listed
         status, base = _complete(front, BASE)
         assert status == 200 and base["model"] == BASE, base
+
+        # The operator's status says so too, from the pod's own /load.
+        md_status = until("status.adapters", lambda: _adapters_ready(cluster, ns))
+        assert md_status["adapters"] == [{"name": "qv-b", "loadedPods": 1, "ready": True}], md_status
 
         # 3. Nothing restarted or rolled.
         (now,) = cluster.pods(ns, RUNTIME)

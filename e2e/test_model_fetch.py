@@ -83,8 +83,6 @@ def _complete(pod: dict) -> str:
     return answer["choices"][0]["text"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(sum(WAITS.values()) + SETUP_S)
 def _startup_phases(kubelets, ns: str, pod: dict) -> dict[str, float]:
     """The server's own `startup:` line from the pod's container log, as its node's kubelet wrote it."""
     from tokenfleet.runtime.startup_timing import parse_line
@@ -98,6 +96,8 @@ def _startup_phases(kubelets, ns: str, pod: dict) -> dict[str, float]:
     raise AssertionError(f"no startup line in {pod['metadata']['name']}'s log")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(sum(WAITS.values()) + SETUP_S)
 def test_an_hf_model_is_fetched_once_per_node_verified_and_its_progress_shown(
     cluster, kubelets, namespace, pod_network, operator, wait
 ):

@@ -59,6 +59,10 @@ PEERS_WATCH = "#peers"  # the key of the peers' EndpointSlice watch (never a bac
 TokenizerLoader = Callable[[str], Tokenizer | None]
 
 
+def _without_adapters(backend: Backend) -> Backend:
+    return backend.model_copy(update={"adapters": ()})
+
+
 class RouterApp:
     """State of one router process; started on app startup (it needs the running loop)."""
 
@@ -194,14 +198,16 @@ class RouterApp:
         self.limiter.set_limits(new.routing.rate_limits)
         self._set_classes(new)
         self.fleet.apply(new)
-        before = {b.name: b for b in previous.backends}
-        after = {b.name: b for b in new.backends}
+        # A backend whose adapter list alone changed keeps its endpoints, their health and its prefix state:
+        # the list is read per request from the config, nothing its watch or tokenizer follows depends on it.
+        before = {b.name: _without_adapters(b) for b in previous.backends}
+        after = {b.name: _without_adapters(b) for b in new.backends}
         for name, backend in before.items():
             if after.get(name) != backend:
                 self._stop_backend(backend)
         for name, backend in after.items():
             if before.get(name) != backend:
-                self._start_backend(backend)
+                self._start_backend(next(b for b in new.backends if b.name == name))
         served = {b.model for b in new.backends}
         for model in [m for m in self.tokenizers if m not in served]:
             del self.tokenizers[model]

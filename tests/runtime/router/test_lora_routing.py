@@ -49,3 +49,30 @@ async def test_adapter_requests_follow_the_pod_holding_the_adapters_blocks(
                 s.post(url + "/v1/chat/completions", json=adapter_chat("nope")) as r,
             ):
                 assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+
+
+async def test_an_edited_adapter_list_applies_live_and_keeps_the_endpoints(
+    serve_app, start_router, make_pod, wait_until
+):
+    """The operator rewrites the router's config when spec.adapters changes: the backend's endpoints, their
+    health and KV-event streams stay (no re-discovery), and the new name routes at once."""
+    pod = make_pod()
+    pod.adapters = {"sql": "sql@1"}
+    async with serve_app(pod.app()) as u0:
+        backend = {"name": "p0", "model": "m", "url": u0, "adapters": ["sql"]}
+        async with start_router([backend], {"strategy": "prefix-affinity"}) as (url, router):
+            await wait_until(lambda: all(router.fleet.kv_events_live().values()))
+            endpoint = router.fleet.endpoints.by_id[u0]
+            old = router.config
+            new = old.model_copy(
+                update={"backends": (old.backends[0].model_copy(update={"adapters": ("chat",)}),)}
+            )
+            pod.adapters = {"chat": "chat@1"}
+            router.apply_config(old, new)
+            assert router.fleet.endpoints.by_id[u0] is endpoint and router.fleet.kv_events_live()[u0]
+            assert (await send(url, adapter_chat("chat")))[0] == 200
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(url + "/v1/chat/completions", json=adapter_chat("sql")) as r,
+            ):
+                assert r.status == 404
