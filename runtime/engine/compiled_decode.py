@@ -11,7 +11,9 @@ into the bucket's own buffers and the rows past n padded (token 0 at position 0,
 every real block, a context of one token). Attention goes through one traceable custom op per backend
 (DecodeMetadata carries only device tensors), so nothing in the compiled region depends on host values
 that change between steps. Prefill, mixed and speculative-verification steps stay eager: their shapes vary
-with every step and their cost is dominated by large matmuls that compiling does not speed up.
+with every step and their cost is dominated by large matmuls that compiling does not speed up. So do steps
+that use LoRA adapters; the graphs are traced with the adapter hooks idle (no step batch set: they add
+nothing), so a base-model decode step keeps its graph on a server that also serves adapters.
 
 Greedy output is token-identical to eager (tests/runtime/test_compiled_decode.py): the same matmuls, in
 the same order, on the same rows (padding rows never mix with real ones).
@@ -73,8 +75,6 @@ def decode_buckets(max_num_seqs: int, sizes: Sequence[int] | None) -> tuple[int,
 def unsupported_reason(model: LlamaForCausalLM, device: torch.device) -> str | None:
     """Why this model's decode step cannot be compiled on `device`, or None when it can."""
     arch = model.arch
-    if getattr(model, "lora", None) is not None:
-        return "LoRA adapters (the per-token adapter deltas run outside the captured step)"
     if arch.tp_size > 1:
         return "tensor parallelism (collectives are not captured)"
     if any(arch.is_moe_layer(i) for i in range(arch.num_layers)):

@@ -383,7 +383,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the step's tokens (writing their KV); logits [rows, V] of the rows to sample from:
         first one row per plain sample, then k + 1 rows per request with k proposals."""
-        if self.compiled is not None and self.compiled.supports(inputs.attn_meta):
+        if self.compiled is not None and inputs.lora is None and self.compiled.supports(inputs.attn_meta):
             # One row per sequence, so every row's logits come out; keep the ones asked for, in their order.
             logits = self.compiled.logits(inputs.input_ids, inputs.positions, inputs.attn_meta)
             if self.proposer is not None:

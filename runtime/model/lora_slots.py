@@ -13,7 +13,8 @@ Ranks below `max_rank` are zero-padded (zero rows of A, zero columns of B add no
 adapter does not target stays zero. The deltas are added by forward hooks on the base projections, so the
 model's parameters, their names and everything that reads them (checkpoint loading, the weight cache,
 sleep mode) stay as they are. A step without any adapter, or a projection no slot in the step targets,
-costs one attribute read per projection.
+costs one attribute read per projection; a compiled decode step is traced with `batch` None, so its graph
+holds no LoRA work at all (steps with adapters run eagerly).
 
 Under tensor parallelism every rank has slots of its own shard's widths and holds its part of each adapter
 (lora_adapter.shard_adapter): for a column-parallel projection (q/k/v, gate/up) all of A and its rows of

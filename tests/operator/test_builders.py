@@ -388,7 +388,7 @@ def test_editing_adapters_on_a_mounted_claim_needs_no_rollout():
     assert config_hash(cfg2) == config_hash(cfg)  # lora.modules and the host limit apply live
     template = build_deployment("m", md, cfg)["spec"]["template"]["spec"]
     assert build_deployment("m", md2, cfg2)["spec"]["template"]["spec"] == template
-    # The first adapter turns LoRA on (device slots, eager decode): that one rolls the pods.
+    # The first adapter turns LoRA on (device slots, the adapter hooks): that one rolls the pods.
     _, plain = _runtime({"model": {"servedName": "smol"}})
     assert not plain.lora.enable and config_hash(plain) != config_hash(cfg)
 

@@ -232,3 +232,56 @@ def test_compiled_engine_matches_eager_and_hf(default_model, hf_oracle):
     assert stats.spec_decode_num_accepted_tokens > 0
     for i, tokens in zip(ids, got[: len(ids)], strict=True):
         assert tokens == _hf_greedy(hf_oracle, i)
+
+
+def test_lora_hooks_stay_out_of_the_compiled_graphs():
+    """A server with LoRA on keeps compiled decode for steps without adapters: the graphs are traced with
+    the hooks idle (no step batch), hold no LoRA work and give the plain model's logits; a step with an
+    adapter runs eagerly with its delta, and the graphs are not recompiled for it."""
+    from tokenfleet.kernels.lora import make_lora_batch
+    from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, LoRAModule, projection_shapes
+    from tokenfleet.runtime.model.lora_slots import LoRASlots
+
+    model, block_size, num_blocks = _tiny_model("torch"), 16, 6
+    slots = LoRASlots(model, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
+    model.lora = slots
+    torch.manual_seed(1)
+    shapes = projection_shapes(TINY)
+    modules = {
+        (layer, name): LoRAModule(torch.randn(4, shapes[name][0]), torch.randn(shapes[name][1], 4), 0.5)
+        for layer in range(TINY.num_layers)
+        for name in ("q_proj", "v_proj", "down_proj")
+    }
+    slots.load(0, LoRAAdapterWeights("mem", modules, "digest"))
+    shape = (num_blocks + 1, block_size, TINY.num_kv_heads, TINY.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(TINY.num_layers)]
+    compiled = CompiledDecode(
+        model,
+        caches,
+        torch.device("cpu"),
+        buckets=(1, 4),
+        max_blocks_per_seq=4,
+        scratch_slot=num_blocks * block_size,
+        backend="eager",
+    )
+    try:
+        compiled.warm_up()
+        specs = [SeqSpec(20, 1, [3, 4]), SeqSpec(5, 1, [0]), SeqSpec(40, 1, [0, 1, 2])]
+        ids, pos = torch.tensor([11, 22, 33]), torch.tensor([20, 5, 40])
+        with torch.inference_mode():
+            reference = [(k.clone(), v.clone()) for k, v in caches]
+            meta = build_attention_metadata(specs, block_size)
+            plain = model.compute_logits(model(ids, pos, reference, meta))
+            slots.batch = make_lora_batch([0, -1, 0], "cpu")
+            adapted = model.compute_logits(
+                model(ids, pos, reference, build_attention_metadata(specs, block_size))
+            )
+            slots.batch = None
+            got = compiled.logits(ids, pos, build_attention_metadata(specs, block_size))
+        torch.testing.assert_close(got, plain, rtol=1e-3, atol=2e-3)
+        assert not torch.allclose(adapted[0], plain[0], atol=1e-2)  # the adapter's rows do change
+        torch.testing.assert_close(adapted[1], plain[1], rtol=1e-4, atol=1e-4)  # the base row does not
+        assert compiled.num_graphs == 2  # one per bucket: the eager adapter step recompiled nothing
+    finally:
+        compiled.close()
+        slots.detach()
