@@ -46,3 +46,31 @@ def test_curl_example_carries_the_key_header_only_when_needed():
     assert plain.startswith("curl http://127.0.0.1:8000/v1/chat/completions ")
     assert "Authorization" not in plain and '"model": "m"' in plain
     assert "Authorization: Bearer $API_KEY" in curl_example("http://h:1", "m", with_key=True)
+
+
+def test_lora_flags_take_vllms_forms():
+    config = parse(
+        "--enable-lora",
+        "--lora-modules",
+        "sql=/adapters/sql",
+        '{"name": "chat", "path": "/adapters/chat", "base_model_name": "smol"}',
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "4",
+    )
+    lora = config.lora
+    assert lora.enable and (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (2, 32, 4)
+    assert [(m.name, m.path, m.base_model_name) for m in lora.modules] == [
+        ("sql", "/adapters/sql", None),
+        ("chat", "/adapters/chat", "smol"),
+    ]
+    assert not parse().lora.enable
+    with pytest.raises(ConfigError, match="enable"):  # modules without --enable-lora, as vLLM refuses
+        parse("--lora-modules", "sql=/adapters/sql")
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        parse("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2")
+    with pytest.raises(SystemExit):  # argparse: not name=path
+        parse("--enable-lora", "--lora-modules", "just-a-name")
