@@ -164,7 +164,9 @@ class LoRASettings(_Spec):
     max_lora_rank: runtime_field("lora.max_lora_rank")
     max_cpu_loras: runtime_field(
         "lora.max_cpu_loras",
-        "Adapters loaded at once per pod (host memory); default: every listed adapter, at least maxLoras.",
+        "Adapters loaded at once per pod (host memory); default: every listed adapter, at least maxLoras. "
+        "Fewer than listed: each pod loads an adapter when a request first needs it there, and the routers "
+        "keep an adapter's requests on the pods that hold it.",
     )
 
 
@@ -409,8 +411,6 @@ class ModelDeploymentSpec(_Spec):
         if len(set(names)) != len(names):
             raise ValueError(f"adapters: names must be unique, got {names}")
         limit = self.lora.max_cpu_loras
-        if limit is not None and len(names) > limit:
-            raise ValueError(f"adapters: {len(names)} listed but lora.maxCpuLoras is {limit}")
         if limit is not None and limit < self.lora.max_loras:
             raise ValueError(f"lora.maxCpuLoras ({limit}) must be >= lora.maxLoras ({self.lora.max_loras})")
         if self.autoscaling is not None:

@@ -190,7 +190,7 @@ class LoRAConfig(_Strict):
         None,
         gt=0,
         description="Adapters loaded at once (host memory); loading one more evicts the least recently used "
-        "idle one. Default and minimum: max_loras.",
+        "idle one (loaded again from its path when asked for). Default and minimum: max_loras.",
     )
 
     @model_validator(mode="after")
@@ -200,8 +200,6 @@ class LoRAConfig(_Strict):
         names = [m.name for m in self.modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora.modules names must be unique, got {names}")
-        if len(names) > self.host_limit:
-            raise ValueError(f"{len(names)} lora.modules but max_cpu_loras is {self.host_limit}")
         if self.modules and not self.enable:
             raise ValueError("lora.modules given but lora.enable is false (--enable-lora)")
         return self

@@ -131,7 +131,7 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.core.check_admission(prompt_token_ids, params)  # the scheduler's check, before queueing
-        if lora_name is not None and (self.core.lora is None or self.core.lora.get(lora_name) is None):
+        if lora_name is not None and (self.core.lora is None or not self.core.lora.is_known(lora_name)):
             raise ModelNotFound(lora_name)  # unloaded since the server looked the name up
         waiting = self._stats.num_waiting + (self._submitted - self._ingested)
         if waiting >= self.config.scheduler.max_waiting:

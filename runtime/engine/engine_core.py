@@ -157,11 +157,9 @@ class EngineCore:
             size,
             self._replicate_lora if size > 1 else None,
         )
-        for module in config.lora.modules:
-            try:
-                manager.register(module.name, module.path, module.base_model_name)
-            except InvalidRequest as exc:
-                raise ConfigError(f"lora.modules {module.name}: {exc}") from None
+        manager.set_listed((), config.lora.modules)
+        for name, exc in manager.preload():  # as many as host memory holds; the rest on first use
+            raise ConfigError(f"lora.modules {name}: {exc}")
         logger.info(
             "LoRA: %d slots of rank %d (%.1f MiB), adapters %s",
             slots.max_loras,

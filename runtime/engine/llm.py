@@ -180,14 +180,14 @@ class LLM:
         manager = self.engine.lora
         if manager is None:
             raise ValueError("lora_request needs LoRA on: LLM(..., enable_lora=True)")
-        loaded = manager.get(lora.lora_name)
-        if loaded is None:
+        known = {name: path for name, path, _ in manager.known()}
+        if lora.lora_name not in known:
             if not lora.lora_path:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r} is not loaded and has no lora_path")
             manager.register(lora.lora_name, lora.lora_path)
-        elif lora.lora_path and lora.lora_path != loaded.path:
+        elif lora.lora_path and lora.lora_path != known[lora.lora_name]:
             raise ValueError(
-                f"LoRA adapter {lora.lora_name!r} is loaded from {loaded.path}, not {lora.lora_path}"
+                f"LoRA adapter {lora.lora_name!r} is loaded from {known[lora.lora_name]}, not {lora.lora_path}"
             )
         return lora.lora_name
 

@@ -1,12 +1,16 @@
 """Which LoRA adapters a server has loaded, and which of them sit in the device slots a step computes with.
 
-Two levels, as in vLLM:
-- **Loaded** (host memory, at most `max_cpu_loras`): checked and parsed when loaded (`register`, from any
-  thread: start-up modules, `POST /v1/load_lora_adapter`), so a bad adapter is refused before anything
-  changes. Loading one more than the limit evicts the least recently used adapter that no request is using;
-  when every one is in use the load is refused with a retry-after (nothing is ever pulled from under a
-  running request). Unloading makes the name unknown to new requests at once; requests already holding the
-  adapter finish with it.
+Three levels, as in vLLM:
+- **Known**: every adapter a request may name — listed in `lora.modules`, or loaded through `POST
+  /v1/load_lora_adapter` — with its path. Unloading forgets the name at once (404 for new requests);
+  requests already holding the adapter finish with it.
+- **Loaded** (host memory, at most `max_cpu_loras`): checked and parsed from its path (`register` from the
+  API; `ensure_loaded` on first use, off the event loop), so a bad adapter is refused before anything
+  changes. Loading one more than the limit evicts the least recently used adapter that no request is using
+  (it stays known and is loaded again when asked for); when every one is in use the load is refused with a
+  retry-after (nothing is ever pulled from under a running request). A deployment may list more adapters
+  than a pod holds at once: routers send an adapter's requests to the pods that hold it, and spill to
+  another pod (which loads it) only when those are busy (router/fleet.py).
 - **In a slot** (device, at most `max_loras`): assigned per step by `slots_for` on the engine thread, a copy
   from the host weights into the slot (no allocation). The scheduler never lets the running requests use
   more distinct adapters than there are slots, so a step always finds one; the slot evicted is the least
@@ -15,12 +19,13 @@ Two levels, as in vLLM:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tokenfleet.runtime.config import LoRAConfig
+from tokenfleet.runtime.config import LoRAConfig, LoRAModuleSpec
 from tokenfleet.runtime.errors import AdaptersBusy, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, load_adapter, shard_adapter
@@ -74,28 +79,36 @@ class LoRAManager:
         self._dtype = dtype
         self._parent = parent
         self._lock = threading.Lock()
-        self._adapters: dict[str, LoRAAdapter] = {}
+        self._adapters: dict[str, LoRAAdapter] = {}  # in host memory
+        # Every adapter a request may name (listed in lora.modules or loaded through the API): name ->
+        # (path, base model name). Evicting one from host memory keeps it here; unloading forgets it.
+        self._known: dict[str, tuple[str, str | None]] = {}
         self._clock = 0  # a use counter: LRU order without reading time
         # Engine thread only: the adapter in each device slot, and when the slot was last used.
         self._slot_owner: list[LoRAAdapter | None] = [None] * slots.max_loras
         self._slot_used = [0] * slots.max_loras
         self.num_slot_loads = 0
 
-    # ---- loaded adapters (any thread) -----------------------------------------------------------------------
+    # ---- known and loaded adapters (any thread) -------------------------------------------------------------
 
     def register(self, name: str, path: str, base_model_name: str | None = None) -> LoRAAdapter:
-        """Check, parse and load the adapter at `path` as `name` (slow: file reads; not on the event loop).
-        Raises InvalidRequest (a bad adapter or a name taken) or AdaptersBusy; changes nothing then."""
+        """Check, parse and load the adapter at `path` as `name`, and know it from now on (slow: file reads;
+        not on the event loop). Raises InvalidRequest (a bad adapter, or a name taken by another adapter or
+        already loaded) or AdaptersBusy; changes nothing then."""
         if not name or name == self._parent:
             raise InvalidRequest(f"`{name}` cannot name an adapter: it is the base model's name", "lora_name")
         with self._lock:
-            if name in self._adapters:
+            known = self._known.get(name)
+            if name in self._adapters or (known is not None and known[0] != path):
                 raise InvalidRequest(f"The lora adapter `{name}` has already been loaded.", "lora_name")
+        return self._load(name, path, base_model_name)
+
+    def _load(self, name: str, path: str, base_model_name: str | None) -> LoRAAdapter:
         weights = load_adapter(path, self._arch, self.config.max_lora_rank, self._dtype)
         adapter = LoRAAdapter(name, weights, base_model_name or self._parent)
         with self._lock:
             if name in self._adapters:  # a concurrent load of the same name won
-                raise InvalidRequest(f"The lora adapter `{name}` has already been loaded.", "lora_name")
+                return self._adapters[name]
             if len(self._adapters) >= self.config.host_limit:
                 idle = [a for a in self._adapters.values() if a.in_flight == 0]
                 if not idle:
@@ -104,39 +117,94 @@ class LoRAManager:
                         f"flight; `{name}` can be loaded when one of them is idle",
                         retry_after=1.0,
                     )
+                # Evicted from host memory only: still known, loaded again from its path when asked for.
                 del self._adapters[min(idle, key=lambda a: a.last_used).name]
             self._clock += 1
             adapter.last_used = self._clock
             self._adapters[name] = adapter
+            self._known[name] = (path, base_model_name)
         return adapter
 
-    def unregister(self, name: str) -> LoRAAdapter:
+    def ensure_loaded(self, name: str) -> LoRAAdapter:
+        """The adapter `name`, loaded from its path first if it is known but not in host memory (an adapter
+        listed beyond max_cpu_loras, or evicted since). ModelNotFound when unknown; InvalidRequest when its
+        files no longer load; AdaptersBusy when every loaded adapter has requests in flight."""
+        with self._lock:
+            adapter = self._adapters.get(name)
+            if adapter is not None:
+                self._clock += 1
+                adapter.last_used = self._clock  # the most recent: the last one a concurrent load evicts
+                return adapter
+            known = self._known.get(name)
+        if known is None:
+            raise ModelNotFound(name)
+        return self._load(name, *known)
+
+    def unregister(self, name: str) -> None:
         """Forget `name` for new requests (ModelNotFound if unknown); in-flight requests finish with it."""
         with self._lock:
+            known = self._known.pop(name, None)
             adapter = self._adapters.pop(name, None)
-        if adapter is None:
+        if known is None and adapter is None:
             raise ModelNotFound(name)
-        return adapter
+
+    def set_listed(self, old: Sequence[LoRAModuleSpec], new: Sequence[LoRAModuleSpec]) -> None:
+        """Follow an edited `lora.modules`: a name the old list had and the new one drops (or points
+        elsewhere) is forgotten; new entries become known, loaded on first use (`ensure_loaded`)."""
+        wanted = {m.name: m for m in new}
+        for spec in old:
+            keep = wanted.get(spec.name)
+            if keep is None or keep.path != spec.path:
+                with contextlib.suppress(ModelNotFound):
+                    self.unregister(spec.name)
+        with self._lock:
+            for spec in new:
+                self._known.setdefault(spec.name, (spec.path, spec.base_model_name))
+
+    def preload(self) -> list[tuple[str, Exception]]:
+        """Load known adapters that are not in host memory while there is room (never evicting one), so
+        their first requests do not wait for the files; (name, error) of each that failed to load."""
+        failed = []
+        for name, _, _ in self.known():
+            with self._lock:
+                if name in self._adapters:
+                    continue
+                if len(self._adapters) >= self.config.host_limit:
+                    break
+            try:
+                self.ensure_loaded(name)
+            except (InvalidRequest, AdaptersBusy, ModelNotFound) as exc:
+                failed.append((name, exc))
+        return failed
+
+    def is_known(self, name: str) -> bool:
+        with self._lock:
+            return name in self._known
 
     def get(self, name: str) -> LoRAAdapter | None:
+        """The adapter if it is in host memory now."""
         with self._lock:
             return self._adapters.get(name)
 
     def adapters(self) -> list[LoRAAdapter]:
+        """The adapters in host memory, by name."""
         with self._lock:
             return sorted(self._adapters.values(), key=lambda a: a.name)
+
+    def known(self) -> list[tuple[str, str, str]]:
+        """(name, path, parent) of every adapter requests may name, loaded or not, by name."""
+        with self._lock:
+            return [(n, p, b or self._parent) for n, (p, b) in sorted(self._known.items())]
 
     # ---- requests (engine thread) ---------------------------------------------------------------------------
 
     def acquire(self, name: str) -> LoRAAdapter:
-        """The adapter a new request runs under, counted in flight until `release`; ModelNotFound if none."""
+        """The adapter a new request runs under, counted in flight until `release`. The server loaded it
+        beforehand (`ensure_loaded`, off this thread); one evicted in between is loaded here. ModelNotFound
+        when unknown."""
+        adapter = self.ensure_loaded(name)
         with self._lock:
-            adapter = self._adapters.get(name)
-            if adapter is None:
-                raise ModelNotFound(name)
             adapter.in_flight += 1
-            self._clock += 1
-            adapter.last_used = self._clock
             return adapter
 
     def release(self, adapter: LoRAAdapter) -> None:

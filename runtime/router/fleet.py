@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from tokenfleet.runtime.engine.fair_share import FairShare
+from tokenfleet.runtime.router.adapter_placement import adapter_candidates
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
@@ -373,6 +374,8 @@ class Fleet:
             # than fail, so only the endpoints below it are matched when there are any.
             below = [ep for ep in eps if ep.in_flight < limit]
             eps = below or eps
+            if prompt.adapter is not None:  # the pods holding the adapter, unless they are busy
+                eps = adapter_candidates(prompt.adapter, eps, self.config.routing.balance)
             matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
             followers = self._followers  # only the candidates' (kv_events_live() would build all of them)
             states = [

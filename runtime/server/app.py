@@ -188,10 +188,10 @@ async def models(request: web.Request) -> web.Response:
     cards = [
         ModelCard(id=state.model_name, created=created, max_model_len=max_len, root=state.config.model.model)
     ]
-    if state.lora is not None:  # each adapter is a model of its own, as vLLM lists them
+    if state.lora is not None:  # each adapter is a model of its own, as vLLM lists them (loaded or not)
         cards += [
-            ModelCard(id=a.name, created=created, max_model_len=max_len, root=a.path, parent=a.parent)
-            for a in state.lora.adapters()
+            ModelCard(id=name, created=created, max_model_len=max_len, root=path, parent=parent)
+            for name, path, parent in state.lora.known()
         ]
     return web.Response(text=ModelList(data=cards).model_dump_json(), content_type="application/json")
 

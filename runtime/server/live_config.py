@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 from tokenfleet.runtime.config import LoRAConfig, RuntimeConfig
-from tokenfleet.runtime.errors import TokenfleetError
 from tokenfleet.runtime.server.auth import ApiKeys, InternalKey
 from tokenfleet.runtime.server.state import STATE_KEY, ServerState
 
@@ -34,32 +33,20 @@ async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
 
 
 async def sync_adapters(engine: Any, old: LoRAConfig, new: LoRAConfig) -> None:
-    """Make the loaded adapters follow an edited `lora.modules`: an adapter the old list named and the new
-    one drops (or points elsewhere) is unloaded — its requests in flight finish with it — and a new entry
-    is loaded (read and checked off the event loop). Adapters loaded through the API are left alone. A
-    refused adapter is logged and skipped; the others still apply."""
+    """Make the known adapters follow an edited `lora.modules`: an adapter the old list named and the new
+    one drops (or points elsewhere) is forgotten — its requests in flight finish with it — and new entries
+    become known, loaded now while host memory has room (read and checked off the event loop), else on
+    first use. Adapters loaded through the API are left alone. A refused adapter is logged and skipped."""
     manager = getattr(getattr(engine, "core", None), "lora", None)
     if manager is None:
         return
     manager.config = new  # max_cpu_loras applies from the next load (nothing is evicted by lowering it)
     if old.modules == new.modules:
         return
-    wanted = {m.name: m for m in new.modules}
-    for spec in old.modules:
-        loaded = manager.get(spec.name)
-        keep = wanted.get(spec.name)
-        if loaded is not None and (keep is None or keep.path != loaded.path):
-            manager.unregister(spec.name)
-            logger.info("LoRA adapter %s unloaded (lora.modules changed)", spec.name)
-    for spec in new.modules:
-        if manager.get(spec.name) is not None:
-            continue
-        try:
-            await asyncio.to_thread(manager.register, spec.name, spec.path, spec.base_model_name)
-        except TokenfleetError as exc:
-            logger.warning("LoRA adapter %s from lora.modules not loaded: %s", spec.name, exc)
-        else:
-            logger.info("LoRA adapter %s loaded from %s (lora.modules changed)", spec.name, spec.path)
+    manager.set_listed(old.modules, new.modules)
+    logger.info("LoRA adapters listed now: %s", [m.name for m in new.modules])
+    for name, exc in await asyncio.to_thread(manager.preload):
+        logger.warning("LoRA adapter %s from lora.modules not loaded: %s", name, exc)
 
 
 def on_change_for(state: ServerState):

@@ -4,6 +4,7 @@ response's identity (id, created, whether the stream can be resumed elsewhere)."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import NamedTuple
 
@@ -40,6 +41,8 @@ async def start_generation(
     raises here, before any engine request exists (a 400)."""
     state = ctx.state
     engine = state.require_engine()
+    if lora is not None:  # read from its path first if it is not in host memory (files: off the loop)
+        await asyncio.to_thread(state.lora.ensure_loaded, lora)
     if params.structured_output is not None:
         await engine.compile_grammar(params.structured_output)
     gen = Generation(

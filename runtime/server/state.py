@@ -79,7 +79,7 @@ class ServerState:
         if name is None or name == self.model_name:
             return None
         lora = self.lora
-        if lora is not None and lora.get(name) is not None:
+        if lora is not None and lora.is_known(name):
             return name
         raise HttpError(model_not_found(name))
 

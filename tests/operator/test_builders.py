@@ -408,18 +408,16 @@ def test_editing_adapters_on_a_mounted_claim_needs_no_rollout():
             },
             ">=",
         ),
-        (
-            {
-                "adapters": [{"name": f"a{i}", "source": "pvc://c/x"} for i in range(3)],
-                "lora": {"maxCpuLoras": 2},
-            },
-            "3 listed",
-        ),
     ],
 )
 def test_bad_adapter_lists_are_refused(spec, message):
     with pytest.raises((ValueError, ConfigError), match=message):
         parse_model_deployment(spec)
+
+
+def test_more_adapters_than_a_pod_holds_are_loaded_on_demand():
+    _, cfg = _runtime({**LORA, "lora": {"maxLoras": 1, "maxCpuLoras": 2}})
+    assert cfg.lora.max_cpu_loras == 2 and len(cfg.lora.modules) == 3
 
 
 def test_an_adapter_named_like_the_model_is_refused():

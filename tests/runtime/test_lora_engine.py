@@ -147,8 +147,15 @@ def test_loading_past_the_host_limit_evicts_an_idle_adapter_or_refuses(adapters,
             manager.register("d", str(paths["qv8"]))
         assert [a.name for a in manager.adapters()] == ["b", "c"]
         manager.release(c)
-        with pytest.raises(ModelNotFound):  # "a" was evicted
-            llm.engine.add_request("r", [1, 2, 3], GREEDY, lora_name="a")
+        # "a" was evicted from host memory, not forgotten: asked for again, it is loaded from its path
+        # (evicting "c", idle now and the least recently used).
+        assert [n for n, _, _ in manager.known()] == ["a", "b", "c"]
+        llm.engine.add_request("r", [1, 2, 3], GREEDY, lora_name="a")
+        assert [a.name for a in manager.adapters()] == ["a", "b"]
+        llm.engine.abort("r")
+        manager.unregister("a")  # forgotten: new requests get 404
+        with pytest.raises(ModelNotFound):
+            llm.engine.add_request("r2", [1, 2, 3], GREEDY, lora_name="a")
         assert not llm.engine.has_unfinished()
         with pytest.raises(InvalidRequest, match="already been loaded"):
             manager.register("b", str(paths["qv8"]))

@@ -99,6 +99,7 @@ class FakePod:
         self.announce_prefills = True  # ... and announced as `scheduled` when it starts
         self._prefilling: dict[bytes, asyncio.Event] = {}
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> its block-hash key (on /load, as a pod)
+        self.loadable: set[str] = set()  # adapters it loads when a request names one (as listed ones are)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._loading_gate])
@@ -145,6 +146,8 @@ class FakePod:
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
         model = payload.get("model")
+        if model in self.loadable and model not in self.adapters:
+            self.adapters[model] = f"{model}@1"
         if model != self.model and model not in self.adapters:
             return web.json_response({"error": {"message": "wrong model"}}, status=404)
         ids = prompt_token_ids(request.path, body, self.tokenizer) or []

@@ -76,3 +76,32 @@ async def test_an_edited_adapter_list_applies_live_and_keeps_the_endpoints(
                 s.post(url + "/v1/chat/completions", json=adapter_chat("sql")) as r,
             ):
                 assert r.status == 404
+
+
+async def test_an_adapters_requests_stay_on_its_holders_until_they_are_busy_then_spill(
+    serve_app, start_router, make_pod, wait_until
+):
+    """Placement: with one pod holding the adapter, its requests go there (the other pod would have to load
+    it), whatever their prompts; when the holder is clearly busier (the balance queue rule), one goes to
+    the other pod, which loads it and from then on holds it too."""
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.loadable = {"sql"}
+    pods[0].adapters = {"sql": "sql@1"}
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["sql"]} for i, u in enumerate((u0, u1))
+        ]
+        routing = {"strategy": "prefix-affinity", "balance": {"absolute": 2, "relative": 1.5}}
+        async with start_router(backends, routing) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u0].lora_adapters == {"sql": "sql@1"})
+            for k in range(3):  # distinct prompts: no prefix to follow, only the adapter
+                body = {**chat(k, f"w{k}"), "model": "sql"}
+                assert (await send(url, body))[:2] == (200, u0)
+            assert "sql" not in pods[1].adapters
+            pods[0].running = 6  # its /load now reports a queue the other pod does not have
+            await wait_until(lambda: eps[u0].reported_load >= 6)
+            assert (await send(url, {**chat(0, "w9"), "model": "sql"}))[:2] == (200, u1)
+            assert "sql" in pods[1].adapters  # the spill loaded it there
+            await wait_until(lambda: "sql" in eps[u1].lora_adapters)
