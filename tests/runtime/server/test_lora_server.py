@@ -142,8 +142,11 @@ def test_bad_loads_change_nothing_and_unloaded_is_404(oai, lora_server, lora_ada
     assert err.value.body["code"] == "model_not_found"
     status, text = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "tmp"})
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
-    # The server keeps serving the base model and the adapters still loaded.
+    # The server keeps serving the base model, and both earlier adapters: the one "tmp" evicted from host
+    # memory is still known and is loaded again from its path by its next request.
     assert complete(oai, BASE, "hello").choices[0].finish_reason == "length"
+    for name in ("qv8", "all16"):
+        assert complete(oai, name, PROMPTS[0]).model == name
 
 
 def test_an_edited_lora_modules_list_applies_live(oai, lora_server, lora_adapters, hf_tokenizer):
