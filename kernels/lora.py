@@ -20,8 +20,9 @@ an adapter's weights are read. Each op has two kernel shapes:
 
 `lora_shrink` / `lora_expand` pick the shape from the step's longest run (`pick_kernel_shape`). h and y may be
 column slices of wider tensors (the slices of a fused projection's output), so every row stride is an
-argument and only the last dim must be contiguous. The torch references loop over the few distinct slots
-of a step, one gather and one matmul each; they are the CPU serving path.
+argument and only the last dim must be contiguous. The torch references gather the rows that use an
+adapter once, grouped by slot (`LoRABatch.order`, built with the batch), and run one matmul per distinct
+slot on its contiguous block; they are the CPU serving path.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class LoRABatch:
     max_seg_len: int  # host int: the longest segment, runs of -1 included (the segmented grid covers it)
     num_tokens: int
     slots: tuple[int, ...]  # distinct slots >= 0 in the batch, sorted (host; the torch reference loops)
+    # For the torch reference: the rows that use an adapter, grouped by slot (int64 [T'], the order
+    # index ops need), and each slot's (slot, start, end) range in that order (host).
+    order: torch.Tensor
+    slot_ranges: tuple[tuple[int, int, int], ...]
 
 
 def make_lora_batch_from_runs(runs: Sequence[tuple[int, int]], device: torch.device | str) -> LoRABatch:
@@ -99,6 +104,22 @@ def make_lora_batch_from_runs(runs: Sequence[tuple[int, int]], device: torch.dev
     torch.cumsum(lens, 0, dtype=torch.int32, out=host[num_tokens + 1 : num_tokens + 1 + num_segs])
     host[num_tokens + 1 + num_segs :] = slots_t
     dev = host.to(device, non_blocking=True)
+    # The rows of each slot, slot by slot: the torch reference multiplies each slot's rows as one
+    # contiguous block of a single gather instead of finding and gathering them per slot and projection.
+    starts: dict[int, list[tuple[int, int]]] = {}
+    pos = 0
+    for slot, n in zip(seg_slots, seg_lens, strict=True):
+        if slot >= 0:
+            starts.setdefault(slot, []).append((pos, n))
+        pos += n
+    order: list[int] = []
+    ranges = []
+    for slot in sorted(starts):
+        first = len(order)
+        for p, n in starts[slot]:
+            order.extend(range(p, p + n))
+        ranges.append((slot, first, len(order)))
+    order_t = torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True)
     return LoRABatch(
         token_slots=dev[:num_tokens],
         seg_starts=dev[num_tokens : num_tokens + 1 + num_segs],
@@ -106,6 +127,8 @@ def make_lora_batch_from_runs(runs: Sequence[tuple[int, int]], device: torch.dev
         max_seg_len=max(seg_lens, default=0),
         num_tokens=num_tokens,
         slots=tuple(sorted({s for s in seg_slots if s >= 0})),
+        order=order_t,
+        slot_ranges=tuple(ranges),
     )
 
 
@@ -534,10 +557,6 @@ def _single_slot(batch: LoRABatch) -> bool:
     return len(batch.slots) == 1 and batch.max_seg_len == batch.num_tokens
 
 
-def _rows_of(batch: LoRABatch, slot: int) -> torch.Tensor:
-    return (batch.token_slots == slot).nonzero().squeeze(1)
-
-
 def _mm_t(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """m @ w.T in fp32 (m fp32). `.float()` of an fp32 tensor is the tensor itself, so fp32 weights are
     used as views; fp16/bf16 ones are widened, one slot at a time, because CPU matmul has no mixed
@@ -546,15 +565,17 @@ def _mm_t(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """Torch lora_shrink: one matmul per distinct slot of the step over that slot's gathered rows."""
+    """Torch lora_shrink: one gather of the adapter rows, one matmul per distinct slot on its block."""
     x, a = _check_shrink(x, a, batch, triton_path=False)
     if _single_slot(batch):
         return _mm_t(x.float(), a[batch.slots[0]])
     h = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
-    for slot in batch.slots:
-        rows = _rows_of(batch, slot)
-        h.index_copy_(0, rows, _mm_t(x.index_select(0, rows).float(), a[slot]))
-    return h
+    # One gather of the adapter rows, grouped by slot; one matmul per slot on its contiguous block.
+    xs = x.index_select(0, batch.order).float()
+    hs = torch.empty((xs.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+    for slot, start, end in batch.slot_ranges:
+        torch.mm(xs[start:end], a[slot].float().t(), out=hs[start:end])  # _mm_t, written in place
+    return h.index_copy_(0, batch.order, hs)
 
 
 def lora_expand_ref(
@@ -567,7 +588,9 @@ def lora_expand_ref(
         slot = batch.slots[0]
         y.add_(_mm_t(h, b[slot]).mul_(scale[slot]))
         return
-    for slot in batch.slots:
-        rows = _rows_of(batch, slot)
-        delta = _mm_t(h.index_select(0, rows), b[slot]).mul_(scale[slot])
-        y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
+    order = batch.order
+    hs = h.index_select(0, order)
+    ys = y.index_select(0, order).float()  # y.float() + delta, cast once: as the kernels do
+    for slot, start, end in batch.slot_ranges:
+        ys[start:end].add_(_mm_t(hs[start:end], b[slot]).mul_(scale[slot]))
+    y.index_copy_(0, order, ys.to(y.dtype))
