@@ -4,7 +4,8 @@ the router Service lists as ready, classified the way a user would see it.
 Kinds: streamed and whole chat and completions (ignore_eos, so each answer must have exactly the tokens
 asked for), structured outputs (a JSON schema; the answer must parse when it ends with `stop`), long
 prompts (~900 tokens), and a tenth of all requests being streams that their client drops after three
-events. The clients retry like the OpenAI SDK: a request that fails before its first byte (connection
+events: each client's second stream and every sixth after it (streams are six tenths of the load), counted
+rather than drawn so that a short run on a slow machine still has some. The clients retry like the OpenAI SDK: a request that fails before its first byte (connection
 refused or reset, 408/409/429/5xx) is sent again twice, 0.5 s then 1 s later (or after Retry-After), to
 another ready router when there is one (a gateway's previous-hosts retry rule); never after its first
 byte. A request ends `ok`, `disconnected` (its client's choice) or `error` with the error's kind and detail.
@@ -270,7 +271,7 @@ class ChaosLoad:
     model: str
     workers: int = 4
     seed: int = 0
-    disconnect_fraction: float = 0.10
+    disconnect_every: int = 6  # streams per abandoned stream: 6/10 of requests are streams, so a tenth
     records: list[Record] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -302,12 +303,13 @@ class ChaosLoad:
     def _loop(self, worker: int) -> None:
         rng = random.Random(self.seed * 1000 + worker)
         kinds, weights = zip(*KINDS.items(), strict=True)
-        n = 0
+        n = streams = 0
         while not self._stop.is_set():
             kind = rng.choices(kinds, weights)[0]
-            disconnect = kind.endswith("_stream") and rng.random() < self.disconnect_fraction * sum(
-                weights
-            ) / (KINDS["chat_stream"] + KINDS["completion_stream"])
+            disconnect = False
+            if kind.endswith("_stream"):
+                disconnect = streams % self.disconnect_every == 1
+                streams += 1
             record = Record(kind, time.monotonic())
             with self._lock:
                 self.records.append(record)
