@@ -32,14 +32,14 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import aiohttp
 import torch
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
-from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, with_salt
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, with_adapter
 from tokenfleet.runtime.engine.kv_cache.kv_connector import (
     KVTransferError,
     cached_prefix_len,
@@ -181,23 +181,43 @@ _HOLD_ID_KEY = "tokenfleet_kv_hold_id"
 # ---- prefill pod --------------------------------------------------------------------------------------------
 
 
-def _prompt(path: str, state, engine, raw: bytes) -> tuple[list[int], str | None]:
-    """The prompt token ids exactly as the handler builds them (same helpers), and the cache salt."""
+class PromptOf(NamedTuple):
+    """What a prompt's blocks are hashed from: its token ids, cache salt and LoRA adapter (None: base)."""
+
+    token_ids: list[int]
+    salt: str | None
+    lora: str | None
+
+
+def _prompt(path: str, state, engine, raw: bytes) -> PromptOf:
+    """The prompt token ids exactly as the handler builds them (same helpers), the cache salt and the
+    adapter the request's `model` selects (a 404 for a model this pod does not serve, as the handler's)."""
     defaults = generation_defaults(state, engine)
     if path == "/v1/completions":
         req = parse_request(CompletionRequest, raw)
+        lora = state.check_model(req.model)
         params = completion_params(req, defaults)
         prompts, _ = completion_prompt_list(state, engine, req, params.max_tokens)
         if len(prompts) != 1:
             raise HttpError(invalid("a disaggregated prefill takes one prompt", param=wire.FIELD))
-        return list(prompts[0].token_ids), req.cache_salt
+        return PromptOf(list(prompts[0].token_ids), req.cache_salt, lora)
     from tokenfleet.runtime.server.chat import tool_plan  # the chat handler's own tool rules
 
     req = parse_request(ChatCompletionRequest, raw)
+    lora = state.check_model(req.model)
     plan = tool_plan(req, engine.tokenizer)
     params = chat_params(req, defaults, plan.constraint)
     prompt, _ = chat_prompt(state, engine, req, plan.tools, params.max_tokens)
-    return list(prompt.token_ids), req.cache_salt
+    return PromptOf(list(prompt.token_ids), req.cache_salt, lora)
+
+
+async def _adapter_key(state, lora: str | None) -> str | None:
+    """The key this pod hashes an adapter's blocks with (name and weights digest), its files read first when
+    they are not in host memory (off the loop, as the handler reads them). Both pods hash with their own key:
+    a prefill pod that holds other weights under the same name gets its blocks refused, not used."""
+    if lora is None:
+        return None
+    return (await asyncio.to_thread(state.lora.ensure_loaded, lora)).cache_key
 
 
 async def _prefill(
@@ -206,7 +226,8 @@ async def _prefill(
     state = request.app[STATE_KEY]
     kvs = request.app[KV_TRANSFER_KEY]
     engine = state.require_engine()
-    token_ids, salt = _prompt(request.path, state, engine, raw)
+    token_ids, salt, lora = _prompt(request.path, state, engine, raw)
+    adapter_key = await _adapter_key(state, lora)
     hold_id = uuid.uuid4().hex
     # The hold is announced before the request runs and taken by the engine in the very step the request
     # finishes, while all of its prompt blocks are still cached (kv_holds.py); taken after the answer, the
@@ -214,7 +235,7 @@ async def _prefill(
 
     def expect(core):
         km = core.kv_manager
-        hashes = block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
+        hashes = block_hashes_for(token_ids, km.block_size, with_adapter(km.hash_extra, salt, adapter_key))
         return kvs.holds_of(core).expect(hold_id, hashes, token_ids, salt, params.hold_seconds), km.block_size
 
     try:
@@ -373,13 +394,18 @@ async def release_endpoint(request: web.Request) -> web.Response:
 # ---- decode pod ---------------------------------------------------------------------------------------------
 
 
-def _decode_prompt(path: str, state, engine, raw: bytes) -> tuple[list[int], str | None]:
-    """The prompt ids the handler will run: a continuation's own, else built as the handler builds them."""
+def _decode_prompt(path: str, state, engine, raw: bytes) -> PromptOf:
+    """The prompt the handler will run: a continuation's own ids, else built as the handler builds them."""
     payload = json.loads(raw)
     continuation = payload.get(CONTINUATION_FIELD)
     if isinstance(continuation, dict) and isinstance(continuation.get("prompt_token_ids"), list):
         salt = payload.get("cache_salt")
-        return [int(t) for t in continuation["prompt_token_ids"]], salt if isinstance(salt, str) else None
+        model = payload.get("model")
+        return PromptOf(
+            [int(t) for t in continuation["prompt_token_ids"]],
+            salt if isinstance(salt, str) else None,
+            state.check_model(model if isinstance(model, str) else None),
+        )
     return _prompt(path, state, engine, raw)
 
 
@@ -394,12 +420,14 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
         hashes = [bytes.fromhex(h) for h in params.block_hashes]
     except ValueError:
         raise HttpError(invalid("block_hashes must be hex strings", param=wire.FIELD)) from None
+    prompt = _decode_prompt(request.path, state, engine, raw)
+    adapter_key = await _adapter_key(state, prompt.lora)
     if not hashes:  # a streamed prefill sends none: this pod hashes the prompt as it will run it
-        token_ids, salt = _decode_prompt(request.path, state, engine, raw)
 
         def own_hashes(core):
             km = core.kv_manager
-            return block_hashes_for(token_ids, km.block_size, with_salt(km.hash_extra, salt))
+            extra = with_adapter(km.hash_extra, prompt.salt, adapter_key)
+            return block_hashes_for(prompt.token_ids, km.block_size, extra)
 
         hashes = await engine.call(own_hashes)
     start = await engine.call(lambda core: cached_prefix_len(core.kv_manager, hashes))
@@ -423,7 +451,7 @@ async def _decode(request: web.Request, params: wire.DecodeParams, raw: bytes) -
     def insert(core):
         km, pod = core.kv_manager, PodKV(core.runner.kv_caches, core.workers)
         check_layout(pod.layout, header.layout)
-        check_chain(km, got, header.token_ids, header.cache_salt, parent)
+        check_chain(km, got, header.token_ids, header.cache_salt, parent, adapter_key)
 
         def fill(block_ids: list[int]) -> int:
             pod.write(block_ids, payloads[: len(block_ids)])

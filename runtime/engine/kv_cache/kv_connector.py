@@ -35,7 +35,7 @@ from tokenfleet.runtime.engine.kv_cache.block_hash import (
     BlockHash,
     encode_extra,
     hash_block_encoded,
-    with_salt,
+    with_adapter,
 )
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.offload import HostKVTier
@@ -199,20 +199,22 @@ def check_chain(
     token_ids: Sequence[int],
     cache_salt: str | None,
     parent: BlockHash | None = None,
+    adapter_key: str | None = None,
 ) -> None:
-    """Raise KVTransferError unless `block_hashes` are this engine's hashes of `token_ids` after `parent`."""
+    """Raise KVTransferError unless `block_hashes` are this engine's hashes of `token_ids` after `parent`
+    (run under the LoRA adapter this engine keys `adapter_key`, None for the base model)."""
     bs = manager.block_size
     if len(token_ids) != len(block_hashes) * bs:
         raise KVTransferError(
             f"{len(block_hashes)} blocks need {len(block_hashes) * bs} token ids, got {len(token_ids)}"
         )
-    extra = encode_extra(with_salt(manager.hash_extra, cache_salt))
+    extra = encode_extra(with_adapter(manager.hash_extra, cache_salt, adapter_key))
     for i, block_hash in enumerate(block_hashes):
         parent = hash_block_encoded(parent, token_ids[i * bs : (i + 1) * bs], extra)
         if parent != block_hash:
             raise KVTransferError(
                 f"block {i}: hash differs from this engine's hash of its tokens (another "
-                "model, tokenizer or cache salt)"
+                "model, tokenizer, cache salt or LoRA adapter)"
             )
 
 

@@ -172,3 +172,82 @@ def test_an_edited_lora_modules_list_applies_live(oai, lora_server, lora_adapter
     assert resp.choices[0].text == expected_text(lora_adapters, hf_tokenizer, "mlp4", PROMPTS[0])
     with pytest.raises(openai.NotFoundError):
         complete(oai, "qv8", PROMPTS[0])
+
+
+@pytest.fixture(scope="module")
+def decode_server(lora_adapters):
+    """A second pod for disaggregation: `same` names the weights the first pod loads under that name,
+    `swapped` other weights than the first pod's."""
+    _, paths = lora_adapters
+    config = real_config(
+        model={"dtype": "float32", "attention_backend": "torch"},
+        lora={
+            "enable": True,
+            "max_loras": 2,
+            "max_cpu_loras": 2,
+            "modules": [
+                {"name": "same", "path": str(paths["qv8"])},
+                {"name": "swapped", "path": str(paths["mlp4"])},
+            ],
+        },
+    )
+    model = load_model(config.model, torch.device("cpu"))
+    server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=model))).start()
+    yield server
+    server.stop()
+
+
+def metric(server, name: str, labels: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and labels in line
+    )
+
+
+def disaggregated(prefill, decode, model: str, prompt: str) -> dict:
+    """A router's two calls: the prompt on `prefill` (max_tokens 1, its blocks held), the rest on `decode`."""
+    body = {"model": model, "prompt": prompt, "temperature": 0}
+    status, text = post(
+        prefill, "/v1/completions", body | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    assert status == 200, text
+    done = json.loads(text)["kv_transfer_params"]
+    params = {"do_remote_prefill": True, **done}
+    status, text = post(
+        decode,
+        "/v1/completions",
+        body | {"max_tokens": MAX_NEW, "ignore_eos": True, "kv_transfer_params": params},
+    )
+    assert status == 200, text
+    return json.loads(text)
+
+
+def test_a_disaggregated_adapter_request_takes_its_prompt_kv_and_equals_peft(
+    lora_server, decode_server, lora_adapters, hf_tokenizer
+):
+    """Prefill on one pod, decode on another, under an adapter: both pods hash the prompt's blocks with the
+    adapter's key (name and weights digest), so the decode pod takes them instead of recomputing. A name
+    that means other weights on the prefill pod is refused (recomputed), never used."""
+    _, paths = lora_adapters
+    for name, path in (("same", paths["qv8"]), ("swapped", paths["all16"])):
+        status, text = post(lora_server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        assert status == 200, text
+    prompt = " ".join(PROMPTS) * 4  # several full blocks
+    received = 'direction="received"'
+    try:
+        before = metric(decode_server, "tokenfleet:kv_transfer_blocks_total", received)
+        out = disaggregated(lora_server, decode_server, "same", prompt)
+        assert out["choices"][0]["text"] == expected_text(lora_adapters, hf_tokenizer, "qv8", prompt)
+        blocks = len(hf_tokenizer.encode(prompt)) // lora_server.config.cache.block_size
+        assert metric(decode_server, "tokenfleet:kv_transfer_blocks_total", received) - before >= blocks - 1
+        assert metric(decode_server, "tokenfleet:kv_transfer_fallbacks_total", "") == 0
+
+        out = disaggregated(lora_server, decode_server, "swapped", prompt)
+        assert out["choices"][0]["text"] == expected_text(lora_adapters, hf_tokenizer, "mlp4", prompt)
+        assert metric(decode_server, "tokenfleet:kv_transfer_fallbacks_total", 'reason="refused"') == 1
+    finally:
+        for name in ("same", "swapped"):
+            post(lora_server, "/v1/unload_lora_adapter", {"lora_name": name})
