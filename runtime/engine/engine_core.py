@@ -426,6 +426,7 @@ class EngineCore:
             "running_lora_adapters": tuple(sorted(running)),
             "waiting_lora_adapters": tuple(sorted(waiting)),
             "max_lora": self.config.lora.max_loras,
+            "lora_swaps": tuple((level, *n) for level, n in self.lora.swap_counts().items()),
         }
 
     def _spec_stats(self) -> dict[str, object]:

@@ -87,7 +87,11 @@ class LoRAManager:
         # Engine thread only: the adapter in each device slot, and when the slot was last used.
         self._slot_owner: list[LoRAAdapter | None] = [None] * slots.max_loras
         self._slot_used = [0] * slots.max_loras
+        # Loads and evictions per level: their rate is the pod's adapter swap rate (thrash shows there).
+        self.num_host_loads = 0
+        self.num_host_evictions = 0
         self.num_slot_loads = 0
+        self.num_slot_evictions = 0
 
     # ---- known and loaded adapters (any thread) -------------------------------------------------------------
 
@@ -119,6 +123,8 @@ class LoRAManager:
                     )
                 # Evicted from host memory only: still known, loaded again from its path when asked for.
                 del self._adapters[min(idle, key=lambda a: a.last_used).name]
+                self.num_host_evictions += 1
+            self.num_host_loads += 1
             self._clock += 1
             adapter.last_used = self._clock
             self._adapters[name] = adapter
@@ -235,6 +241,7 @@ class LoRAManager:
                 self.slots.load(slot, shard_adapter(adapter.weights, self._arch, 0, self._tp_size))
                 if self._replicate is not None:
                     self._replicate(slot, adapter.weights)
+                self.num_slot_evictions += owner[slot] is not None
                 owner[slot] = adapter
                 slot_of[adapter] = slot
                 self.num_slot_loads += 1
@@ -242,6 +249,13 @@ class LoRAManager:
         for slot in slot_of.values():
             self._slot_used[slot] = self._clock
         return tuple(-1 if a is None else slot_of[a] for a in adapters)
+
+    def swap_counts(self) -> dict[str, tuple[int, int]]:
+        """Level ("host", "device") -> (adapters loaded, adapters evicted to make room), since start."""
+        return {
+            "host": (self.num_host_loads, self.num_host_evictions),
+            "device": (self.num_slot_loads, self.num_slot_evictions),
+        }
 
     def loaded_slots(self) -> dict[str, int]:
         """Adapter name -> its device slot, for the adapters in one (engine thread)."""

@@ -73,6 +73,8 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # Level ("host", "device") -> (adapters loaded, adapters evicted to make room), cumulative.
+    lora_swaps: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

@@ -203,6 +203,7 @@ class EngineStatsCollector(Collector):
         yield self._cache_config_info(stats)
         if stats.max_lora:
             yield self._lora_requests_info(stats)
+            yield from self._lora_swaps(stats, labels)
 
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
@@ -260,6 +261,24 @@ class EngineStatsCollector(Collector):
             yield gauge(
                 "kv_offload_total_blocks", "Host-tier capacity in blocks (0 = off).", kv.host_total_blocks
             )
+
+    @staticmethod
+    def _lora_swaps(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+        loads = CounterMetricFamily(
+            PREFIX + "lora_adapter_loads",
+            "LoRA adapters loaded, by level (host: files read into host memory; device: copied into a slot).",
+            labels=["model_name", "level"],
+        )
+        evictions = CounterMetricFamily(
+            PREFIX + "lora_adapter_evictions",
+            "LoRA adapters evicted to make room for another (the swap rate), by level.",
+            labels=["model_name", "level"],
+        )
+        for level, loaded, evicted in stats.lora_swaps:
+            loads.add_metric([*labels, level], loaded)
+            evictions.add_metric([*labels, level], evicted)
+        yield loads
+        yield evictions
 
     def _lora_requests_info(self, stats: EngineStats) -> Metric:
         """vLLM's LoRA gauge, which LoRA-affinity schedulers (the Gateway API inference extension's) read:

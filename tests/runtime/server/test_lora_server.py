@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -132,10 +133,17 @@ def test_bad_loads_change_nothing_and_unloaded_is_404(oai, lora_server, lora_ada
         assert got == status and needle in json.loads(text)["error"]["message"], text
     assert {m.id for m in oai.models.list().data} == before
 
+    evictions = "tokenfleet:lora_adapter_evictions_total"
+    evicted = metric(lora_server, evictions, 'level="host"')
     status, _ = post(
         lora_server, "/v1/load_lora_adapter", {"lora_name": "tmp", "lora_path": str(paths["mlp4"])}
     )
     assert status == 200  # over max_cpu_loras: the least recently used idle adapter made room
+    # Counted (its rate is the swap rate), on /metrics with the engine's next stats (idle: within a second).
+    deadline = time.monotonic() + 10
+    while metric(lora_server, evictions, 'level="host"') != evicted + 1:
+        assert time.monotonic() < deadline, "the host eviction is not counted on /metrics"
+        time.sleep(0.2)
     assert post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "tmp"})[0] == 200
     with pytest.raises(openai.NotFoundError) as err:
         complete(oai, "tmp", "hello")
