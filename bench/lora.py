@@ -49,6 +49,22 @@ adapter_model.safetensors, A and B ~ N(0, 0.01^2), alpha = 2r), targeting all se
                          [--rank 16] [--targets q_proj ...] [--rounds 3] [--device auto] [--threads N]
                          [--json out.json]
 
+`--placement` runs a different question on the fleet simulator (sim/, docs/simulator.md) instead: where a
+fleet should run each adapter's requests. 16 H100 pods of an 8B model (`--pods`, `--gpu`, `--sim-model`),
+100 adapters (`--num-adapters`) named with Zipf popularity (`--zipf`, 1.0), at most 8 held per pod
+(`--max-adapters`, also the per-step `max_loras`), 50 ms per adapter load (`--load-s`); 20 tenants with
+512-token system prompts, ~256-token questions, ~128-token answers, Poisson arrivals for `--duration`
+seconds. The rates are fractions (`--loads`, default 0.5 0.8 1.0) of a fleet capacity the bench measures
+first: the highest rate (a 5 req/s grid) at which one pod serving the base model alone meets the SLO, times
+the pods. Each rate runs each adapter policy (`--policies`): `placement` (the router's rule,
+`runtime/router/adapter_placement.py`: the adapter's holders, spilling when they are clearly busier),
+`affinity` (the holders whenever any has room: never spill) and `none` (adapters ignored: the routing
+strategy, prefix affinity, alone). Columns: SLO attainment (share of requests with TTFT <= --slo-ttft and
+TPOT <= --slo-tpot), TTFT and TPOT p99, adapter swaps per minute (loads that evicted another adapter), and
+how many pods served the most requested adapter. All figures are simulated (virtual time).
+
+    python bench/lora.py --placement [--duration 20] [--loads 0.5 0.8 1.0] [--policies placement affinity none]
+
 On a machine whose cores other processes share, `--threads 1` keeps torch's worker threads from waiting on
 each other (with 2 threads on 2 busy cores a step here took ~2.5x as long as with 1).
 """
@@ -246,6 +262,100 @@ def load_times(loaded, args, model_kwargs: dict, folder: Path, targets: list[str
     }
 
 
+def _sim_config(args, replicas: int, rate: float, policy: str, adapters: bool) -> dict:
+    """One simulated run of the placement experiment (see the module docstring)."""
+    workload: dict[str, object] = {
+        "rate": rate,
+        "duration_s": args.duration,
+        "num_tenants": 20,
+        "system_prompt_tokens": 512,
+        "user_tokens": 256,
+        "output_tokens": 128,
+        "seed": args.seed,
+    }
+    if adapters:
+        workload["adapters"] = {"count": args.num_adapters, "zipf": args.zipf}
+    return {
+        "model": args.sim_model,
+        "fleet": {"gpu": args.gpu, "replicas": replicas},
+        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        "lora": {
+            "max_adapters": args.max_adapters,
+            "max_loras": args.max_adapters,
+            "load_s": args.load_s,
+            "placement": policy,
+        },
+        "workload": workload,
+    }
+
+
+def placement_experiment(args) -> int:
+    """Adapter placement on the simulated fleet: policies x rates, one table."""
+    from tokenfleet.sim.api import simulate
+    from tokenfleet.sim.config import parse_config
+
+    def run(replicas: int, rate: float, policy: str = "none", adapters: bool = True) -> dict:
+        return simulate(parse_config(_sim_config(args, replicas, rate, policy, adapters)))
+
+    started = time.process_time()
+    # One pod's capacity for these requests: the highest rate on a 5 req/s grid that meets the SLO (p99s).
+    per_pod, rate = 0.0, 5.0
+    while True:
+        r = run(1, rate, adapters=False)
+        if not r["slo"]["met"]:
+            break
+        per_pod, rate = rate, rate + 5.0
+    if per_pod == 0:
+        print("# one pod misses the SLO even at 5 req/s: nothing to place")
+        return 1
+    capacity = per_pod * args.pods
+    print(
+        f"# {args.pods} x {args.gpu} pods of {args.sim_model}; {args.num_adapters} adapters, Zipf {args.zipf}, "
+        f"<= {args.max_adapters} per pod, {args.load_s * 1000:.0f} ms per load; SLO TTFT <= {args.slo_ttft} s "
+        f"and TPOT <= {args.slo_tpot * 1000:.0f} ms; {args.duration:g} s of arrivals"
+    )
+    print(
+        f"# fleet capacity: one pod meets the SLO up to {per_pod:g} req/s (base model) -> {capacity:g} req/s "
+        f"for {args.pods} pods"
+    )
+    print(
+        f"{'load':>5} {'req/s':>7} {'policy':<10} {'SLO met':>8} {'TTFT p99 s':>11} {'TPOT p99 ms':>12} "
+        f"{'swaps/min':>10} {'loads':>6} {'top adapter pods':>17} {'pods/adapter':>13}"
+    )
+    rows = []
+    for load in args.loads:
+        rate = round(load * capacity, 1)
+        for policy in args.policies:
+            r = run(args.pods, rate, policy)
+            lora, lat = r["lora"], r["latency_s"]
+            row = {
+                "load": load,
+                "rate": rate,
+                "policy": policy,
+                "slo_attainment": r["slo"]["goodput_fraction"],
+                "ttft_p99_s": lat["ttft"]["p99"],
+                "tpot_p99_s": lat["tpot"]["p99"],
+                "swaps_per_min": lora["swaps_per_min"],
+                "adapter_loads": lora["adapter_loads"],
+                "adapter_swaps": lora["adapter_swaps"],
+                "top_adapter_pods": lora["top_adapter_pods"],
+                "pods_per_adapter_mean": lora["pods_per_adapter_mean"],
+                "unfinished": r["requests"]["unfinished"],
+            }
+            rows.append(row)
+            print(
+                f"{load:>5.0%} {rate:>7g} {policy:<10} {row['slo_attainment']:>8.1%} {row['ttft_p99_s']:>11.3f} "
+                f"{row['tpot_p99_s'] * 1000:>12.1f} {row['swaps_per_min']:>10.1f} {row['adapter_loads']:>6} "
+                f"{row['top_adapter_pods']:>17} {row['pods_per_adapter_mean']:>13.2f}",
+                flush=True,
+            )
+    print(f"# {time.process_time() - started:.0f} s of CPU")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "per_pod_capacity_rps": per_pod, "rows": rows}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in model")
@@ -270,7 +380,23 @@ def main() -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures to this file")
+    sim = ap.add_argument_group("--placement: the simulated fleet experiment")
+    sim.add_argument("--placement", action="store_true", help="run the adapter placement experiment instead")
+    sim.add_argument("--pods", type=int, default=16)
+    sim.add_argument("--gpu", default="h100")
+    sim.add_argument("--sim-model", default="8b", help="a simulator model preset")
+    sim.add_argument("--num-adapters", type=int, default=100)
+    sim.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
+    sim.add_argument("--max-adapters", type=int, default=8, help="adapters per pod (and per step)")
+    sim.add_argument("--load-s", type=float, default=0.05, help="seconds to load an adapter")
+    sim.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 1.0], help="fractions of capacity")
+    sim.add_argument("--policies", nargs="+", default=["placement", "affinity", "none"])
+    sim.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    sim.add_argument("--slo-ttft", type=float, default=1.0)
+    sim.add_argument("--slo-tpot", type=float, default=0.05)
     args = ap.parse_args()
+    if args.placement:
+        return placement_experiment(args)
     if min(args.adapters) < 1 or len(set(args.adapters)) != len(args.adapters):
         ap.error("--adapters: distinct counts of at least 1 (the base and no-adapter cases always run)")
     if args.num_prompts < max(args.adapters):

@@ -86,6 +86,50 @@ class Disaggregation(_Model):
     hold_seconds: float = Field(30.0, gt=0, description="How long a prefill pod holds unfetched KV.")
 
 
+class LoRASpec(_Model):
+    """The pods' LoRA settings, used when the workload names adapters (`workload.adapters`): how many
+    adapters a pod holds, what loading one costs, the step cost of adapters in a batch, and how the router
+    places an adapter's requests."""
+
+    max_adapters: int = Field(
+        8, ge=1, description="Adapters a pod holds at once (the engine's lora.max_cpu_loras, host memory)."
+    )
+    max_loras: int = Field(
+        8,
+        ge=1,
+        description="Distinct adapters in one step (lora.max_loras, device slots; the scheduler's rule).",
+    )
+    load_s: float = Field(
+        0.05,
+        ge=0,
+        description="Loading an adapter the pod does not hold, before its requests can be scheduled.",
+    )
+    step_overhead: float = Field(
+        0.03,
+        ge=0,
+        description="A step with any adapter lasts this fraction longer (the LoRA kernels' launches) ...",
+    )
+    step_overhead_per_adapter: float = Field(
+        0.01, ge=0, description="... plus this fraction per distinct adapter in the batch."
+    )
+    placement: Literal["placement", "affinity", "none"] = Field(
+        "placement",
+        description="placement: the router's rule (the adapter's holders, spilling when they are clearly "
+        "busier); affinity: the holders whenever any is below the in-flight limit (never spill); none: "
+        "adapters ignored, the routing strategy alone.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRASpec:
+        if self.max_loras > self.max_adapters:
+            raise SimInputError(
+                "lora.max_loras",
+                f"{self.max_loras} slots but a pod holds {self.max_adapters} adapters (lora.max_adapters)",
+                f"1..{self.max_adapters}",
+            )
+        return self
+
+
 class SimConfig(_Model):
     model: str = Field(
         "llama-3-8b", description="A preset, a HF config.json / checkpoint directory, or a .gguf."
@@ -96,6 +140,7 @@ class SimConfig(_Model):
     cache: CacheConfig = Field(CacheConfig(), description="The pods' cache section (the fields it models).")
     autoscaling: AutoscalingSpec | None = None
     disaggregation: Disaggregation | None = None
+    lora: LoRASpec = Field(LoRASpec(), description="The pods' LoRA adapters (with workload.adapters).")
     autoscale_interval_s: float = Field(15.0, gt=0)
     demand_interval_s: float | None = Field(
         1.0,
@@ -143,6 +188,13 @@ class SimConfig(_Model):
             raise SimInputError("start_asleep", "sleeping replicas need autoscaling.idle: sleep", "0")
         if self.fleet.replicas == 0 and self.autoscaling is None:
             raise SimInputError("fleet.replicas", "0 replicas need autoscaling to ever serve anything")
+        if self.workload.adapters is not None:
+            if self.disaggregation is not None:
+                raise SimInputError(
+                    "workload.adapters", "LoRA adapters are not simulated with disaggregation"
+                )
+            if self.trace is not None:
+                raise SimInputError("workload.adapters", "a replayed trace names no adapters")
         if self.disaggregation is not None:
             if self.autoscaling is not None:
                 raise SimInputError(
@@ -155,6 +207,11 @@ class SimConfig(_Model):
                     f"1..{self.fleet.replicas - 1}",
                 )
         return self
+
+    @property
+    def uses_adapters(self) -> bool:
+        """Requests name LoRA adapters: the pods keep adapter state and the router places them."""
+        return self.workload.adapters is not None
 
     @classmethod
     def load(cls, path: Path) -> SimConfig:

@@ -14,6 +14,12 @@ with set operations over the step's request ids (C loops) instead of a Python lo
 16-replica fleet is ~400 million tokens: each Python-level operation per token is minutes of wall time.
 
 Per-request timings and the pod's cumulative counters are kept here, as the server's metrics would.
+
+LoRA (`ReplicaConfig.lora`, when the workload names adapters): the pod's held adapters are `PodAdapters`
+(adapters.py); a request whose adapter is not loaded yet is parked there and reaches the scheduler once
+the load completes (`adapter_loaded`), so a load never stalls the running batch. Requests carry the
+adapter as `Request.lora`, so the real scheduler applies `max_loras` and the real KV manager hashes their
+blocks under the adapter's key. A parked request counts as waiting in the pod's load report.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from tokenfleet.runtime.config import CacheConfig, SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.kv_events import KVEvent, PrefillScheduled
@@ -32,7 +38,9 @@ from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.errors import InvalidRequest
-from tokenfleet.sim.cost_model import CoreUsage, CostModel, batch_shape
+from tokenfleet.sim.adapters import PodAdapters, sim_adapter
+from tokenfleet.sim.config import LoRASpec
+from tokenfleet.sim.cost_model import CoreUsage, CostModel, LoRAStepCost, batch_shape
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.workload import SimRequest
 
@@ -41,6 +49,7 @@ ITL_BINS_PER_E = 1.0 / math.log(1.01)
 
 _rid = itemgetter(0)
 _sample = itemgetter(4)
+_lora = attrgetter("lora")
 
 
 def itl_bin(gap: float) -> int:
@@ -61,6 +70,7 @@ class RequestRecord:
     num_preemptions: int = 0
     num_emitted: int = 0
     rejected: str | None = None  # why the pod refused it (never fits, too long)
+    adapter_wait: float = 0.0  # waiting for its adapter's load (or for room to load it) on the pod
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,7 @@ class ReplicaConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_model_len: int = 8192
     model_name: str = "model"
+    lora: LoRASpec | None = None  # when requests name adapters
 
 
 class SimReplica:
@@ -80,7 +91,9 @@ class SimReplica:
         clock: Callable[[], float],
         on_first_token: Callable[[float], None],
         shared_host: CoreUsage | None = None,
+        on_adapter_load: Callable[[str, str, float], None] | None = None,
     ) -> None:
+        """`on_adapter_load(pod, adapter, ready_at)`: a load began; call `adapter_loaded` at `ready_at`."""
         num_blocks = cost.num_kv_blocks(config.cache.block_size)
         if num_blocks < 1:
             raise SimInputError(
@@ -93,7 +106,21 @@ class SimReplica:
         self.step_cores = 0.0  # cores the step in flight keeps busy (shared host only)
         # As the engine builds it (the pool's events on: the router follows them).
         self.kv = KVCacheManager.from_config(config.cache, num_blocks, config.model_name, clock)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.max_model_len)
+        lora = config.lora
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            config.max_model_len,
+            max_loras=None if lora is None else lora.max_loras,
+        )
+        self.adapters: PodAdapters | None = None
+        self.lora_cost: LoRAStepCost | None = None
+        if lora is not None:
+            assert on_adapter_load is not None
+            self.adapters = PodAdapters(
+                lora.max_adapters, lora.load_s, lambda adapter, at: on_adapter_load(name, adapter, at)
+            )
+            self.lora_cost = LoRAStepCost(lora.step_overhead, lora.step_overhead_per_adapter)
         self.records: dict[str, RequestRecord] = {}
         self.itl_bins: dict[int, int] = {}  # log-spaced bins of inter-token gaps (results.py reads them)
         self._on_first_token = on_first_token
@@ -122,14 +149,16 @@ class SimReplica:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        adapters = self.adapters
+        return self.scheduler.num_waiting + (adapters.num_parked if adapters is not None else 0)
 
     @property
     def kv_usage(self) -> float:
         return self.kv.usage
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        adapters = self.adapters
+        return self.scheduler.has_unfinished_requests() or (adapters is not None and adapters.num_parked > 0)
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -142,32 +171,55 @@ class SimReplica:
         record = RequestRecord(sreq, self.name)
         output = sreq.output
         params = SamplingParams(max_tokens=max_tokens or len(output), ignore_eos=True, temperature=0.0)
-        rid = sreq.request_id
+        adapter = sreq.adapter if self.adapters is not None else None
         request = Request(
-            rid,
+            sreq.request_id,
             sreq.prompt,
             params,
             priority=sreq.priority,
             arrival_time=now,
             tenant=sreq.tenant,
             block_hashes=list(sreq.block_hashes),  # the router's hashes: the same function, computed once
+            lora=None if adapter is None else sim_adapter(adapter),  # type: ignore[arg-type]  # duck-typed
         )
         if resumed_at is not None:
             request.output_token_ids = [output[0]]  # as the engine takes a resumed stream's tokens
+        if adapter is not None:
+            assert self.adapters is not None
+            if not self.adapters.request(adapter, (request, record, resumed_at, now), now):
+                return record  # parked until its adapter is loaded (adapter_loaded submits it)
+        self._submit(request, record, resumed_at, now)
+        return record
+
+    def _submit(self, request: Request, record: RequestRecord, resumed_at: float | None, now: float) -> None:
+        rid = request.request_id
+        request.arrival_time = now  # the scheduler's first-come order starts when it reaches the engine
         try:
             self.scheduler.add_request(request)
         except InvalidRequest as e:  # CapacityError, ContextLengthExceeded: the pod answers 400
             record.rejected = f"{type(e).__name__}: {e}"
             record.finished = now
-            return record
+            if request.lora is not None and self.adapters is not None:
+                self.adapters.release(request.lora.name, now)
+            return
         self.records[rid] = record
-        self._tokens[rid] = [output[0]]
+        self._tokens[rid] = [record.request.output[0]]
         if resumed_at is None:
             self._no_token_yet.add(rid)
         else:  # its next token's gap runs from the first one
             record.first_token = record.last_token = resumed_at
             self._left_at[rid] = resumed_at
-        return record
+
+    def adapter_loaded(self, adapter: str, now: float) -> list[RequestRecord]:
+        """`adapter`'s load completed: its parked requests reach the scheduler. Returns those it refused."""
+        assert self.adapters is not None
+        refused = []
+        for request, record, resumed_at, parked_at in self.adapters.load_done(adapter):
+            record.adapter_wait = now - parked_at
+            self._submit(request, record, resumed_at, now)
+            if record.rejected is not None:
+                refused.append(record)
+        return refused
 
     # ---- the step -------------------------------------------------------------------------------------
 
@@ -202,6 +254,10 @@ class SimReplica:
         shape = batch_shape(output)
         self._all_sample = shape.num_samples == shape.num_seqs
         duration = self.cost.step_seconds(shape)
+        if self.lora_cost is not None:  # the LoRA kernels, by the distinct adapters the batch runs
+            adapters = set(map(_lora, scheduler.running))
+            adapters.discard(None)
+            duration *= self.lora_cost.factor(len(adapters))
         shared = self.shared_host
         if shared is not None:
             self.step_cores = shared.of(shape)
@@ -266,6 +322,8 @@ class SimReplica:
                 rec.num_cached_tokens = request.num_cached_tokens
                 rec.num_preemptions = request.num_preemptions
                 done.append(rec)
+                if request.lora is not None:
+                    self.adapters.release(request.lora.name, now)  # type: ignore[union-attr]
             self.num_served += len(done)
         self._prev_sampled = sampled
         self._prev_end = now

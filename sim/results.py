@@ -7,6 +7,12 @@ consecutive tokens of a request, kept in a histogram of 1%-wide log bins (there 
 A request is *good* when its TTFT <= slo.ttft_s and its TPOT <= slo.tpot_s; the fleet *meets* the SLO when
 the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
 
+With LoRA adapters (`workload.adapters`), `lora`: adapter loads and swaps (loads that evicted another
+adapter) in all and per replica, swaps per minute, the most adapters any pod held at once, how long
+requests waited on their pod for an adapter's load (or for room to load it), and how many pods served each
+adapter (the most requested one's, and the mean). SLO attainment is `slo.goodput_fraction`: the share of
+arrived requests whose TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
+
 With `breakdown`, the same per-request figures per tenant and/or per priority (`by_tenant`, `by_priority`):
 what one class of traffic saw beside the others (a light tenant beside a flood, interactive beside batch).
 """
@@ -90,6 +96,10 @@ class Collector:
         self._tick_ttft: list[float] = []
         # breakdown -> class name -> its figures (empty unless the config asks for a breakdown)
         self._by: dict[str, dict[str, _Class]] = {dim: {} for dim in config.breakdown}
+        # LoRA: adapter -> {replica: requests of it served there}; waits for an adapter on the pod.
+        self._adapters = config.uses_adapters
+        self.adapter_pods: dict[str, dict[str, int]] = defaultdict(dict)
+        self.adapter_wait: list[float] = []
 
     def _classes(self, sreq) -> list[_Class]:
         out = []
@@ -138,6 +148,10 @@ class Collector:
         self.output_tokens += n_out
         self.cut_short += n_out < len(req.output)
         self.preempted_requests += rec.num_preemptions > 0
+        if self._adapters and req.adapter is not None:
+            pods = self.adapter_pods[req.adapter]
+            pods[rec.replica] = pods.get(rec.replica, 0) + 1
+            self.adapter_wait.append(rec.adapter_wait)
         if self._by:
             good = ttft <= slo.ttft_s and tpot <= slo.tpot_s
             for c in self._classes(req):
@@ -196,6 +210,31 @@ class Collector:
             return None
         h = sim.handoffs
         return {**h.summary(), "transfer_s": _pcts(h.transfer_seconds)}
+
+    def _lora(self, sim, end: float) -> dict | None:
+        if not self._adapters:
+            return None
+        states = {name: p.replica.adapters for name, p in sim.pods.items() if p.replica.adapters is not None}
+        loads = sum(a.loads for a in states.values())
+        swaps = sum(a.swaps for a in states.values())
+        served = self.adapter_pods
+        # The most requested adapter (ties: the first by name), and how many pods served it.
+        top = min(served, key=lambda a: (-sum(served[a].values()), a), default=None)
+        return {
+            "adapter_loads": loads,
+            "adapter_swaps": swaps,
+            "swaps_per_min": _r(swaps * 60.0 / max(end, 1e-9)),
+            "max_held": max((a.max_held for a in states.values()), default=0),
+            "per_replica": {name: {"loads": a.loads, "swaps": a.swaps} for name, a in states.items()},
+            "adapters_served": len(served),
+            "adapter_wait_s": _pcts(self.adapter_wait),
+            "top_adapter": top,
+            "top_adapter_requests": sum(served[top].values()) if top is not None else 0,
+            "top_adapter_pods": len(served[top]) if top is not None else 0,
+            "pods_per_adapter_mean": _r(sum(len(p) for p in served.values()) / len(served))
+            if served
+            else 0.0,
+        }
 
     def results(self, sim, end: float) -> dict:
         cfg = self.config
@@ -274,6 +313,7 @@ class Collector:
                 "scale_events": [[_r(t), a, b, why] for t, a, b, why in sim.scale_events],
             },
             "disaggregation": self._disaggregation(sim),
+            "lora": self._lora(sim, end),
             "virtual_seconds": _r(end),
             "engine_steps": sum(p.replica.num_steps for p in pods.values()),
             "timeline": self.timeline,
@@ -319,6 +359,15 @@ def table(results: dict) -> str:
             f"KV transfers  {dis['transfers']}: {dis['blocks_sent']} blocks sent ({dis['bytes_sent'] / 1e9:.1f} GB), "
             f"{dis['blocks_already_on_decode_pod']} already on the decode pod; transfer p50 "
             f"{dis['transfer_s']['p50'] * 1000:.1f} ms, p99 {dis['transfer_s']['p99'] * 1000:.1f} ms",
+        )
+    lora = results.get("lora")
+    if lora:
+        lines.insert(
+            -1,
+            f"LoRA          {lora['adapter_loads']} adapter loads, {lora['adapter_swaps']} swaps "
+            f"({lora['swaps_per_min']} per min), at most {lora['max_held']} held; adapter wait p99 "
+            f"{lora['adapter_wait_s']['p99'] * 1000:.1f} ms; top adapter on {lora['top_adapter_pods']} pods, "
+            f"{lora['pods_per_adapter_mean']} pods per adapter",
         )
     for dim in ("tenant", "priority"):
         for name, c in (results.get(f"by_{dim}") or {}).items():

@@ -17,6 +17,16 @@ leaves then (served, or refused by the router or a pod), as `handle_generate` do
 what `Fleet` does around them without its network parts: every pod's event stream is live
 (`reports_work`), and endpoints join and leave as the simulation says.
 
+LoRA: a request naming an adapter is placed by `lora.placement` — `placement` is the router's own rule
+(`adapter_placement.adapter_candidates`, unchanged, over the endpoints below the in-flight limit as
+`Fleet._pick_in` calls it), `affinity` the adapter's holders whenever any is below the limit, `none` every
+endpoint — and then decided as any request. What a pod holds is what its last load report listed
+(`lora_adapters`, polled every `probe_interval_s`). Its prompt is hashed under the adapter's key
+(`token_block_hashes(..., adapter_key)`, as the pod hashes it), so its blocks never match the base model's
+or another adapter's, and its tie-break key is named after the adapter as `Fleet` names it. Unlike the
+live router, which matches a pod that does not list the adapter through its approximate index only, the
+exact match is taken on every candidate (the simulator has no approximate index; the hashes are exact).
+
 A request the queue refuses (full, or its deadline passed) is rejected as the router rejects it: 429, or
 503 when no endpoint of its role was ready. The decode phase of a disaggregated request is picked like the
 router picks it (`Fleet.pick` for an admitted request: the in-flight limit is passed rather than fail) and
@@ -27,10 +37,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenfleet.runtime.engine.fair_share import FairShare
-from tokenfleet.runtime.engine.kv_cache.block_hash import encode_extra, extend_block_hashes, hash_extra
+from tokenfleet.runtime.engine.kv_cache.block_hash import (
+    encode_extra,
+    extend_block_hashes,
+    hash_extra,
+    with_adapter,
+)
 from tokenfleet.runtime.engine.kv_cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -38,6 +53,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     KVEvent,
     PrefillScheduled,
 )
+from tokenfleet.runtime.router.adapter_placement import adapter_candidates
 from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.runtime.router.decision import (
     AT_CAPACITY,
@@ -54,7 +70,10 @@ from tokenfleet.runtime.router.prefix_index import ExactPrefixIndex, RecentRoute
 from tokenfleet.runtime.router.priority import QueueFull, Waiter, WaitQueue
 from tokenfleet.runtime.router.prompt_blocks import token_block_hashes
 from tokenfleet.runtime.router.scoring import RouteQuery, WorkBound, make_strategy
+from tokenfleet.sim.adapters import sim_adapter
 from tokenfleet.sim.workload import SimRequest
+
+PLACEMENTS = ("placement", "affinity", "none")
 
 
 @dataclass(slots=True)
@@ -70,6 +89,7 @@ class EndpointView:
     reports_work: bool = True  # every simulated pod's event stream is followed
     polled_load: int = 0
     since_report: int = 0  # this router's starts - ends since the last report, as `Endpoint` counts them
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # the last report's: name -> key
 
     def count(self, started: int) -> None:
         """One request of this router's started here (1) or ended (-1)."""
@@ -95,19 +115,24 @@ class SimRouter:
         model_name: str,
         clock: Callable[[], float],
         index_blocks: int = 200_000,
+        placement: str = "placement",
     ) -> None:
+        assert placement in PLACEMENTS, placement
         self.spec = spec
+        self.placement = placement
+        self.model_name = model_name
         self.block_size = block_size
         self.extra = hash_extra(model_name)
         self._extra_bytes = encode_extra(self.extra)
         self._approx_extra = approx_extra(model_name)
-        self._first_keys: dict[tuple[int, ...], bytes] = {}
+        self._first_keys: dict[tuple, bytes] = {}
         # On the simulation's clock: the work bound's provisional entries expire on it.
         self.strategy = make_strategy(spec, clock=clock)
         self.recent = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
         self.scheduled = RecentRoutes(index_blocks, RECENT_ROUTES_TTL_S, clock)
         self.exact = ExactPrefixIndex(on_removal=self._evicted)
-        self._prefix_hashes: dict[str, list[bytes]] = {}
+        self._prefix_hashes: dict[tuple[str, str | None], list[bytes]] = {}
+        self._adapter_extras: dict[str, tuple[tuple, bytes]] = {}  # adapter -> its hash extra, and encoded
         self.endpoints: dict[str, EndpointView] = {}
         self._by_role: dict[str, list[EndpointView]] = {}  # role -> its endpoints (every pick reads them)
         # Fair share as `Fleet._set_fair_share` sets it up; None when off (then nothing is counted).
@@ -145,10 +170,14 @@ class SimRouter:
         self.recent.forget(name)
         self.scheduled.forget(name)
 
-    def report(self, name: str, load: int, kv_usage: float) -> None:
+    def report(
+        self, name: str, load: int, kv_usage: float, lora_adapters: dict[str, str] | None = None
+    ) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
             ep.polled_load, ep.reported_load, ep.kv_usage, ep.since_report = load, load, kv_usage, 0
+            if lora_adapters is not None:
+                ep.lora_adapters = lora_adapters
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
@@ -189,26 +218,39 @@ class SimRouter:
 
     # ---- routing ----------------------------------------------------------------------------------------
 
+    def _extras(self, adapter: str | None) -> tuple[tuple, bytes]:
+        """The hash extra of a prompt under `adapter` (the base model's when None), and its encoding."""
+        if adapter is None:
+            return self.extra, self._extra_bytes
+        extras = self._adapter_extras.get(adapter)
+        if extras is None:
+            extra = with_adapter(tuple(self.extra), None, sim_adapter(adapter).cache_key)
+            extras = self._adapter_extras[adapter] = (extra, encode_extra(extra))
+        return extras
+
     def hash_prompt(self, sreq: SimRequest) -> None:
-        """The prompt's block hashes (`token_block_hashes`), extending hashes already computed for its
-        leading tokens — the same values, since each hash covers exactly the tokens up to its block."""
+        """The prompt's block hashes (`token_block_hashes`, under its adapter's key if it names one),
+        extending hashes already computed for its leading tokens — the same values, since each hash covers
+        exactly the tokens up to its block."""
         if sreq.block_hashes:
             return
-        bs, prompt = self.block_size, sreq.prompt
+        bs, prompt, adapter = self.block_size, sreq.prompt, sreq.adapter
+        adapter_key = None if adapter is None else sim_adapter(adapter).cache_key
         base: list[bytes] = []
         parent = sreq.parent
         sreq.parent = None  # one turn back is all it needs: do not keep whole conversations alive
-        if parent is not None and parent.block_hashes:
+        if parent is not None and parent.block_hashes and parent.adapter == adapter:
             base = parent.block_hashes
         elif sreq.prefix_key is not None and sreq.prefix_len >= bs:
-            base = self._prefix_hashes.get(sreq.prefix_key)
+            key = (sreq.prefix_key, adapter)  # a shared prompt's blocks differ per adapter
+            base = self._prefix_hashes.get(key)
             if base is None:
-                base = token_block_hashes(prompt[: sreq.prefix_len], bs, self.extra, None)
-                self._prefix_hashes[sreq.prefix_key] = base
+                base = token_block_hashes(prompt[: sreq.prefix_len], bs, self.extra, None, adapter_key)
+                self._prefix_hashes[key] = base
         if not base or len(base) * bs > len(prompt):
-            sreq.block_hashes = token_block_hashes(prompt, bs, self.extra, None)
+            sreq.block_hashes = token_block_hashes(prompt, bs, self.extra, None, adapter_key)
         else:
-            sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extra_bytes)
+            sreq.block_hashes = extend_block_hashes(list(base), prompt, bs, self._extras(adapter)[1])
 
     def prefix_key(self, sreq: SimRequest) -> bytes:
         """The tie-break key: the prompt's first block under the router's own extra, as `Fleet` names it.
@@ -217,11 +259,15 @@ class SimRouter:
         if len(sreq.prompt) < bs:
             return b""
         first = tuple(sreq.prompt[:bs])
-        key = self._first_keys.get(first)
+        adapter = sreq.adapter
+        memo = first if adapter is None else (adapter, first)
+        key = self._first_keys.get(memo)
         if key is None:
             if len(self._first_keys) >= 65536:
                 self._first_keys.clear()
-            key = self._first_keys[first] = token_block_hashes(first, bs, self._approx_extra, None)[0]
+            # An adapter's requests are named after the adapter, as `Fleet` names them.
+            extra = self._approx_extra if adapter is None else approx_extra(adapter)
+            key = self._first_keys[memo] = token_block_hashes(first, bs, extra, None)[0]
         return key
 
     def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
@@ -237,6 +283,8 @@ class SimRouter:
         else:
             self.hash_prompt(sreq)
             hashes = sreq.block_hashes
+            if sreq.adapter is not None and self.placement != "none":
+                states = self._adapter_candidates(sreq.adapter, states, limit)
             # Only the endpoints that may take it are matched (the limit filters them first anyway).
             ids = [s.endpoint_id for s in states if s.in_flight < limit]
             matched = exact_matches(ids, hashes, self.exact, self.scheduled, self.recent) if ids else {}
@@ -252,6 +300,17 @@ class SimRouter:
         self.endpoints[decision.endpoint_id].count(1)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
+
+    def _adapter_candidates(self, adapter: str, states: list[EndpointView], limit: int) -> list[EndpointView]:
+        """Where a request for `adapter` may go, by `placement`, among the endpoints below the in-flight
+        limit (as `Fleet._pick_in` narrows them before the placement rule); all of `states` when none is."""
+        below = [s for s in states if s.in_flight < limit]
+        if not below:
+            return states
+        if self.placement == "placement":  # the router's own rule, unchanged (it reads .lora_adapters, .load)
+            return adapter_candidates(adapter, below, self.spec.balance)  # type: ignore[arg-type]
+        holders = [s for s in below if adapter in s.lora_adapters]
+        return holders or below
 
     def _states(self, role: str) -> list[EndpointView]:
         states = self._by_role.get(role)

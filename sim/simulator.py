@@ -18,6 +18,9 @@ woken replica is Ready after `wake_s`, and a request the router holds wakes one 
 awake replica is Ready or on its way (the router's wake on demand). A count lowered below the pods that exist removes
 sleepers first (the ReplicaSet's not-Ready-first order). Sleepers hold their GPUs: they count in
 replica-seconds.
+With LoRA adapters (`workload.adapters`) a pod loading an adapter for a request schedules that request
+when the load completes (an ADAPTER_LOADED event, `lora.load_s` later); each load report lists the pod's
+loaded adapters, which is what the router places by.
 """
 
 from __future__ import annotations
@@ -42,7 +45,20 @@ from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
 
-ARRIVAL, FOLLOW_UP, STEP, PROBE, SCALE, READY, TICK, HANDOFF, DELIVER, QUEUE_DEADLINE, DEMAND = range(11)
+(
+    ARRIVAL,
+    FOLLOW_UP,
+    STEP,
+    PROBE,
+    SCALE,
+    READY,
+    TICK,
+    HANDOFF,
+    DELIVER,
+    QUEUE_DEADLINE,
+    DEMAND,
+    ADAPTER_LOADED,
+) = range(12)
 
 
 class _Pod:
@@ -80,8 +96,16 @@ class Simulation:
         self._arrivals_done = False
         self._pending_followups = 0
         self.collector = Collector(config)
-        self.router = SimRouter(config.routing, config.cache.block_size, model_name, self.clock)
-        self.replica_config = ReplicaConfig(config.scheduler, config.cache, max_model_len, model_name)
+        self.router = SimRouter(
+            config.routing, config.cache.block_size, model_name, self.clock, placement=config.lora.placement
+        )
+        self.replica_config = ReplicaConfig(
+            config.scheduler,
+            config.cache,
+            max_model_len,
+            model_name,
+            config.lora if config.uses_adapters else None,
+        )
         self.pods: dict[str, _Pod] = {}
         self._names = itertools.count()
         self.history = History()
@@ -123,7 +147,13 @@ class Simulation:
     def _add_pod(self, ready: bool, role: str = "both") -> _Pod:
         name = f"replica-{next(self._names)}" if role == "both" else f"{role}-{next(self._names)}"
         replica = SimReplica(
-            name, self.cost, self.replica_config, self.clock, self.collector.first_token, self._shared_host
+            name,
+            self.cost,
+            self.replica_config,
+            self.clock,
+            self.collector.first_token,
+            self._shared_host,
+            self._adapter_load_started,
         )
         pod = _Pod(replica, self.now, ready, role)
         self.pods[name] = pod
@@ -294,6 +324,19 @@ class Simulation:
             self._phases[first.request.request_id] = first
         self._admitted(record, decode)
 
+    def _adapter_load_started(self, name: str, adapter: str, ready_at: float) -> None:
+        self._push(ready_at, ADAPTER_LOADED, (name, adapter))
+
+    def _on_adapter_loaded(self, item: tuple[str, str]) -> None:
+        """A pod finished loading an adapter: the requests parked for it reach its scheduler."""
+        name, adapter = item
+        pod = self.pods[name]
+        for record in pod.replica.adapter_loaded(adapter, self.now):  # refused by the scheduler: a 400
+            self.router.release(name)
+            self._ended(record)
+        if not pod.replica.busy:
+            self._start_step(pod)
+
     def _start_step(self, pod: _Pod) -> None:
         replica = pod.replica
         others = 0.0
@@ -349,7 +392,8 @@ class Simulation:
         for pod in self._live():
             if pod.ready:
                 r = pod.replica
-                self.router.report(r.name, r.num_running + r.num_waiting, r.kv_usage)
+                adapters = r.adapters.loaded() if r.adapters is not None else None
+                self.router.report(r.name, r.num_running + r.num_waiting, r.kv_usage, adapters)
 
     def _sample(self, pod: _Pod, window_s: float, quantile: float) -> PodSample:
         r = pod.replica
@@ -518,6 +562,7 @@ class Simulation:
             DELIVER: self._on_deliver,
             QUEUE_DEADLINE: self._on_queue_deadline,
             DEMAND: self._on_demand,
+            ADAPTER_LOADED: self._on_adapter_loaded,
         }
         heap = self._heap
         pop = heapq.heappop

@@ -11,6 +11,10 @@ bursts and lulls at the same mean rate), `diurnal` (a Poisson process whose rate
 Sessions are closed-loop: a session's next turn arrives `think_time_s` (exponential) after its previous
 turn *finished* in the simulation (`Workload.follow_up`), so its prompt can reuse the KV of the answer.
 
+LoRA adapters (`adapters`): each request of the mix — each session, whose turns stay on one adapter — names
+adapter i of `count` with probability proportional to 1 / (i + 1)^zipf (or none, the base model, with
+probability `base_fraction`), from a generator of its own, so turning adapters on changes no other draw.
+
 Named tenants (`tenants`) replace the Zipf mix with streams of their own: each tenant sends at its own rate
 (the same arrival process), with its own prompt and answer lengths and priority — what a question about
 tenants needs (a flood from one beside another's steady traffic, batch beside interactive). Each stream
@@ -53,6 +57,7 @@ class SimRequest:
     prefix_len: int = 0
     # ... or the previous turn of the same session (its prompt is a prefix of this one); dropped once used.
     parent: SimRequest | None = None
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class TenantStream(BaseModel):
@@ -71,6 +76,24 @@ class TenantStream(BaseModel):
     start_s: float = Field(0.0, ge=0, description="It starts sending then (a tenant that arrives later).")
 
 
+class AdapterMix(BaseModel):
+    """Requests name LoRA adapters with Zipf popularity (`WorkloadSpec.adapters`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    count: int = Field(ge=1, description="Distinct adapters (named adapter-0 .. adapter-{count-1}).")
+    zipf: float = Field(
+        1.0,
+        ge=0,
+        description="Popularity exponent: adapter i is named with weight 1/(i+1)^zipf (0: uniform).",
+    )
+    base_fraction: float = Field(0.0, ge=0, le=1, description="Share of requests for the base model.")
+
+
+def adapter_name(index: int) -> str:
+    return f"adapter-{index}"
+
+
 # What the Zipf mix sets for every request, and a tenant stream sets for its own.
 _MIX_FIELDS = frozenset(
     {
@@ -86,6 +109,7 @@ _MIX_FIELDS = frozenset(
         "long_doc_fraction",
         "long_doc_tokens",
         "high_priority_fraction",
+        "adapters",
     }
 )
 
@@ -118,6 +142,9 @@ class WorkloadSpec(BaseModel):
         "(no sessions or long documents; `arrival`, `duration_s`, `length_sigma`, `max_prompt_tokens` and "
         "`seed` still apply).",
     )
+    adapters: AdapterMix | None = Field(
+        None, description="Requests name LoRA adapters (a session keeps its first turn's adapter)."
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -146,6 +173,13 @@ class Workload:
         self._system = [self._tokens(spec.system_prompt_tokens) for _ in range(spec.num_tenants)]
         self._turns_left: dict[str, int] = {}
         self._count = 0
+        self._adapter_cdf: list[float] = []
+        if spec.adapters is not None:
+            weights = np.arange(1, spec.adapters.count + 1, dtype=np.float64) ** (-spec.adapters.zipf)
+            cdf = np.cumsum(weights / weights.sum())
+            self._adapter_cdf = (cdf / cdf[-1]).tolist()
+            # Its own stream: the other draws are the same with or without adapters.
+            self._adapter_rng = np.random.Generator(np.random.PCG64([spec.seed, 0xADA]))
 
     # ---- randomness -----------------------------------------------------------------------------------
 
@@ -219,6 +253,7 @@ class Workload:
             out_len = self._lengths(spec.output_tokens, n)
             out_token = content.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
             user = content.integers(VOCAB_LOW, VOCAB_HIGH, sum(user_len)).tolist()
+            adapters = self._adapters(n)
             pos = 0
             for i in range(n):
                 t += gaps[i]
@@ -246,7 +281,23 @@ class Workload:
                     f"t{tenant}",
                     prefix_key=f"t{tenant}",
                     prefix_len=spec.system_prompt_tokens,
+                    adapter=adapters[i],
                 )
+
+    def _adapters(self, n: int) -> list[str | None]:
+        """The adapters of the next `n` requests (None: the base model)."""
+        mix = self.spec.adapters
+        if mix is None:
+            return [None] * n
+        cdf, base = self._adapter_cdf, mix.base_fraction
+        out: list[str | None] = []
+        for u in self._adapter_rng.random(n).tolist():
+            if u < base:
+                out.append(None)
+            else:  # the rest of the unit interval, rescaled, picks by popularity
+                index = bisect.bisect_right(cdf, (u - base) / (1.0 - base))
+                out.append(adapter_name(min(index, len(cdf) - 1)))
+        return out
 
     def _tenant_arrivals(self) -> Iterator[SimRequest]:
         """The named tenants' streams merged in arrival order (ties: the tenant listed first)."""
@@ -312,4 +363,5 @@ class Workload:
             previous.tenant,
             previous.turn + 1,
             parent=previous,
+            adapter=previous.adapter,
         )

@@ -1,0 +1,127 @@
+"""A simulated pod's LoRA adapters: which it holds, loading one it lacks, and the requests that wait for it.
+
+It models the engine's *loaded* level (`runtime/engine/lora_manager.py`: host memory, at most
+`max_cpu_loras` — here `lora.max_adapters`): a request naming an adapter the pod does not hold makes the
+pod load it, evicting the least recently used adapter that no request on the pod uses (running, waiting,
+or itself waiting for a load); when every held adapter is in use the request waits until one is free — it
+is never refused. The server loads an adapter before it submits the request, off the engine loop, so a
+load delays only the requests that need it: they reach the scheduler `load_s` after the load begins, while
+the running batch steps on. The *slot* level (`max_loras` distinct adapters per step) is the real
+scheduler's own rule: the replica passes `max_loras` to it.
+
+A request for an adapter that is loading joins that load; one for an adapter waiting for room joins that
+queue. Adapters waiting for room are loaded first come first served as held ones become idle.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SimAdapter:
+    """What a simulated `Request.lora` is. The scheduler only uses it as a set member (equal by name: one per
+    adapter) and the KV manager hashes blocks with its `cache_key`, as it does with the engine's
+    `LoRAAdapter`; the simulator has no weights to hold."""
+
+    name: str
+    cache_key: str
+
+
+@functools.cache
+def sim_adapter(name: str) -> SimAdapter:
+    """The adapter named `name`, keyed `name@digest` as a pod reports it (the digest stands for the weights'
+    sha256: stable, and different for every name)."""
+    digest = hashlib.sha256(f"sim-adapter:{name}".encode()).hexdigest()[:16]
+    return SimAdapter(name, f"{name}@{digest}")
+
+
+class PodAdapters:
+    """The adapters one pod holds (loaded or loading, least recently used first) and the requests parked
+    until theirs is loaded. `on_load(name, ready_at)` is called for every load begun; the simulator then
+    calls `load_done(name)` at `ready_at` and submits the requests it returns."""
+
+    def __init__(self, max_adapters: int, load_s: float, on_load: Callable[[str, float], None]) -> None:
+        self.max_adapters = max_adapters
+        self.load_s = load_s
+        self._on_load = on_load
+        self._held: OrderedDict[str, None] = OrderedDict()  # LRU order: first = least recently used
+        self._loading: dict[str, list] = {}  # name -> the requests parked until its load completes
+        self._waiting_room: OrderedDict[str, list] = OrderedDict()  # no room yet: name -> parked requests
+        self._in_use: dict[str, int] = {}  # name -> requests on this pod (parked, waiting, running)
+        self.num_parked = 0
+        self.loads = 0
+        self.swaps = 0  # loads that evicted another adapter
+        self.max_held = 0  # the most held at once (never above max_adapters)
+
+    def loaded(self) -> dict[str, str]:
+        """What the pod's `/load` lists (`lora_adapters`): its loaded adapters, name -> key."""
+        loading = self._loading
+        return {name: sim_adapter(name).cache_key for name in self._held if name not in loading}
+
+    @property
+    def held(self) -> list[str]:
+        return list(self._held)
+
+    def request(self, name: str, item: object, now: float) -> bool:
+        """A request for `name` reached the pod: True when it can be submitted now (the adapter is loaded);
+        otherwise `item` is parked and comes back from `load_done` once the adapter is loaded."""
+        self._in_use[name] = self._in_use.get(name, 0) + 1
+        held = self._held
+        if name in held:
+            held.move_to_end(name)
+            parked = self._loading.get(name)
+            if parked is None:
+                return True
+            parked.append(item)
+        elif name in self._waiting_room:
+            self._waiting_room[name].append(item)
+        elif self._make_room():
+            self._start_load(name, [item], now)
+        else:
+            self._waiting_room[name] = [item]
+        self.num_parked += 1
+        return False
+
+    def load_done(self, name: str) -> list:
+        """`name`'s load completed: the requests parked for it, in arrival order."""
+        parked = self._loading.pop(name)
+        self.num_parked -= len(parked)
+        return parked
+
+    def release(self, name: str, now: float) -> None:
+        """A request for `name` left the pod (finished, or refused by the scheduler)."""
+        left = self._in_use[name] - 1
+        if left:
+            self._in_use[name] = left
+            return
+        del self._in_use[name]
+        # Idle now: it may make room for the adapters waiting, oldest first.
+        waiting = self._waiting_room
+        while waiting and self._make_room():
+            waiting_name, parked = waiting.popitem(last=False)
+            self._start_load(waiting_name, parked, now)
+
+    def _make_room(self) -> bool:
+        """Whether one more adapter fits, evicting the least recently used idle one if the pod is full."""
+        held = self._held
+        if len(held) < self.max_adapters:
+            return True
+        in_use = self._in_use
+        for name in held:
+            if name not in in_use:
+                del held[name]
+                self.swaps += 1
+                return True
+        return False
+
+    def _start_load(self, name: str, parked: list, now: float) -> None:
+        self._held[name] = None
+        self._loading[name] = parked
+        self.loads += 1
+        self.max_held = max(self.max_held, len(self._held))
+        self._on_load(name, now + self.load_s)

@@ -1,0 +1,230 @@
+"""LoRA adapters in the simulator: exact adapter-keyed prefix hashing, placement keeping an adapter on its
+pods, the pod's adapter bound (with nothing lost while a request waits for room), and config errors."""
+
+from __future__ import annotations
+
+import pytest
+from tokenfleet.runtime.config import CacheConfig, SchedulerConfig
+from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra, with_adapter
+from tokenfleet.runtime.router.config import RoutingSpec
+from tokenfleet.sim.adapters import sim_adapter
+from tokenfleet.sim.api import simulate
+from tokenfleet.sim.config import LoRASpec, parse_config
+from tokenfleet.sim.cost_model import LinearCost
+from tokenfleet.sim.errors import SimInputError
+from tokenfleet.sim.model_profile import model_profile
+from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
+from tokenfleet.sim.router import SimRouter
+from tokenfleet.sim.workload import SimRequest, Workload, WorkloadSpec
+
+BS = 16
+MODEL = "m"
+
+
+class _Pod:
+    """One replica driven by hand: steps back to back, adapter loads completed when they are due."""
+
+    def __init__(self, lora: LoRASpec) -> None:
+        model = model_profile("8b")
+        cost = LinearCost(
+            0.01, 1e-5, 1e-4, 0.0, 1e-9, kv_cache_bytes=400 * BS * model.kv_bytes_per_token, model=model
+        )
+        config = ReplicaConfig(
+            SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+            CacheConfig(block_size=BS),
+            4096,
+            MODEL,
+            lora,
+        )
+        self.now = 0.0
+        self.loads: list[tuple[float, str]] = []
+        self.replica = SimReplica(
+            "r0",
+            cost,
+            config,
+            lambda: self.now,
+            lambda _: None,
+            None,
+            lambda _, a, at: self.loads.append((at, a)),
+        )
+        self.done: dict[str, RequestRecord] = {}
+        self.max_batch_adapters = 0
+
+    def add(self, sreq: SimRequest) -> RequestRecord:
+        return self.replica.add(sreq, self.now)
+
+    def run(self) -> None:
+        replica = self.replica
+        while replica.has_work() or self.loads:
+            duration = replica.start_step(self.now)
+            end = self.now + duration if duration is not None else float("inf")
+            running = {r.lora for r in replica.scheduler.running if r.lora is not None}
+            self.max_batch_adapters = max(self.max_batch_adapters, len(running))
+            self.loads.sort()
+            if self.loads and self.loads[0][0] <= end:  # a load completes first (or nothing runs)
+                if duration is not None:
+                    self.now = end
+                    self._finish()
+                at, adapter = self.loads.pop(0)
+                self.now = max(self.now, at)
+                assert not replica.adapter_loaded(adapter, self.now)
+                continue
+            assert duration is not None
+            self.now = end
+            self._finish()
+
+    def _finish(self) -> None:
+        for rec in self.replica.finish_step(self.now):
+            self.done[rec.request.request_id] = rec
+
+
+def _request(rid: str, prompt: list[int], adapter: str | None, router: SimRouter, out: int = 4) -> SimRequest:
+    sreq = SimRequest(rid, 0.0, prompt, [7] * out, adapter=adapter)
+    router.hash_prompt(sreq)
+    return sreq
+
+
+def test_adapter_blocks_are_keyed_apart_from_base_and_other_adapters():
+    router = SimRouter(RoutingSpec(), BS, MODEL, lambda: 0.0)
+    prompt = list(range(1000, 1000 + 8 * BS))
+    hashes = {a: _request(f"h-{a}", prompt, a, router).block_hashes for a in (None, "adapter-0", "adapter-1")}
+    # The router's hashes are the pod's: the engine's function under the adapter's `name@digest` key.
+    for adapter, h in hashes.items():
+        key = None if adapter is None else sim_adapter(adapter).cache_key
+        assert h == block_hashes_for(prompt, BS, with_adapter(hash_extra(MODEL), None, key))
+    assert sim_adapter("adapter-0").cache_key.startswith("adapter-0@")
+    assert len({h for hs in hashes.values() for h in hs}) == 3 * 8  # no block shared between the three
+
+    pod = _Pod(LoRASpec(load_s=0.01))
+    for i, adapter in enumerate([None, "adapter-0", "adapter-1", "adapter-0", None]):
+        rid = f"q{i}"
+        pod.add(_request(rid, prompt, adapter, router))
+        pod.run()
+        cached = pod.done[rid].num_cached_tokens
+        if i < 3:  # the first of each key: the blocks under the other keys are no hit
+            assert cached == 0, (adapter, cached)
+        else:  # the same key again: its own blocks are
+            assert cached == len(prompt) - BS, (adapter, cached)
+
+
+def _fleet(placement: str) -> dict:
+    return simulate(
+        parse_config(
+            {
+                "model": "8b",
+                "fleet": {"gpu": "h100", "replicas": 4},
+                "probe_interval_s": 0.01,
+                "lora": {"placement": placement, "max_adapters": 4, "max_loras": 4, "load_s": 0.005},
+                "workload": {
+                    "rate": 3,
+                    "duration_s": 30,
+                    "num_tenants": 3,
+                    "system_prompt_tokens": 64,
+                    "user_tokens": 64,
+                    "output_tokens": 32,
+                    "adapters": {"count": 12, "zipf": 1.0},
+                    "seed": 1,
+                },
+            }
+        )
+    )
+
+
+def test_placement_keeps_each_adapter_on_one_pod_and_adapter_blind_routing_swaps():
+    placed, blind = _fleet("placement"), _fleet("none")
+    lora = placed["lora"]
+    assert placed["requests"]["finished"] == placed["requests"]["arrived"] > 50
+    assert lora["adapter_swaps"] == 0
+    assert lora["adapter_loads"] == lora["adapters_served"]  # each adapter loaded once, on one pod
+    assert lora["pods_per_adapter_mean"] == 1.0
+    assert blind["requests"]["finished"] == blind["requests"]["arrived"]
+    assert blind["lora"]["adapter_swaps"] >= 10
+    assert blind["lora"]["adapter_loads"] >= 3 * lora["adapter_loads"]
+    assert blind["lora"]["top_adapter_pods"] == 4
+
+
+def test_a_pod_holds_at_most_max_adapters_and_a_request_waiting_for_room_is_served():
+    router = SimRouter(RoutingSpec(), BS, MODEL, lambda: 0.0)
+    pod = _Pod(LoRASpec(max_adapters=3, max_loras=2, load_s=0.02))
+    records = []
+    for i in range(12):  # five adapters at once on a pod that holds three, two per step
+        prompt = list(range(2000 + 100 * i, 2000 + 100 * i + 3 * BS))
+        records.append(pod.add(_request(f"q{i}", prompt, f"adapter-{i % 5}", router, out=20)))
+    adapters = pod.replica.adapters
+    assert adapters is not None
+    assert len(adapters.held) == 3 and adapters.num_parked == 12  # all loading or waiting for room
+    assert pod.replica.num_waiting == 12  # parked requests count in the load report
+    pod.run()
+    assert sorted(pod.done) == sorted(f"q{i}" for i in range(12))  # nothing lost
+    assert all(len(pod.done[f"q{i}"].request.output) == pod.done[f"q{i}"].num_emitted for i in range(12))
+    assert adapters.max_held == 3 and adapters.swaps == 2 and adapters.loads == 5
+    assert pod.max_batch_adapters == 2  # the scheduler's max_loras
+    waited = [r.adapter_wait for r in records]
+    assert min(waited) == pytest.approx(0.02) and max(waited) > 0.02  # adapters 3, 4 waited for room
+
+
+def test_the_fleet_bound_holds_with_a_busy_pod():
+    r = simulate(
+        parse_config(
+            {
+                "model": "8b",
+                "fleet": {"gpu": "h100", "replicas": 1},
+                "lora": {"max_adapters": 2, "max_loras": 2},
+                "workload": {"rate": 20, "duration_s": 5, "adapters": {"count": 6, "zipf": 0.5}, "seed": 3},
+            }
+        )
+    )
+    assert r["requests"]["finished"] == r["requests"]["arrived"] > 50
+    assert r["lora"]["max_held"] == 2 and r["lora"]["adapter_swaps"] > 0
+
+
+def test_adapter_draws_are_seeded_zipf_and_sessions_keep_theirs():
+    spec = WorkloadSpec(
+        rate=200,
+        duration_s=10,
+        session_fraction=0.5,
+        think_time_s=0,
+        adapters={"count": 10, "zipf": 1.0},
+        seed=4,
+    )
+    first = [(r.request_id, r.adapter) for r in Workload(spec).arrivals()]
+    assert first == [(r.request_id, r.adapter) for r in Workload(spec).arrivals()]
+    names = [a for _, a in first]
+    assert names.count("adapter-0") > 2 * names.count("adapter-2") > 0
+    w = Workload(spec)
+    opener = next(r for r in w.arrivals() if r.session is not None)
+    follow = w.follow_up(opener, 1.0)
+    assert follow is not None and follow.adapter == opener.adapter
+    plain = Workload(spec.model_copy(update={"adapters": None}))
+    assert [r.prompt for r in plain.arrivals()][:50] == [r.prompt for r in Workload(spec).arrivals()][:50]
+    some_base = WorkloadSpec(rate=200, duration_s=5, adapters={"count": 3, "base_fraction": 0.5})
+    share = sum(r.adapter is None for r in Workload(some_base).arrivals()) / (200 * 5)
+    assert 0.4 < share < 0.6
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"workload": {"adapters": {"count": 10, "zipf": -0.5}}}, "workload.adapters.zipf"),
+        ({"workload": {"adapters": {"count": 0}}}, "workload.adapters.count"),
+        ({"workload": {"adapters": {"count": 5, "base_fraction": 1.5}}}, "workload.adapters.base_fraction"),
+        ({"lora": {"max_adapters": 0}}, "lora.max_adapters"),
+        ({"lora": {"max_adapters": 4, "max_loras": 8}}, "lora.max_loras"),
+        ({"lora": {"load_s": -1}}, "lora.load_s"),
+        ({"lora": {"placement": "random"}}, "lora.placement"),
+        (
+            {
+                "workload": {"adapters": {"count": 5}},
+                "fleet": {"replicas": 2},
+                "disaggregation": {"prefill_replicas": 1},
+            },
+            "workload.adapters",
+        ),
+        ({"workload": {"tenants": [{"name": "a", "rate": 1}], "adapters": {"count": 5}}}, "workload"),
+    ],
+)
+def test_bad_lora_settings_are_refused_naming_the_field(config, field):
+    with pytest.raises(SimInputError) as e:
+        parse_config(config)
+    assert e.value.field == field
+    assert str(e.value).startswith(f"{field}: ")
