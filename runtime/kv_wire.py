@@ -20,7 +20,7 @@ pod learns it within one poll, so requests sharing that prefix follow it to this
 runs, whichever router replica they reach; `stored` confirms the blocks once their KV is written.
 
     GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float,
-                  "tokenizer_digest": str | null, "lora_adapters": {name: key, ...},
+                  "tokenizer_digest": str | null, "lora_adapters": {name: key, ...}, "lora_room": int,
                   "access": {path: {"needs": ..., "why": ...}}}
 
 `tokenizer_digest` is that of the pod's `GET /v1/tokenizer` (openai/tokenizer_wire.py): a router that
@@ -32,7 +32,8 @@ router appends a request's `cache_salt` with `block_hash.with_salt` exactly as t
 the same chained hashes from the same token ids. `lora_adapters` (only on a pod serving LoRA adapters) maps
 each loaded adapter to the key its requests' blocks are hashed with (`block_hash.with_adapter`: the name and
 the weights' digest), so a router hashes an adapter's prompt as that pod does — and knows which pods hold
-which adapter.
+which adapter. `lora_room` (with it) counts the adapters the pod could load now: host places free or held
+by an adapter no request is using; at 0 a request for an adapter it does not hold would be refused (503).
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
 Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
@@ -158,6 +159,7 @@ class LoadReport:
     kv_cache_usage: float
     tokenizer_digest: str | None = None
     lora_adapters: dict[str, str] | None = None  # adapter name -> its block-hash key; None: LoRA off
+    lora_room: int | None = None  # adapters it could load now (free or idle host places); None: LoRA off
 
     def to_json(self) -> dict:
         out: dict = {
@@ -169,4 +171,6 @@ class LoadReport:
             out["tokenizer_digest"] = self.tokenizer_digest
         if self.lora_adapters is not None:
             out["lora_adapters"] = dict(self.lora_adapters)
+        if self.lora_room is not None:
+            out["lora_room"] = self.lora_room
         return out

@@ -63,6 +63,14 @@ class PodAdapters:
         loading = self._loading
         return {name: sim_adapter(name).cache_key for name in self._held if name not in loading}
 
+    def room(self) -> int:
+        """What the pod's `/load` reports as `lora_room`: adapters it could load now (places free or held by
+        an adapter no request uses), none while adapters already wait for room."""
+        if self._waiting_room:
+            return 0
+        in_use = self._in_use
+        return self.max_adapters - sum(1 for name in self._held if name in in_use)
+
     @property
     def held(self) -> list[str]:
         return list(self._held)

@@ -20,8 +20,8 @@ what `Fleet` does around them without its network parts: every pod's event strea
 LoRA: a request naming an adapter is placed by `lora.placement` — `placement` is the router's own rule
 (`adapter_placement.adapter_candidates`, unchanged, over the endpoints below the in-flight limit as
 `Fleet._pick_in` calls it), `affinity` the adapter's holders whenever any is below the limit, `none` every
-endpoint — and then decided as any request. What a pod holds is what its last load report listed
-(`lora_adapters`, polled every `probe_interval_s`). Its prompt is hashed under the adapter's key
+endpoint — and then decided as any request. What a pod holds, and how many adapters it could load now, is
+what its last load report listed (`lora_adapters`, `lora_room`, polled every `probe_interval_s`). Its prompt is hashed under the adapter's key
 (`token_block_hashes(..., adapter_key)`, as the pod hashes it), so its blocks never match the base model's
 or another adapter's, and its tie-break key is named after the adapter as `Fleet` names it. Unlike the
 live router, which matches a pod that does not list the adapter through its approximate index only, the
@@ -90,6 +90,7 @@ class EndpointView:
     polled_load: int = 0
     since_report: int = 0  # this router's starts - ends since the last report, as `Endpoint` counts them
     lora_adapters: dict[str, str] = field(default_factory=dict)  # the last report's: name -> key
+    lora_room: int | None = None  # the last report's: adapters it could load now (free or idle places)
 
     def count(self, started: int) -> None:
         """One request of this router's started here (1) or ended (-1)."""
@@ -171,13 +172,19 @@ class SimRouter:
         self.scheduled.forget(name)
 
     def report(
-        self, name: str, load: int, kv_usage: float, lora_adapters: dict[str, str] | None = None
+        self,
+        name: str,
+        load: int,
+        kv_usage: float,
+        lora_adapters: dict[str, str] | None = None,
+        lora_room: int | None = None,
     ) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
             ep.polled_load, ep.reported_load, ep.kv_usage, ep.since_report = load, load, kv_usage, 0
             if lora_adapters is not None:
                 ep.lora_adapters = lora_adapters
+                ep.lora_room = lora_room
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
@@ -307,7 +314,9 @@ class SimRouter:
         below = [s for s in states if s.in_flight < limit]
         if not below:
             return states
-        if self.placement == "placement":  # the router's own rule, unchanged (it reads .lora_adapters, .load)
+        if (
+            self.placement == "placement"
+        ):  # the router's own rule, unchanged (reads lora_adapters/_room, load)
             return adapter_candidates(adapter, below, self.spec.balance)  # type: ignore[arg-type]
         holders = [s for s in below if adapter in s.lora_adapters]
         return holders or below

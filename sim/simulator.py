@@ -392,8 +392,14 @@ class Simulation:
         for pod in self._live():
             if pod.ready:
                 r = pod.replica
-                adapters = r.adapters.loaded() if r.adapters is not None else None
-                self.router.report(r.name, r.num_running + r.num_waiting, r.kv_usage, adapters)
+                held = r.adapters
+                self.router.report(
+                    r.name,
+                    r.num_running + r.num_waiting,
+                    r.kv_usage,
+                    None if held is None else held.loaded(),
+                    None if held is None else held.room(),
+                )
 
     def _sample(self, pod: _Pod, window_s: float, quantile: float) -> PodSample:
         r = pod.replica

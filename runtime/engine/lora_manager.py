@@ -197,6 +197,13 @@ class LoRAManager:
         with self._lock:
             return sorted(self._adapters.values(), key=lambda a: a.name)
 
+    def room(self) -> int:
+        """Adapters this pod could load now without refusing (AdaptersBusy): its host places that are free or
+        hold an adapter no request is using. Routers send an adapter no pod holds where there is room."""
+        with self._lock:
+            busy = sum(1 for a in self._adapters.values() if a.in_flight > 0)
+        return max(0, self.config.host_limit - busy)
+
     def known(self) -> list[tuple[str, str, str]]:
         """(name, path, parent) of every adapter requests may name, loaded or not, by name."""
         with self._lock:

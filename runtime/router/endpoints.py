@@ -62,6 +62,7 @@ class Endpoint:
     sleep_level: int | None = None  # what its /ready said while it slept (1: weights kept in host memory)
     # LoRA adapters its /load reports loaded: name -> the key their blocks are hashed with (kv_wire.py).
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_room: int | None = None  # adapters it could load now (its /load's lora_room); None: not reported
 
     @property
     def id(self) -> str:

@@ -51,6 +51,8 @@ async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
         if isinstance(adapters, dict)
         else {}
     )
+    room = data.get("lora_room")
+    ep.lora_room = room if isinstance(room, int) and not isinstance(room, bool) else None
     return Probe.OK
 
 

@@ -41,6 +41,7 @@ class KVEventPump:
             num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage,
             lora_adapters=None if lora is None else {a.name: a.cache_key for a in lora.adapters()},
+            lora_room=None if lora is None else lora.room(),
         )
 
     async def start(self) -> None:

@@ -75,12 +75,18 @@ def complete(oai, model: str, prompt: str):
     )
 
 
-def test_models_lists_adapters_with_their_parent(oai, lora_adapters):
+def test_models_lists_adapters_with_their_parent(oai, lora_server, lora_adapters):
     _, paths = lora_adapters
     models = {m.id: m for m in oai.models.list().data}
     assert set(models) == {BASE, "qv8"}
     assert models["qv8"].parent == BASE and models["qv8"].root == str(paths["qv8"])
     assert models[BASE].parent is None
+    # What routers place by: the adapters loaded here (with their block-hash keys) and the room to load more
+    # (max_cpu_loras 2, nothing in flight: both places free or idle).
+    with urllib.request.urlopen(lora_server.url + "/load", timeout=30) as resp:
+        load = json.loads(resp.read())
+    assert set(load["lora_adapters"]) == {"qv8"} and load["lora_adapters"]["qv8"].startswith("qv8@")
+    assert load["lora_room"] == 2
 
 
 def test_base_and_adapters_concurrently_equal_peft(oai, lora_server, lora_adapters, hf_tokenizer):
