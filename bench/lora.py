@@ -320,7 +320,7 @@ def placement_experiment(args) -> int:
     )
     print(
         f"{'load':>5} {'req/s':>7} {'policy':<10} {'SLO met':>8} {'TTFT p99 s':>11} {'TPOT p99 ms':>12} "
-        f"{'swaps/min':>10} {'loads':>6} {'top adapter pods':>17} {'pods/adapter':>13}"
+        f"{'swaps/min':>10} {'loads':>6} {'top adapter pods':>17} {'pods/adapter':>13} {'503s':>6} {'retried':>8}"
     )
     rows = []
     for load in args.loads:
@@ -341,12 +341,17 @@ def placement_experiment(args) -> int:
                 "top_adapter_pods": lora["top_adapter_pods"],
                 "pods_per_adapter_mean": lora["pods_per_adapter_mean"],
                 "unfinished": r["requests"]["unfinished"],
+                # Clients refused for want of adapter room (every pod tried had none), and requests a pod
+                # refused that the router sent to another pod.
+                "rejected": r["requests"]["rejected"],
+                "retried_elsewhere": lora["retried_elsewhere"],
             }
             rows.append(row)
             print(
                 f"{load:>5.0%} {rate:>7g} {policy:<10} {row['slo_attainment']:>8.1%} {row['ttft_p99_s']:>11.3f} "
                 f"{row['tpot_p99_s'] * 1000:>12.1f} {row['swaps_per_min']:>10.1f} {row['adapter_loads']:>6} "
-                f"{row['top_adapter_pods']:>17} {row['pods_per_adapter_mean']:>13.2f}",
+                f"{row['top_adapter_pods']:>17} {row['pods_per_adapter_mean']:>13.2f} {row['rejected']:>6} "
+                f"{row['retried_elsewhere']:>8}",
                 flush=True,
             )
     print(f"# {time.process_time() - started:.0f} s of CPU")

@@ -55,6 +55,8 @@ class ModelNotFound(TokenfleetError):
 class AdaptersBusy(TokenfleetError):
     """No adapter can be loaded now: every loaded one has requests in flight (503, retry after)."""
 
+    code = "lora_slots_busy"  # the 503's error code: routers read it as "no room here", not ill health
+
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after

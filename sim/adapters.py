@@ -1,16 +1,14 @@
-"""A simulated pod's LoRA adapters: which it holds, loading one it lacks, and the requests that wait for it.
+"""A simulated pod's LoRA adapters: which it holds, loading one it lacks, and refusing one it has no room for.
 
 It models the engine's *loaded* level (`runtime/engine/lora_manager.py`: host memory, at most
 `max_cpu_loras` — here `lora.max_adapters`): a request naming an adapter the pod does not hold makes the
 pod load it, evicting the least recently used adapter that no request on the pod uses (running, waiting,
-or itself waiting for a load); when every held adapter is in use the request waits until one is free — it
-is never refused. The server loads an adapter before it submits the request, off the engine loop, so a
-load delays only the requests that need it: they reach the scheduler `load_s` after the load begins, while
-the running batch steps on. The *slot* level (`max_loras` distinct adapters per step) is the real
-scheduler's own rule: the replica passes `max_loras` to it.
-
-A request for an adapter that is loading joins that load; one for an adapter waiting for room joins that
-queue. Adapters waiting for room are loaded first come first served as held ones become idle.
+or waiting for a load); when every held adapter is in use the pod refuses the request as the server does
+(503 `lora_slots_busy`), and the router tries another pod. The server loads an adapter before it submits
+the request, off the engine loop, so a load delays only the requests that need it: they reach the scheduler
+`load_s` after the load begins, while the running batch steps on. A request for an adapter that is loading
+joins that load. The *slot* level (`max_loras` distinct adapters per step) is the real scheduler's own
+rule: the replica passes `max_loras` to it.
 """
 
 from __future__ import annotations
@@ -40,6 +38,10 @@ def sim_adapter(name: str) -> SimAdapter:
     return SimAdapter(name, f"{name}@{digest}")
 
 
+# What `PodAdapters.request` says of a request: submit it now, it waits for its adapter's load, or refused.
+READY, PARKED, BUSY = "ready", "parked", "busy"
+
+
 class PodAdapters:
     """The adapters one pod holds (loaded or loading, least recently used first) and the requests parked
     until theirs is loaded. `on_load(name, ready_at)` is called for every load begun; the simulator then
@@ -51,11 +53,11 @@ class PodAdapters:
         self._on_load = on_load
         self._held: OrderedDict[str, None] = OrderedDict()  # LRU order: first = least recently used
         self._loading: dict[str, list] = {}  # name -> the requests parked until its load completes
-        self._waiting_room: OrderedDict[str, list] = OrderedDict()  # no room yet: name -> parked requests
         self._in_use: dict[str, int] = {}  # name -> requests on this pod (parked, waiting, running)
         self.num_parked = 0
         self.loads = 0
         self.swaps = 0  # loads that evicted another adapter
+        self.refusals = 0  # requests refused for want of room (the server's 503 lora_slots_busy)
         self.max_held = 0  # the most held at once (never above max_adapters)
 
     def loaded(self) -> dict[str, str]:
@@ -65,9 +67,7 @@ class PodAdapters:
 
     def room(self) -> int:
         """What the pod's `/load` reports as `lora_room`: adapters it could load now (places free or held by
-        an adapter no request uses), none while adapters already wait for room."""
-        if self._waiting_room:
-            return 0
+        an adapter no request uses)."""
         in_use = self._in_use
         return self.max_adapters - sum(1 for name in self._held if name in in_use)
 
@@ -75,25 +75,26 @@ class PodAdapters:
     def held(self) -> list[str]:
         return list(self._held)
 
-    def request(self, name: str, item: object, now: float) -> bool:
-        """A request for `name` reached the pod: True when it can be submitted now (the adapter is loaded);
-        otherwise `item` is parked and comes back from `load_done` once the adapter is loaded."""
-        self._in_use[name] = self._in_use.get(name, 0) + 1
+    def request(self, name: str, item: object, now: float) -> str:
+        """A request for `name` reached the pod: READY when it can be submitted now (the adapter is loaded);
+        PARKED when `item` waits for the adapter's load (it comes back from `load_done`); BUSY when the pod
+        has no room to load it (refused: nothing of it stays here)."""
         held = self._held
         if name in held:
             held.move_to_end(name)
             parked = self._loading.get(name)
             if parked is None:
-                return True
+                self._in_use[name] = self._in_use.get(name, 0) + 1
+                return READY
             parked.append(item)
-        elif name in self._waiting_room:
-            self._waiting_room[name].append(item)
         elif self._make_room():
             self._start_load(name, [item], now)
         else:
-            self._waiting_room[name] = [item]
+            self.refusals += 1
+            return BUSY
+        self._in_use[name] = self._in_use.get(name, 0) + 1
         self.num_parked += 1
-        return False
+        return PARKED
 
     def load_done(self, name: str) -> list:
         """`name`'s load completed: the requests parked for it, in arrival order."""
@@ -101,18 +102,13 @@ class PodAdapters:
         self.num_parked -= len(parked)
         return parked
 
-    def release(self, name: str, now: float) -> None:
+    def release(self, name: str) -> None:
         """A request for `name` left the pod (finished, or refused by the scheduler)."""
         left = self._in_use[name] - 1
         if left:
             self._in_use[name] = left
-            return
-        del self._in_use[name]
-        # Idle now: it may make room for the adapters waiting, oldest first.
-        waiting = self._waiting_room
-        while waiting and self._make_room():
-            waiting_name, parked = waiting.popitem(last=False)
-            self._start_load(waiting_name, parked, now)
+        else:
+            del self._in_use[name]  # idle now: the next adapter the pod lacks may evict it
 
     def _make_room(self) -> bool:
         """Whether one more adapter fits, evicting the least recently used idle one if the pod is full."""

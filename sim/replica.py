@@ -17,7 +17,9 @@ Per-request timings and the pod's cumulative counters are kept here, as the serv
 
 LoRA (`ReplicaConfig.lora`, when the workload names adapters): the pod's held adapters are `PodAdapters`
 (adapters.py); a request whose adapter is not loaded yet is parked there and reaches the scheduler once
-the load completes (`adapter_loaded`), so a load never stalls the running batch. Requests carry the
+the load completes (`adapter_loaded`), so a load never stalls the running batch; one the pod has no room
+for is refused as the server refuses it (`rejected` is `ADAPTERS_BUSY`: the router tries another pod).
+Requests carry the
 adapter as `Request.lora`, so the real scheduler applies `max_loras` and the real KV manager hashes their
 blocks under the adapter's key. A parked request counts as waiting in the pod's load report.
 """
@@ -37,8 +39,8 @@ from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 from tokenfleet.runtime.engine.scheduler import Scheduler
-from tokenfleet.runtime.errors import InvalidRequest
-from tokenfleet.sim.adapters import PodAdapters, sim_adapter
+from tokenfleet.runtime.errors import AdaptersBusy, InvalidRequest
+from tokenfleet.sim.adapters import BUSY, PARKED, PodAdapters, sim_adapter
 from tokenfleet.sim.config import LoRASpec
 from tokenfleet.sim.cost_model import CoreUsage, CostModel, LoRAStepCost, batch_shape
 from tokenfleet.sim.errors import SimInputError
@@ -46,6 +48,8 @@ from tokenfleet.sim.workload import SimRequest
 
 # 1%-wide log bins: bin k holds gaps in [1.01^k, 1.01^(k+1)).
 ITL_BINS_PER_E = 1.0 / math.log(1.01)
+# A request refused because every adapter the pod holds is in use: the server's 503 and its error code.
+ADAPTERS_BUSY = f"pod 503: {AdaptersBusy.code}"
 
 _rid = itemgetter(0)
 _sample = itemgetter(4)
@@ -70,7 +74,7 @@ class RequestRecord:
     num_preemptions: int = 0
     num_emitted: int = 0
     rejected: str | None = None  # why the pod refused it (never fits, too long)
-    adapter_wait: float = 0.0  # waiting for its adapter's load (or for room to load it) on the pod
+    adapter_wait: float = 0.0  # waiting for its adapter's load on the pod
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +190,12 @@ class SimReplica:
             request.output_token_ids = [output[0]]  # as the engine takes a resumed stream's tokens
         if adapter is not None:
             assert self.adapters is not None
-            if not self.adapters.request(adapter, (request, record, resumed_at, now), now):
+            verdict = self.adapters.request(adapter, (request, record, resumed_at, now), now)
+            if verdict is BUSY:  # the server's 503: every adapter it holds is in use
+                record.rejected = ADAPTERS_BUSY
+                record.finished = now
+                return record
+            if verdict is PARKED:
                 return record  # parked until its adapter is loaded (adapter_loaded submits it)
         self._submit(request, record, resumed_at, now)
         return record
@@ -200,7 +209,7 @@ class SimReplica:
             record.rejected = f"{type(e).__name__}: {e}"
             record.finished = now
             if request.lora is not None and self.adapters is not None:
-                self.adapters.release(request.lora.name, now)
+                self.adapters.release(request.lora.name)
             return
         self.records[rid] = record
         self._tokens[rid] = [record.request.output[0]]
@@ -323,7 +332,7 @@ class SimReplica:
                 rec.num_preemptions = request.num_preemptions
                 done.append(rec)
                 if request.lora is not None:
-                    self.adapters.release(request.lora.name, now)  # type: ignore[union-attr]
+                    self.adapters.release(request.lora.name)  # type: ignore[union-attr]
             self.num_served += len(done)
         self._prev_sampled = sampled
         self._prev_end = now

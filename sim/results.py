@@ -225,6 +225,9 @@ class Collector:
             "adapter_swaps": swaps,
             "swaps_per_min": _r(swaps * 60.0 / max(end, 1e-9)),
             "max_held": max((a.max_held for a in states.values()), default=0),
+            # Pods' 503 lora_slots_busy, and the requests the router sent to another pod after one.
+            "pod_refusals": sum(a.refusals for a in states.values()),
+            "retried_elsewhere": sim.adapter_retries,
             "per_replica": {name: {"loads": a.loads, "swaps": a.swaps} for name, a in states.items()},
             "adapters_served": len(served),
             "adapter_wait_s": _pcts(self.adapter_wait),
@@ -365,7 +368,8 @@ def table(results: dict) -> str:
         lines.insert(
             -1,
             f"LoRA          {lora['adapter_loads']} adapter loads, {lora['adapter_swaps']} swaps "
-            f"({lora['swaps_per_min']} per min), at most {lora['max_held']} held; adapter wait p99 "
+            f"({lora['swaps_per_min']} per min), at most {lora['max_held']} held; {lora['pod_refusals']} "
+            f"refused for want of room ({lora['retried_elsewhere']} retried elsewhere); adapter wait p99 "
             f"{lora['adapter_wait_s']['p99'] * 1000:.1f} ms; top adapter on {lora['top_adapter_pods']} pods, "
             f"{lora['pods_per_adapter_mean']} pods per adapter",
         )

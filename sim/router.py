@@ -53,7 +53,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     KVEvent,
     PrefillScheduled,
 )
-from tokenfleet.runtime.router.adapter_placement import adapter_candidates
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
 from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.runtime.router.decision import (
     AT_CAPACITY,
@@ -104,6 +104,10 @@ class EndpointView:
         return self.endpoint_id
 
     @property
+    def id(self) -> str:
+        return self.endpoint_id
+
+    @property
     def load(self) -> int:
         return load_of(self)
 
@@ -121,6 +125,8 @@ class SimRouter:
         assert placement in PLACEMENTS, placement
         self.spec = spec
         self.placement = placement
+        self.clock = clock
+        self.drains = AdapterDrains()  # places being made for refused adapters (placement only)
         self.model_name = model_name
         self.block_size = block_size
         self.extra = hash_extra(model_name)
@@ -277,13 +283,16 @@ class SimRouter:
             key = self._first_keys[memo] = token_block_hashes(first, bs, extra, None)[0]
         return key
 
-    def pick(self, sreq: SimRequest, role: str = "both") -> str | None:
-        """The endpoint of `role` for this request, or None: it must wait.
+    def pick(self, sreq: SimRequest, role: str = "both", tried: frozenset[str] = frozenset()) -> str | None:
+        """The endpoint of `role` for this request, or None: it must wait (or, with `tried` — the endpoints
+        that refused it before its first byte — its retries have nowhere left to go).
 
         A decode pod is chosen as the router chooses it: by load and KV usage alone (the prompt's KV comes
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
         request was admitted already)."""
         states = self._states(role)
+        if tried:
+            states = [s for s in states if s.endpoint_id not in tried]
         limit = self.spec.max_in_flight_per_endpoint
         if role == "decode":
             verdict = decide(self.strategy, RouteQuery(0, None, b""), states, {}, limit, admitted=True)
@@ -302,7 +311,7 @@ class SimRouter:
             return None
         if role != "decode":
             self.recent.record(decision.endpoint_id, sreq.block_hashes)
-            if self.fair is not None:  # sent: its prompt counts now (a decode phase was counted before)
+            if self.fair is not None and not tried:  # sent: its prompt counts now, once (not per retry)
                 self.fair.charge_prompt(sreq.tenant or "", len(sreq.prompt))
         self.endpoints[decision.endpoint_id].count(1)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
@@ -314,10 +323,11 @@ class SimRouter:
         below = [s for s in states if s.in_flight < limit]
         if not below:
             return states
-        if (
-            self.placement == "placement"
-        ):  # the router's own rule, unchanged (reads lora_adapters/_room, load)
-            return adapter_candidates(adapter, below, self.spec.balance)  # type: ignore[arg-type]
+        if self.placement == "placement":  # the router's own rule (reads lora_adapters/_room, load)
+            drains = self.drains
+            if drains:
+                drains.settle(states, self.clock())  # type: ignore[arg-type]
+            return adapter_candidates(adapter, below, self.spec.balance, drains)  # type: ignore[arg-type]
         holders = [s for s in below if adapter in s.lora_adapters]
         return holders or below
 
@@ -332,6 +342,13 @@ class SimRouter:
         or any endpoint for an admitted decode phase)."""
         limit = self.spec.max_in_flight_per_endpoint
         return bool(within_limit(self._states(role), limit, admitted=role == "decode"))
+
+    def adapter_busy(self, name: str) -> None:
+        """The pod refused to load an adapter (503 `lora_slots_busy`): no room there until its next report,
+        as `Fleet.adapter_busy` records it."""
+        ep = self.endpoints.get(name)
+        if ep is not None:
+            ep.lora_room = 0
 
     def release(self, name: str) -> None:
         ep = self.endpoints.get(name)
@@ -373,6 +390,13 @@ class SimRouter:
             )
         except QueueFull as e:
             return f"router 429: {e}"
+
+    def adapter_refused(self, sreq: SimRequest, role: str) -> None:
+        """No pod tried had room for the request's adapter (the client gets the 503): with the router's own
+        placement, a place is made for its next requests (`Fleet.make_adapter_place`); the baselines, routers
+        that read no adapter room, make none."""
+        if self.placement == "placement" and sreq.adapter is not None:
+            self.drains.make_place(sreq.adapter, self._states(role), self.clock())  # type: ignore[arg-type]
 
     def timed_out(self, waiter: Waiter) -> str | None:
         """`waiter`'s deadline has come: if it still waits, it leaves the queue and this is the status the

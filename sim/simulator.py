@@ -20,7 +20,8 @@ sleepers first (the ReplicaSet's not-Ready-first order). Sleepers hold their GPU
 replica-seconds.
 With LoRA adapters (`workload.adapters`) a pod loading an adapter for a request schedules that request
 when the load completes (an ADAPTER_LOADED event, `lora.load_s` later); each load report lists the pod's
-loaded adapters, which is what the router places by.
+loaded adapters and its room, which is what the router places by. A pod with no room refuses the request
+(503 `lora_slots_busy`) and the router retries it on another pod, as the live proxy does.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import CoreUsage, CostModel
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.handoff import Handoff, KVHandoffs
-from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
+from tokenfleet.sim.replica import ADAPTERS_BUSY, ReplicaConfig, RequestRecord, SimReplica
 from tokenfleet.sim.results import Collector
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest
@@ -133,6 +134,8 @@ class Simulation:
                     "a profile from `tokenfleet simulate calibrate --via server`",
                 )
         self._phases: dict[str, RequestRecord] = {}  # request id -> its prefill record, while it decodes
+        self._tried: dict[str, frozenset[str]] = {}  # request id -> the pods that refused it its adapter
+        self.adapter_retries = 0  # requests sent to another pod after such a refusal
         # Called at each timeline tick with the virtual time (the speed experiment reads the CPU clock there).
         self.on_tick: Callable[[float], None] | None = None
 
@@ -303,6 +306,11 @@ class Simulation:
         self._admitted(record, pod)
 
     def _admitted(self, record: RequestRecord, pod: _Pod) -> None:
+        if record.rejected is ADAPTERS_BUSY:
+            self._adapter_busy(record.request, pod)
+            return
+        if self._tried:
+            self._tried.pop(record.request.request_id, None)
         self.collector.admitted(record)
         if record.rejected is not None:
             self.router.release(pod.replica.name)
@@ -310,6 +318,28 @@ class Simulation:
             return
         if not pod.replica.busy:
             self._start_step(pod)
+
+    def _adapter_busy(self, sreq: SimRequest, pod: _Pod) -> None:
+        """The pod had no room for the request's adapter (its 503 `lora_slots_busy`). As the router's
+        proxy does: no room there until its next report, and the request goes to a pod it has not tried,
+        within `retries.max_attempts` attempts; past them, or with no pod left to try, the client gets the
+        503 and the router makes a place for the adapter's next requests (`SimRouter.adapter_refused`)."""
+        name = pod.replica.name
+        self.router.release(name)
+        self.router.adapter_busy(name)
+        rid = sreq.request_id
+        tried = self._tried.get(rid, frozenset()) | {name}
+        target = None
+        if len(tried) < self.config.routing.retries.max_attempts:
+            target = self.router.pick(sreq, pod.role, tried)
+        if target is None:
+            self._tried.pop(rid, None)
+            self.router.adapter_refused(sreq, pod.role)  # a place is made for the next ones
+            self._refused(sreq, ADAPTERS_BUSY)
+            return
+        self._tried[rid] = tried
+        self.adapter_retries += 1
+        self._deliver(sreq, target, pod.role)
 
     def _on_handoff(self, handoff: Handoff) -> None:
         """The prompt's KV reached the decode pod: insert it, release the hold, run the rest there."""

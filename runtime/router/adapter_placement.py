@@ -18,6 +18,7 @@ pods with room; without room anywhere, to any pod (one of them will have room fi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenfleet.runtime.router.config import Balance
 from tokenfleet.runtime.router.endpoints import Endpoint
@@ -27,9 +28,93 @@ def _has_room(ep: Endpoint) -> bool:
     return ep.lora_room is None or ep.lora_room > 0  # a pod that does not say is taken at its word
 
 
-def adapter_candidates(adapter: str, eps: Sequence[Endpoint], balance: Balance) -> list[Endpoint]:
-    """The endpoints among `eps` a request for `adapter` may go to (never empty when `eps` is not)."""
+# The longest a copy is kept idle to make a place: about a few requests' lifetimes. A drain that frees no
+# place by then (its adapter's requests there outlived it) ends, and the copy takes requests again.
+DRAIN_TIMEOUT_S = 20.0
+
+
+@dataclass(slots=True)
+class Drain:
+    """A place being made on one pod: `victim`'s copy there gets no new requests until it is idle, evicted
+    or `until` passes; `for_adapter` is the adapter the place is made for."""
+
+    victim: str
+    for_adapter: str
+    until: float
+
+
+class AdapterDrains:
+    """The places being made, at most one per pod: pod id -> `Drain`.
+
+    When every adapter place of the fleet is in use, waiting for one to free by chance is waiting for an
+    adapter to have no request on some pod — which a popular adapter never does. So when a request was
+    refused everywhere for want of room, a place is made for the adapter's next requests: a copy
+    of an adapter other pods also hold (its requests have somewhere else to go) gets no new requests on one
+    pod, goes idle as they finish, and the pod's next load report shows the room; the adapter that needed
+    it is loaded there and evicts the idle copy (least recently used). The most copied adapter gives up a
+    copy first (its load spreads over the most other pods), on its least loaded pod (idle soonest).
+    """
+
+    def __init__(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.by_pod: dict[str, Drain] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_pod)
+
+    def draining(self, ep: Endpoint, adapter: str) -> bool:
+        drain = self.by_pod.get(ep.id)
+        return drain is not None and drain.victim == adapter
+
+    def settle(self, eps: Sequence[Endpoint], now: float) -> None:
+        """End the drains whose copy is gone from its pod's report (among `eps`) or whose time is up (a pod
+        not among `eps` — excluded from one pick, or gone — keeps its drain until then)."""
+        if not self.by_pod:
+            return
+        listed = {ep.id: ep.lora_adapters for ep in eps}
+        for pod, drain in list(self.by_pod.items()):
+            held = listed.get(pod)
+            if (held is not None and drain.victim not in held) or now >= drain.until:
+                del self.by_pod[pod]
+
+    def make_place(self, adapter: str, eps: Sequence[Endpoint], now: float) -> Endpoint | None:
+        """Begin a drain for `adapter`, which no endpoint of `eps` holds or has room for; the pod chosen, or
+        None when a place is being made for it already or no copy can be spared."""
+        self.settle(eps, now)
+        if any(d.for_adapter == adapter for d in self.by_pod.values()):
+            return None
+        copies: dict[str, int] = {}
+        for ep in eps:
+            for name in ep.lora_adapters:
+                if not self.draining(ep, name):
+                    copies[name] = copies.get(name, 0) + 1
+        best: tuple[tuple[int, int], Endpoint, str] | None = None
+        for ep in eps:
+            if ep.id in self.by_pod:
+                continue
+            for name in ep.lora_adapters:
+                n = copies.get(name, 0)
+                if n < 2 or name == adapter:
+                    continue
+                key = (-n, ep.load)
+                if best is None or key < best[0]:
+                    best = (key, ep, name)
+        if best is None:
+            return None
+        _, ep, victim = best
+        self.by_pod[ep.id] = Drain(victim, adapter, now + self.timeout_s)
+        return ep
+
+
+def adapter_candidates(
+    adapter: str, eps: Sequence[Endpoint], balance: Balance, drains: AdapterDrains | None = None
+) -> list[Endpoint]:
+    """The endpoints among `eps` a request for `adapter` may go to (never empty when `eps` is not). A copy
+    being drained (`drains`) takes none while another holder can."""
     holders = [ep for ep in eps if adapter in ep.lora_adapters]
+    if drains and len(holders) > 1:
+        kept = [ep for ep in holders if not drains.draining(ep, adapter)]
+        holders = kept or holders
     roomy = [ep for ep in eps if adapter not in ep.lora_adapters and _has_room(ep)]
     if not holders:
         return roomy or list(eps)

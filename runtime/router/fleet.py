@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from tokenfleet.runtime.engine.fair_share import FairShare
-from tokenfleet.runtime.router.adapter_placement import adapter_candidates
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
 from tokenfleet.runtime.router.config import Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
@@ -90,6 +90,7 @@ class Fleet:
         self.strategy = make_strategy(config.routing, clock=clock)
         self.fair = FairShare()
         self.gate = PriorityGate(config.routing.max_queued, clock)
+        self.adapter_drains = AdapterDrains()  # places being made for adapters no pod had room for
         self._set_queue_policy(config)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
@@ -210,6 +211,18 @@ class Fleet:
     def report(self, ep: Endpoint, ok: bool) -> None:
         """A request's outcome (passive health)."""
         self._record(ep, Probe.OK if ok else Probe.FAILED)
+
+    def make_adapter_place(self, targets: Sequence[RouteTarget], adapter: str) -> None:
+        """No endpoint tried had room for `adapter` (the client got a 503): drain a spare copy of another
+        adapter on one pod so a place frees (AdapterDrains)."""
+        if self.adapter_drains.make_place(adapter, self.healthy_endpoints(targets), self.clock()) is not None:
+            self.metrics.adapter_drains.inc()
+
+    def adapter_busy(self, ep: Endpoint) -> None:
+        """`ep` refused to load an adapter (every one it holds has requests in flight): it has no room until
+        its next load report says otherwise, so adapters it does not hold go elsewhere meanwhile. Its
+        health is untouched: the requests it can take are welcome."""
+        ep.lora_room = 0  # the retry counter's reason "lora_busy" counts these
 
     def not_ready(self, ep: Endpoint) -> None:
         """A request was refused with 503 (the pod is loading, draining or asleep): out until a probe says
@@ -375,7 +388,10 @@ class Fleet:
             below = [ep for ep in eps if ep.in_flight < limit]
             eps = below or eps
             if prompt.adapter is not None:  # the pods holding the adapter, unless they are busy
-                eps = adapter_candidates(prompt.adapter, eps, self.config.routing.balance)
+                drains = self.adapter_drains
+                if drains:
+                    drains.settle(eps, self.clock())
+                eps = adapter_candidates(prompt.adapter, eps, self.config.routing.balance, drains)
             matches, num_blocks, approx = self._prefix_matches(eps, prompt, target.model)
             followers = self._followers  # only the candidates' (kv_events_live() would build all of them)
             states = [

@@ -65,6 +65,11 @@ class RouterMetrics:
         self.retries = Counter(
             PREFIX + "retries", "Attempts retried on another endpoint.", ["reason"], registry=r
         )
+        self.adapter_drains = Counter(
+            PREFIX + "adapter_drains",
+            "Copies of a LoRA adapter given no new requests on one pod so that a refused adapter gets a place.",
+            registry=r,
+        )
         self.ejections = Counter(PREFIX + "ejections", "Endpoint ejections.", ["endpoint"], registry=r)
         self.stream_errors = Counter(
             PREFIX + "stream_errors", "Streams ended with an error event after the first byte.", registry=r

@@ -2,6 +2,11 @@
 
 Retry rule: a connection failure, a timeout before the response headers, a 5xx, or a 429 from the pod
 (its queue is full) sends the request to another endpoint, at most `retries.maxAttempts` attempts in all.
+A pod's 503 `lora_slots_busy` (every LoRA adapter it holds has requests in flight, so it cannot load the
+one asked for) is a placement miss, not ill health: the pod stays in rotation with no adapter room until
+its next load report, and the request tries a pod with room. When no pod tried had one, the client gets
+the 503 with Retry-After, and a place is made for the adapter's next requests: one pod's spare copy of
+another adapter gets no new requests until it is idle (adapter_placement.AdapterDrains).
 When the model's route has a fallback, the last attempt goes there: a primary that failed every attempt
 before the first byte is passed over for it (a route's other endpoints are tried first, being the model
 the client asked for).
@@ -22,6 +27,7 @@ import logging
 
 import aiohttp
 from aiohttp import web
+from tokenfleet.runtime.errors import AdaptersBusy
 from tokenfleet.runtime.openai.resume import RESUME_HEADER, RESUME_STREAM, RESUME_WHOLE
 from tokenfleet.runtime.router import resume
 from tokenfleet.runtime.router.assemble import can_assemble
@@ -48,6 +54,30 @@ def _count_sse_tokens(chunk: bytes) -> int:
 async def forward(
     request: web.Request, fleet: Fleet, out: Outgoing, retries: Retries
 ) -> tuple[web.StreamResponse, Outcome]:
+    result = await _attempts(request, fleet, out, retries)
+    if isinstance(result, Retry) and result.reason == "lora_busy" and out.adapter is not None:
+        # No pod tried had a place for the adapter: the client gets the pods' 503 with Retry-After now (shed,
+        # not held: holding requests the fleet has no place for measured worse for everyone at high load),
+        # and a place is made for the adapter's next requests.
+        fleet.make_adapter_place(out.targets, out.adapter)
+    if isinstance(result, Retry):
+        resp = web.Response(status=result.status, body=result.body, content_type="application/json")
+        if result.status in (429, 503):
+            resp.headers["Retry-After"] = "1"
+        return resp, Outcome(result.status)
+    if result is None:
+        body = error_body(
+            "no healthy endpoint serves this model", "service_unavailable", "no_healthy_endpoint"
+        )
+        return web.json_response(body, status=503, headers={"Retry-After": "1"}), Outcome(503)
+    return result
+
+
+async def _attempts(
+    request: web.Request, fleet: Fleet, out: Outgoing, retries: Retries
+) -> tuple[web.StreamResponse, Outcome] | Retry | None:
+    """Up to `retries.maxAttempts` tries on distinct endpoints: the response, the last attempt's `Retry`
+    when every try failed before the first byte, or None when no endpoint could be tried."""
     tried: set[str] = set()
     last_error: Retry | None = None
     fallbacks = tuple(t for t in out.targets if t.fallback)
@@ -75,11 +105,7 @@ async def forward(
         if pick.num_blocks:
             fleet.metrics.prefix_match_ratio.observe(min(pick.decision.prefix_blocks / pick.num_blocks, 1.0))
         return result
-    if last_error is not None:
-        resp = web.Response(status=last_error.status, body=last_error.body, content_type="application/json")
-        return resp, Outcome(last_error.status)
-    body = error_body("no healthy endpoint serves this model", "service_unavailable", "no_healthy_endpoint")
-    return web.json_response(body, status=503, headers={"Retry-After": "1"}), Outcome(503)
+    return last_error
 
 
 async def _attempt(
@@ -109,6 +135,11 @@ async def _attempt(
     async with upstream:
         if upstream.status >= 500 or upstream.status == 429:
             body = await _read_quietly(upstream, retries.idle_timeout_seconds)
+            if upstream.status == 503 and _error_code(body) == AdaptersBusy.code:
+                # The pod is up; it only has no place for this adapter now: not out of rotation (its other
+                # requests are welcome), just no room until its next /load report says otherwise.
+                fleet.adapter_busy(ep)
+                return Retry(503, body, "lora_busy")
             if upstream.status == 503:  # loading or draining: not ready, not failing (its probe says which)
                 fleet.not_ready(ep)
             elif upstream.status >= 500:
@@ -121,6 +152,15 @@ async def _attempt(
         if resumable or assembling:
             return await resume.stream(request, fleet, out, pick, upstream, retries, assembling)
         return await _stream(request, fleet, pick, upstream, retries)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The OpenAI-style error body's `code`, or None."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 async def _read_quietly(upstream: aiohttp.ClientResponse, timeout: float) -> bytes:

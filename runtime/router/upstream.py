@@ -52,7 +52,7 @@ class Retry:
 
     status: int
     body: bytes
-    reason: str  # connect | timeout | 5xx | overloaded | broken
+    reason: str  # connect | timeout | 5xx | overloaded | broken | lora_busy
 
 
 @dataclass(slots=True)

@@ -80,7 +80,7 @@ def from_exception(exc: TokenfleetError) -> ApiError:
     if isinstance(exc, ModelNotFound):
         return model_not_found(exc.name)
     if isinstance(exc, AdaptersBusy):
-        return unavailable(str(exc), code="lora_slots_busy", retry_after=exc.retry_after)
+        return unavailable(str(exc), code=AdaptersBusy.code, retry_after=exc.retry_after)
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", code="engine_dead")
     return ApiError(500, f"{type(exc).__name__}: {exc}", type="internal_error", code="internal_error")

@@ -13,7 +13,7 @@ from tokenfleet.sim.config import LoRASpec, parse_config
 from tokenfleet.sim.cost_model import LinearCost
 from tokenfleet.sim.errors import SimInputError
 from tokenfleet.sim.model_profile import model_profile
-from tokenfleet.sim.replica import ReplicaConfig, RequestRecord, SimReplica
+from tokenfleet.sim.replica import ADAPTERS_BUSY, ReplicaConfig, RequestRecord, SimReplica
 from tokenfleet.sim.router import SimRouter
 from tokenfleet.sim.workload import SimRequest, Workload, WorkloadSpec
 
@@ -143,7 +143,7 @@ def test_placement_keeps_each_adapter_on_one_pod_and_adapter_blind_routing_swaps
     assert blind["lora"]["top_adapter_pods"] == 4
 
 
-def test_a_pod_holds_at_most_max_adapters_and_a_request_waiting_for_room_is_served():
+def test_a_pod_holds_at_most_max_adapters_and_refuses_one_more_while_all_are_in_use():
     router = SimRouter(RoutingSpec(), BS, MODEL, lambda: 0.0)
     pod = _Pod(LoRASpec(max_adapters=3, max_loras=2, load_s=0.02))
     records = []
@@ -152,15 +152,23 @@ def test_a_pod_holds_at_most_max_adapters_and_a_request_waiting_for_room_is_serv
         records.append(pod.add(_request(f"q{i}", prompt, f"adapter-{i % 5}", router, out=20)))
     adapters = pod.replica.adapters
     assert adapters is not None
-    assert len(adapters.held) == 3 and adapters.num_parked == 12  # all loading or waiting for room
-    assert pod.replica.num_waiting == 12  # parked requests count in the load report
+    # Adapters 3 and 4 find every place in use: refused as the server refuses them (nothing kept).
+    refused = [r.request.request_id for r in records if r.rejected is not None]
+    assert refused == ["q3", "q4", "q8", "q9"]
+    assert all(r.rejected is ADAPTERS_BUSY for r in records if r.rejected is not None)
+    assert adapters.refusals == 4 and adapters.room() == 0
+    assert len(adapters.held) == 3 and adapters.num_parked == 8  # the rest wait for their adapter's load
+    assert pod.replica.num_waiting == 8  # parked requests count in the load report
     pod.run()
-    assert sorted(pod.done) == sorted(f"q{i}" for i in range(12))  # nothing lost
-    assert all(len(pod.done[f"q{i}"].request.output) == pod.done[f"q{i}"].num_emitted for i in range(12))
-    assert adapters.max_held == 3 and adapters.swaps == 2 and adapters.loads == 5
+    assert sorted(pod.done) == sorted(r.request.request_id for r in records if r.rejected is None)
+    assert all(len(rec.request.output) == rec.num_emitted for rec in pod.done.values())
+    assert adapters.loads == 3 and adapters.swaps == 0 and adapters.room() == 3
     assert pod.max_batch_adapters == 2  # the scheduler's max_loras
-    waited = [r.adapter_wait for r in records]
-    assert min(waited) == pytest.approx(0.02) and max(waited) > 0.02  # adapters 3, 4 waited for room
+    waited = [r.adapter_wait for r in records if r.rejected is None]
+    assert min(waited) == pytest.approx(0.02) and all(w >= 0.02 - 1e-9 for w in waited)
+    # Idle now: a fourth adapter evicts the least recently used one.
+    again = pod.add(_request("q12", list(range(9000, 9000 + 3 * BS)), "adapter-3", router))
+    assert again.rejected is None and adapters.swaps == 1 and adapters.max_held == 3
 
 
 def test_the_fleet_bound_holds_with_a_busy_pod():
@@ -174,8 +182,13 @@ def test_the_fleet_bound_holds_with_a_busy_pod():
             }
         )
     )
-    assert r["requests"]["finished"] == r["requests"]["arrived"] > 50
-    assert r["lora"]["max_held"] == 2 and r["lora"]["adapter_swaps"] > 0
+    # One pod, two places, six adapters: what finds both places in use is refused (the pod's 503; no
+    # other pod to try), nothing is left hanging, and the bound holds.
+    rq, lora = r["requests"], r["lora"]
+    assert rq["arrived"] > 50 and rq["finished"] > 0 and rq["unfinished"] == 0
+    assert rq["finished"] + rq["rejected"] == rq["arrived"]
+    assert rq["rejected"] == lora["pod_refusals"] > 0 and lora["retried_elsewhere"] == 0
+    assert lora["max_held"] == 2 and lora["adapter_loads"] >= 2
 
 
 def test_adapter_draws_are_seeded_zipf_and_sessions_keep_theirs():

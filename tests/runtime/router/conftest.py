@@ -100,6 +100,10 @@ class FakePod:
         self._prefilling: dict[bytes, asyncio.Event] = {}
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> its block-hash key (on /load, as a pod)
         self.loadable: set[str] = set()  # adapters it loads when a request names one (as listed ones are)
+        # The most adapters it holds: a loadable one beyond that is refused with a real pod's 503
+        # `lora_slots_busy` (as if every held one had requests in flight). None: no limit.
+        self.max_adapters: int | None = None
+        self.report_room = True  # whether /load says how many more it could load (older pods do not)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._loading_gate])
@@ -116,11 +120,18 @@ class FakePod:
                         self.waiting,
                         len(self.cached) / 10_000,
                         lora_adapters=dict(self.adapters) if self.adapters else None,
+                        lora_room=self.lora_room,
                     ),
                 ),
             ]
         )
         return app
+
+    @property
+    def lora_room(self) -> int | None:
+        if self.max_adapters is None or not self.report_room:
+            return None
+        return max(self.max_adapters - len(self.adapters), 0)
 
     @web.middleware
     async def _loading_gate(self, request, handler):
@@ -147,6 +158,13 @@ class FakePod:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
         model = payload.get("model")
         if model in self.loadable and model not in self.adapters:
+            if self.max_adapters is not None and len(self.adapters) >= self.max_adapters:
+                error = {
+                    "message": "no adapter place",
+                    "type": "service_unavailable",
+                    "code": "lora_slots_busy",
+                }
+                return web.json_response({"error": error}, status=503, headers={"Retry-After": "1"})
             self.adapters[model] = f"{model}@1"
         if model != self.model and model not in self.adapters:
             return web.json_response({"error": {"message": "wrong model"}}, status=404)

@@ -3,7 +3,7 @@ which adapters each holds, how many it could load now (`lora_room`), and its loa
 
 from __future__ import annotations
 
-from tokenfleet.runtime.router.adapter_placement import adapter_candidates
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
 from tokenfleet.runtime.router.config import Balance, Discovery
 from tokenfleet.runtime.router.endpoints import Endpoint
 from tokenfleet.runtime.router.health import HealthState
@@ -47,3 +47,36 @@ def test_an_adapter_no_pod_holds_goes_where_it_can_be_loaded_now():
 def test_every_pod_holding_it_means_every_pod():
     eps = [pod("a", 4, ("sql",), room=0), pod("b", 0, ("sql",), room=0)]
     assert adapter_candidates("sql", eps, BALANCE) == eps
+
+
+def test_a_place_is_made_from_the_most_copied_adapter_on_its_least_loaded_pod():
+    """No pod holds "new" or has room: the adapter with the most copies gives one up (on the least loaded
+    of its pods); its requests then avoid that copy while other holders can take them; the drain ends when
+    the copy is gone from the pod's report, or at its timeout — and never twice for one adapter."""
+    a = pod("a", 5, ("hot", "x"), room=0)
+    b = pod("b", 1, ("hot", "y"), room=0)
+    c = pod("c", 3, ("hot", "z"), room=0)
+    d = pod("d", 0, ("solo", "y"), room=0)
+    eps = [a, b, c, d]
+    drains = AdapterDrains(timeout_s=10.0)
+    assert drains.make_place("new", eps, now=0.0) is b  # "hot" has three copies; b is the least loaded
+    assert drains.make_place("new", eps, now=1.0) is None  # one place at a time per adapter
+    assert names(adapter_candidates("hot", eps, BALANCE, drains)) == ["a", "c"]
+    assert names(adapter_candidates("y", eps, BALANCE, drains)) == ["b", "d"]  # only "hot" is drained on b
+    # Another held adapter gets another pod: "hot" (a, c) and "y" (b, d) have two copies left each; d is the
+    # least loaded of their pods not draining already.
+    assert drains.make_place("other", eps, now=1.0) is d
+    assert names(adapter_candidates("y", eps, BALANCE, drains)) == ["b"]
+    # A third: only "hot" has two copies left -> c, the less loaded of a and c.
+    assert drains.make_place("third", eps, now=1.0) is c
+    assert names(adapter_candidates("hot", eps, BALANCE, drains)) == ["a"]
+    b.lora_adapters = {"new": "new@1", "y": "y@1"}  # b loaded "new", evicting its idle copy of "hot"
+    drains.settle(eps, now=2.0)
+    assert set(drains.by_pod) == {c.id, d.id}
+    drains.settle(eps, now=11.0)  # time is up: the copies take requests again
+    assert not drains and names(adapter_candidates("hot", eps, BALANCE, drains)) == ["a", "c"]
+
+
+def test_no_place_is_made_from_an_only_copy():
+    eps = [pod("a", 0, ("x",), room=0), pod("b", 0, ("y",), room=0)]
+    assert AdapterDrains().make_place("new", eps, now=0.0) is None

@@ -4,6 +4,8 @@ them — and apart from the base model's blocks of the same prompt."""
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
 
 from .test_prefix_routing import CLIENT_TIMEOUT, chat, send
@@ -105,3 +107,77 @@ async def test_an_adapters_requests_stay_on_its_holders_until_they_are_busy_then
             assert (await send(url, {**chat(0, "w9"), "model": "sql"}))[:2] == (200, u1)
             assert "sql" in pods[1].adapters  # the spill loaded it there
             await wait_until(lambda: "sql" in eps[u1].lora_adapters)
+
+
+async def test_a_pod_with_no_adapter_room_is_passed_over_for_that_adapter_and_stays_in_rotation(
+    serve_app, start_router, make_pod, wait_until
+):
+    """A pod whose adapter places are all in use answers a request for another adapter with 503
+    `lora_slots_busy`. That is a placement miss, not ill health: the router retries the request on a pod
+    with room, records no room on the first one until its next report, and keeps sending it the requests
+    it can take — it is not taken out of rotation as a loading or draining pod's 503 would take it."""
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.loadable = {"sql", "chat"}
+    pods[0].adapters = {"chat": "chat@1"}
+    pods[0].max_adapters = 1  # holds "chat" and has no place for "sql"
+    pods[0].report_room = False  # an older pod: the router learns its room from the refusal
+    pods[1].running = 3  # busier: a choice by load alone goes to pod 0 first
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["sql", "chat"]}
+            for i, u in enumerate((u0, u1))
+        ]
+        async with start_router(backends, {"strategy": "least-load"}) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u0].lora_adapters and eps[u1].reported_load >= 3)
+            assert eps[u0].lora_room is None
+            assert (await send(url, {**chat(0, "w1"), "model": "sql"}))[:2] == (200, u1)
+            assert [r["payload"]["model"] for r in pods[0].requests] == ["sql"]  # refused there first
+            assert "sql" in pods[1].adapters and "sql" not in pods[0].adapters
+            assert router.fleet.available(eps[u0])  # still in rotation
+            assert router.fleet.metrics.retries.labels("lora_busy")._value.get() == 1
+            # The adapter it holds, and the base model, still go to it at once (the less loaded pod).
+            assert (await send(url, {**chat(1, "w2"), "model": "chat"}))[:2] == (200, u0)
+            assert (await send(url, chat(2, "w3")))[:2] == (200, u0)
+
+
+async def test_an_adapter_no_pod_has_room_for_is_refused_at_once_and_a_place_is_made_for_the_next(
+    serve_app, start_router, make_pod, wait_until
+):
+    """Every pod's adapter places are in use: the client gets the pods' 503 `lora_slots_busy` with
+    Retry-After at once (both pods tried), and the router makes a place: the copy of the adapter both pods
+    hold on the less loaded pod gets no new requests; once that pod has evicted it (its report shows room),
+    the refused adapter's next request is served there."""
+    pods = [make_pod() for _ in range(2)]
+    for i, pod in enumerate(pods):
+        pod.loadable = {"hot", "a0", "a1", "new"}
+        pod.adapters = {"hot": "hot@1", f"a{i}": f"a{i}@1"}
+        pod.max_adapters = 2
+    pods[1].running = 2  # pod 0 is the less loaded
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["hot", "a0", "a1", "new"]}
+            for i, u in enumerate((u0, u1))
+        ]
+        async with start_router(backends, {"strategy": "least-load"}) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u0].lora_room == 0 and eps[u1].reported_load == 2)
+            started = time.monotonic()
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(url + "/v1/chat/completions", json={**chat(0, "w1"), "model": "new"}) as r,
+            ):
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert (await r.json())["error"]["code"] == "lora_slots_busy"
+            assert time.monotonic() - started < 2.0  # refused at once, not held
+            assert [q["payload"]["model"] for p in pods for q in p.requests] == ["new", "new"]
+            assert router.fleet.metrics.adapter_drains._value.get() == 1
+            assert router.fleet.adapter_drains.by_pod[u0].victim == "hot"
+            # "hot" now goes to pod 1 although pod 0 is less loaded: its copy there is let go idle.
+            assert (await send(url, {**chat(1, "w2"), "model": "hot"}))[:2] == (200, u1)
+            assert (await send(url, {**chat(2, "w3"), "model": "a0"}))[:2] == (200, u0)  # the rest still go
+            del pods[0].adapters["hot"]  # idle, then evicted: pod 0 reports a free place
+            await wait_until(lambda: eps[u0].lora_room == 1)
+            assert (await send(url, {**chat(0, "w4"), "model": "new"}))[:2] == (200, u0)
+            assert "new" in pods[0].adapters
