@@ -191,11 +191,11 @@ class SimReplica:
         if adapter is not None:
             assert self.adapters is not None
             verdict = self.adapters.request(adapter, (request, record, resumed_at, now), now)
-            if verdict is BUSY:  # the server's 503: every adapter it holds is in use
+            if verdict == BUSY:  # the server's 503: every adapter it holds is in use
                 record.rejected = ADAPTERS_BUSY
                 record.finished = now
                 return record
-            if verdict is PARKED:
+            if verdict == PARKED:
                 return record  # parked until its adapter is loaded (adapter_loaded submits it)
         self._submit(request, record, resumed_at, now)
         return record

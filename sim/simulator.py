@@ -306,7 +306,7 @@ class Simulation:
         self._admitted(record, pod)
 
     def _admitted(self, record: RequestRecord, pod: _Pod) -> None:
-        if record.rejected is ADAPTERS_BUSY:
+        if record.rejected == ADAPTERS_BUSY:
             self._adapter_busy(record.request, pod)
             return
         if self._tried:

@@ -155,7 +155,7 @@ def test_a_pod_holds_at_most_max_adapters_and_refuses_one_more_while_all_are_in_
     # Adapters 3 and 4 find every place in use: refused as the server refuses them (nothing kept).
     refused = [r.request.request_id for r in records if r.rejected is not None]
     assert refused == ["q3", "q4", "q8", "q9"]
-    assert all(r.rejected is ADAPTERS_BUSY for r in records if r.rejected is not None)
+    assert all(r.rejected == ADAPTERS_BUSY for r in records if r.rejected is not None)
     assert adapters.refusals == 4 and adapters.room() == 0
     assert len(adapters.held) == 3 and adapters.num_parked == 8  # the rest wait for their adapter's load
     assert pod.replica.num_waiting == 8  # parked requests count in the load report
