@@ -55,7 +55,7 @@ PATTERN_EXAMPLES = {
     "kind": ["Service", "X", "InferenceService"],
     "group": ["", "example.com", "a"],
     "adapter-name": ["sql", "team-a/chat-v2", "org:fine.tune_1"],
-    "adapter-source": ["pvc://adapters/team-a/sql", "file:///srv/lora/x", "pvc://a/b"],
+    "adapter-source": ["pvc://adapters/team-a/sql", "file:///srv/lora/x", "pvc://a/b", "hf://org/name", "hf://org/name@main"],
     # Documents start no pod (ZERO_REPLICAS): nothing ever downloads from these.
     "url": ["https://huggingface.co", "http://127.0.0.1:9", "https://hf-mirror.example/hub"],
 }  # fmt: skip
@@ -122,7 +122,7 @@ def field_names(schemas: dict[str, dict[str, Any]]) -> set[str]:
 
 
 def _pattern_key(path: tuple[str, ...], pattern: str) -> str:
-    if "adapters" in path:  # a LoRA adapter's name (any model name) or folder (pvc:// or file:// only)
+    if "adapters" in path:  # a LoRA adapter's name (any model name) or folder (pvc://, file:// or hf://)
         return "adapter-source" if path[-1] == "source" else "adapter-name"
     if pattern.startswith("^(pvc://"):
         return "source"

@@ -3,11 +3,17 @@ mount is applied live — the pod unloads the adapter that went and loads the ne
 new name and refuses the old one — with no restart and no rollout.
 
 1. two random PEFT adapters (rank 4 on q/v, the built-in model's shapes) on one PersistentVolumeClaim; a
-   ModelDeployment serving the first, behind a RoutingPolicy: through the router the adapter's name answers
-   (under its own name) and so does the base model's;
-2. spec.adapters edited to the second adapter, same claim: through the router the new name answers within
-   seconds; the old name is a 404 `model_not_found` in OpenAI's error shape, from the router and from the pod
-   itself (it unloaded it), and the pod's list has the new adapter with the base model as its parent;
+   ModelDeployment serving the first, behind a RoutingPolicy, keys on (both require a user key from a
+   Secret; the router reaches the pods and the operator their /load with the internal key): through the
+   router the adapter's name answers (under its own name) and so does the base model's; without a key the
+   router and the pod answer 401;
+2. spec.adapters edited to the second adapter, same claim, plus a third from the Hub (`hf://`, a private
+   repository pinned at a commit: the token from a Secret through `lora.hfTokenSecret`, a mirror through
+   `lora.hfEndpoint`; the Hub is a stand-in on the session's bridge, fake_hub.py, holding the first
+   adapter's files): through the router both new names answer within seconds — the Hub's adapter with the
+   same tokens the first adapter gave from the claim, downloaded once, with the token; the old name is a 404
+   `model_not_found` in OpenAI's error shape, from the router and from the pod itself (it unloaded it), and
+   the pod's list has the new adapters with the base model as their parent;
 3. the same pod (uid), no container restart, and the same pod template (config hash, generation, one
    ReplicaSet): nothing rolled.
 
@@ -26,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fake_hub import FakeHub, FakeRepo, serve_hub
 from pod_keys import auth_headers, internal_key
 from workload import TEST_KV_CACHE_GIB, get_json
 
@@ -36,6 +43,7 @@ WAITS = {
     "router Ready": MODEL_READY_S,
     "qv-a through the router": 60,
     "qv-b through the router": 60,
+    "qv-c through the router": 60,
     "status.adapters": 30,  # the operator asks the pods every 5 s
 }
 SETUP_S = 60
@@ -46,7 +54,19 @@ RUNTIME = "app.kubernetes.io/instance=lora,app.kubernetes.io/component=runtime"
 ROUTER = "app.kubernetes.io/instance=front,app.kubernetes.io/component=router"
 # Adapter name -> (folder on the claim, seed of its random weights).
 ADAPTERS = {"qv-a": ("a", 1), "qv-b": ("b", 2)}
+# The Hub's adapter: the first adapter's files as a private repository of their own, pinned at a commit.
+HUB_REPO = "tinyorg/qv-c"
+HUB_COMMIT = "fade" + "0" * 36
+HUB_SOURCE = f"hf://{HUB_REPO}@{HUB_COMMIT}"
+HUB_TOKEN = "hf_e2eAdapterTokenNeverLogged"
+HUB_SECRET = "hf-adapters"
+# Keys on, as a cluster admin deploys: the pods and the router require a user key (the router reaches the
+# pods, and the operator their /load, with the deployment's internal key).
+USER_KEY = "sk-e2e-lora-user"
+USER = {"Authorization": f"Bearer {USER_KEY}"}
+KEYS_SECRET = "api-keys"
 RANK = 4
+WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = {
     "peft_type": "LORA",
     "r": RANK,
@@ -79,7 +99,7 @@ def _write_adapter(folder: Path, seed: int) -> None:
             tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.05
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps(ADAPTER_CONFIG))
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    save_file(tensors, str(folder / WEIGHTS))
 
 
 def _claim(namespace: str) -> str:
@@ -112,7 +132,7 @@ def _claim(namespace: str) -> str:
     return yaml.safe_dump_all([pv, pvc])
 
 
-def _manifests(adapters: list[str]) -> str:
+def _manifests(adapters: list[str], hub_url: str) -> str:
     cache = {
         "apiVersion": "serving.tokenfleet.dev/v1alpha1",
         "kind": "CachePolicy",
@@ -123,7 +143,7 @@ def _manifests(adapters: list[str]) -> str:
         "apiVersion": "serving.tokenfleet.dev/v1alpha1",
         "kind": "RoutingPolicy",
         "metadata": {"name": "front"},
-        "spec": {"strategy": "least-load", "router": {"replicas": 1}},
+        "spec": {"strategy": "least-load", "router": {"replicas": 1}, "apiKeySecret": {"name": KEYS_SECRET}},
     }
     md = {
         "apiVersion": "serving.tokenfleet.dev/v1alpha1",
@@ -133,16 +153,41 @@ def _manifests(adapters: list[str]) -> str:
             "replicas": 1,
             "cachePolicyRef": "small",
             "routingPolicyRef": "front",
+            "apiKeySecret": {"name": KEYS_SECRET},
             "engine": {"maxNumSeqs": 4, "maxNumBatchedTokens": 256},
             "model": {"servedName": BASE, "maxModelLen": 512},
             "adapters": _adapters(adapters),
+            # Given from the start: the pods' env carries them, so a later hf:// adapter applies live.
+            "lora": {"hfEndpoint": hub_url, "hfTokenSecret": {"name": HUB_SECRET}},
         },
     }
-    return yaml.safe_dump_all([cache, routing, md])
+    secrets = [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": HUB_SECRET},
+            "stringData": {"token": HUB_TOKEN},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": KEYS_SECRET},
+            "stringData": {"keys": USER_KEY},
+        },
+    ]
+    return yaml.safe_dump_all([cache, routing, *secrets, md])
 
 
 def _adapters(names: list[str]) -> list[dict]:
-    return [{"name": n, "source": f"pvc://{CLAIM}/{ADAPTERS[n][0]}"} for n in names]
+    return [
+        {"name": n, "source": HUB_SOURCE if n == "qv-c" else f"pvc://{CLAIM}/{ADAPTERS[n][0]}"} for n in names
+    ]
+
+
+def _hub(folder: Path) -> FakeHub:
+    """The fake Hub holding the adapter in `folder` as HUB_REPO (private: only HUB_TOKEN reads it)."""
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    return FakeHub({HUB_REPO: FakeRepo(HUB_COMMIT, files, frozenset({WEIGHTS}), True)}, token=HUB_TOKEN)
 
 
 def _ready(pod: dict) -> bool:
@@ -173,7 +218,7 @@ def _complete(base: str, model: str, headers: dict[str, str] | None = None) -> t
 def _answered(base: str, model: str) -> dict | None:
     """The completion when `model` answered 200 (None on a refusal or a router not reaching a pod yet)."""
     try:
-        status, body = _complete(base, model)
+        status, body = _complete(base, model, USER)
     except OSError:  # connection refused / reset while the router starts
         return None
     return body if status == 200 else None
@@ -191,7 +236,7 @@ def _assert_not_found(status: int, body: dict, model: str, who: str) -> None:
 def _adapters_ready(cluster, namespace: str) -> dict | None:
     status = (cluster.get("md", "lora", namespace) or {}).get("status") or {}
     names = [a.get("name") for a in status.get("adapters") or []]
-    return status if status.get("adaptersReady") == "1/1" and names == ["qv-b"] else None
+    return status if status.get("adaptersReady") == "2/2" and names == ["qv-b", "qv-c"] else None
 
 
 def _template(cluster, namespace: str) -> tuple:
@@ -208,7 +253,7 @@ def _template(cluster, namespace: str) -> tuple:
 @pytest.mark.slow
 @pytest.mark.timeout(sum(WAITS.values()) + SETUP_S)
 def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_restart(
-    cluster, kubelets, namespace, wait
+    cluster, kubelets, namespace, pod_network, tmp_path, wait
 ):
     def until(what: str, predicate):
         return wait(predicate, timeout=WAITS[what], interval=0.5, what=what)
@@ -220,13 +265,16 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
         for folder, seed in ADAPTERS.values():
             _write_adapter(kubelet.workdir / "pvc" / ns / CLAIM / folder, seed)
     pv = f"{ns}-{CLAIM}"
+    _write_adapter(tmp_path / "hub", ADAPTERS["qv-a"][1])
+    hub = _hub(tmp_path / "hub")
+    hub_server = serve_hub(hub, pod_network.host_ip)
     try:
         cluster.kubectl("apply", "-f", "-", stdin=_claim(ns))
         until(
             "the claim Bound",
             lambda: ((cluster.get("pvc", CLAIM, ns) or {}).get("status") or {}).get("phase") == "Bound",
         )
-        cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=_manifests(["qv-a"]))
+        cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=_manifests(["qv-a"], hub.url))
         pod = until("1 runtime pod Ready", lambda: _one_ready(cluster, ns, RUNTIME))
         router = until("router Ready", lambda: _one_ready(cluster, ns, ROUTER))
         ready_s = time.monotonic() - started
@@ -234,38 +282,55 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
 
         served = until("qv-a through the router", lambda: _answered(front, "qv-a"))
         assert served["model"] == "qv-a" and served["choices"][0]["text"], served
-        status, base = _complete(front, BASE)
+        qv_a_text = served["choices"][0]["text"]
+        status, base = _complete(front, BASE, USER)
         assert status == 200 and base["model"] == BASE, base
+        for who, url in (("router", front), ("pod", f"http://{pod['status']['podIP']}:8000")):
+            status, body = _complete(url, "qv-a")  # no key
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (who, status, body)
         restarts = pod["status"]["containerStatuses"][0]["restartCount"]
         template = _template(cluster, ns)
         assert len(template[2]) == 1, template
 
-        # 2. The swap: same claim, so only the config changes; the pod and the router apply it live.
+        # 2. The swap: same claim, and an adapter from the Hub, so only the config changes; the pod and the
+        # router apply it live.
+        assert hub.gets(WEIGHTS) == 0
         swapped = time.monotonic()
-        spec = {"spec": {"adapters": _adapters(["qv-b"])}}
+        spec = {"spec": {"adapters": _adapters(["qv-b", "qv-c"])}}
         cluster.kubectl("patch", "md", "lora", "-n", ns, "--type=merge", "-p", json.dumps(spec))
         served = until("qv-b through the router", lambda: _answered(front, "qv-b"))
         swap_s = time.monotonic() - swapped
         assert served["model"] == "qv-b" and served["choices"][0]["text"], served
+        served = until("qv-c through the router", lambda: _answered(front, "qv-c"))
+        hub_s = time.monotonic() - swapped
+        # The first adapter's weights, fetched from the Hub: its tokens, as it gave them from the claim.
+        assert served["model"] == "qv-c" and served["choices"][0]["text"] == qv_a_text, (served, qv_a_text)
+        assert hub.gets(WEIGHTS) == 1, hub.paths  # downloaded once, then served from the pod's entry
+        assert f"Bearer {HUB_TOKEN}" in hub.auth_seen  # the Secret's token reached the download
         runtime = yaml.safe_load(cluster.get("configmap", "lora-runtime", ns)["data"]["runtime.yaml"])
         modules = [(m["name"], m["path"]) for m in runtime["lora"]["modules"]]
-        assert modules == [("qv-b", f"/adapters/{CLAIM}/b")], runtime["lora"]
+        assert modules == [("qv-b", f"/adapters/{CLAIM}/b"), ("qv-c", HUB_SOURCE)], runtime["lora"]
 
         # The old name is gone: the router no longer routes it, and the pod itself unloaded it.
-        _assert_not_found(*_complete(front, "qv-a"), "qv-a", "router")
+        _assert_not_found(*_complete(front, "qv-a", USER), "qv-a", "router")
         pod_url = f"http://{pod['status']['podIP']}:8000"
         key = auth_headers(internal_key(cluster, ns, pod, runtime))
         _assert_not_found(*_complete(pod_url, "qv-a", key), "qv-a", "pod")
         models = {m["id"]: m for m in get_json(f"{pod_url}/v1/models", headers=key)["data"]}
-        assert set(models) == {BASE, "qv-b"} and models["qv-b"].get("parent") == BASE, models
-        listed = {m["id"] for m in get_json(f"{front}/v1/models")["data"]}
-        assert listed == {BASE, "qv-b"}, listed
-        status, base = _complete(front, BASE)
+        assert set(models) == {BASE, "qv-b", "qv-c"}, models
+        assert models["qv-b"].get("parent") == models["qv-c"].get("parent") == BASE, models
+        assert models["qv-c"].get("root") == HUB_SOURCE, models
+        listed = {m["id"] for m in get_json(f"{front}/v1/models", headers=USER)["data"]}
+        assert listed == {BASE, "qv-b", "qv-c"}, listed
+        status, base = _complete(front, BASE, USER)
         assert status == 200 and base["model"] == BASE, base
 
         # The operator's status says so too, from the pod's own /load.
         md_status = until("status.adapters", lambda: _adapters_ready(cluster, ns))
-        assert md_status["adapters"] == [{"name": "qv-b", "loadedPods": 1, "ready": True}], md_status
+        assert md_status["adapters"] == [
+            {"name": "qv-b", "loadedPods": 1, "ready": True},
+            {"name": "qv-c", "loadedPods": 1, "ready": True},
+        ], md_status
 
         # 3. Nothing restarted or rolled.
         (now,) = cluster.pods(ns, RUNTIME)
@@ -274,7 +339,9 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
         assert _template(cluster, ns) == template
         print(
             f"LoRA swap: deployment Ready after {ready_s:.1f}s; qv-b served through the router "
-            f"{swap_s:.1f}s after the edit, same pod, no rollout"
+            f"{swap_s:.1f}s after the edit, qv-c from the Hub {hub_s:.1f}s after, same pod, no rollout"
         )
     finally:
         cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+        hub_server.shutdown()
+        hub_server.server_close()

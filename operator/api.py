@@ -31,13 +31,19 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_IMAGE = "ghcr.io/tokenfleet/tokenfleet:0.1.0"
 
+# A Hugging Face Hub repository, `hf://ORG/NAME[@REVISION]` (a branch, tag or commit; default main),
+# unanchored: the one grammar a model's and an adapter's hf:// sources share.
+HF_SOURCE_PATTERN = r"hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?"
 # Model sources: a built-in name, `pvc://CLAIM/PATH`, `file:///HOST/PATH` (hostPath, development) or
 # `hf://ORG/NAME[@REVISION]` (downloaded by an init container; needs network access from the pod).
 SOURCE_PATTERN = (
-    r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|file:///.+|hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?"
+    rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+|file:///.+|{HF_SOURCE_PATTERN}"
     r"|[A-Za-z0-9][A-Za-z0-9._-]*)$"
 )
 _SOURCE_RE = re.compile(SOURCE_PATTERN)
+# The Hub (or a mirror of it) hf:// sources are downloaded from: the model's and the adapters'.
+HF_ENDPOINT_PATTERN = r"^https?://[^\s]+$"
+HF_ENDPOINT_MAX_LENGTH = 512
 # Bounds of replicas and of the autoscaler's windows (a window longer than an hour is a typo, not a policy).
 MAX_REPLICAS = 1000
 MAX_WINDOW_SECONDS = 3600.0
@@ -96,8 +102,8 @@ class ModelSpec(_Spec):
     )
     hf_endpoint: str | None = Field(
         None,
-        pattern=r"^https?://[^\s]+$",
-        max_length=512,
+        pattern=HF_ENDPOINT_PATTERN,
+        max_length=HF_ENDPOINT_MAX_LENGTH,
         description="hf:// only: the Hub (or a mirror of it) to download from, given to the download as "
         "HF_ENDPOINT; default https://huggingface.co.",
     )
@@ -136,8 +142,9 @@ class ModelSpec(_Spec):
     )
 
 
-# An adapter's files: a folder on a PersistentVolumeClaim, or on the node (development only).
-ADAPTER_SOURCE_PATTERN = r"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|file:///[^\s]*)$"
+# An adapter's files: a folder on a PersistentVolumeClaim, on the node (development only), or a Hub
+# repository each pod downloads itself when it first needs it (the model's hf:// grammar).
+ADAPTER_SOURCE_PATTERN = rf"^(pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]+|file:///[^\s]*|{HF_SOURCE_PATTERN})$"
 
 
 class Adapter(_Spec):
@@ -151,9 +158,13 @@ class Adapter(_Spec):
     source: str = Field(
         pattern=ADAPTER_SOURCE_PATTERN,
         max_length=1024,
-        description="pvc://CLAIM/PATH (a folder on a PersistentVolumeClaim) or file:///PATH (hostPath, "
-        "development only). Adding or removing an adapter on a claim the pods already mount applies live "
-        "(no restart); a new claim or path changes the pods' volumes, which rolls them.",
+        description="pvc://CLAIM/PATH (a folder on a PersistentVolumeClaim), file:///PATH (hostPath, "
+        "development only) or hf://ORG/NAME[@REVISION] (a Hugging Face Hub repository). Adding or removing "
+        "an adapter on a claim the pods already mount applies live (no restart); a new claim or path changes "
+        "the pods' volumes, which rolls them. An hf:// adapter needs no volume: each pod downloads it when it "
+        "first needs it, into its own cache (verified by digest), from lora.hfEndpoint; a branch or tag is "
+        "resolved to its commit once per pod, so pin a commit for identical weights on every pod. Adding or "
+        "removing one applies live.",
     )
 
 
@@ -167,6 +178,19 @@ class LoRASettings(_Spec):
         "Adapters loaded at once per pod (host memory); default: every listed adapter, at least maxLoras. "
         "Fewer than listed: each pod loads an adapter when a request first needs it there, and the routers "
         "keep an adapter's requests on the pods that hold it.",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        pattern=HF_ENDPOINT_PATTERN,
+        max_length=HF_ENDPOINT_MAX_LENGTH,
+        description="The Hub (or a mirror of it) hf:// adapters are downloaded from, given to the serving "
+        "container as HF_ENDPOINT; default: model.hfEndpoint when set, else https://huggingface.co.",
+    )
+    hf_token_secret: SecretEntry | None = Field(
+        None,
+        description="A Secret entry given to the serving container as HF_TOKEN, for private hf:// adapters. "
+        "model.hfTokenSecret is never given to the serving container (only to the model's download), so it "
+        "is not used for adapters.",
     )
 
 

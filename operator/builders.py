@@ -137,6 +137,15 @@ class ModelMount:
 # namespace: what one server writes there (weights it will map, kernels it will run) no other deployment's
 # pods ever read, so a compromised server cannot reach another tenant's pods through the cache.
 WORK_MOUNT = "/var/cache/tokenfleet-work"
+# What every huggingface_hub client in a pod runs with (the model's download, and the serving container's
+# hf:// adapter downloads).
+HUB_CLIENT_ENV: tuple[dict[str, str], ...] = (
+    {"name": "HF_HOME", "value": "/tmp/hf"},  # the hub client's own state, on the writable /tmp
+    # The Hub (or its mirror) is asked for the files and nothing else: no telemetry, and no colour codes in a
+    # log machines read (deciding on colour makes huggingface_hub fetch a registry of AI agents).
+    {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    {"name": "NO_COLOR", "value": "1"},
+)
 _NAMESPACE_ENV = {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
 
 
@@ -183,13 +192,7 @@ def model_mount(
     # revision named when the pod started. Progress lines and a one-line reason on failure (the termination
     # message, so the ModelDeployment's status names it) come from the fetch; the kubelet retries it.
     link = f"{MODELS_DIR}/{repo}"
-    env: list[dict[str, Any]] = [
-        {"name": "HF_HOME", "value": "/tmp/hf"},  # the hub client's own state, on the writable /tmp
-        # The Hub (or its mirror) is asked for the model and nothing else: no telemetry, and no colour codes
-        # in a log machines read (deciding on colour makes huggingface_hub fetch a registry of AI agents).
-        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        {"name": "NO_COLOR", "value": "1"},
-    ]
+    env: list[dict[str, Any]] = [dict(e) for e in HUB_CLIENT_ENV]
     if spec.model.hf_endpoint:
         env.append({"name": "HF_ENDPOINT", "value": spec.model.hf_endpoint})
     token = spec.model.hf_token_secret
@@ -269,7 +272,7 @@ OPERATOR_SET_FIELDS = frozenset(
         "server.api_key_file",  # the mounted `apiKeySecret`, when one is named
         "server.internal_api_key_file",  # the deployment's generated internal-key Secret
         "lora.enable",  # on exactly when `adapters` lists some
-        "lora.modules",  # `adapters`, at their mounted paths
+        "lora.modules",  # `adapters`, at their mounted paths (an hf:// source as it is)
     }
 )
 # RuntimeConfig fields no custom resource exposes: every pod runs with the runtime's own default.
@@ -289,6 +292,7 @@ POD_DEFAULT_FIELDS = frozenset(
         "server.health_stall_seconds",
         # Sleep mode is on exactly when the autoscaler keeps a warm tier (`autoscaling.idle: sleep`).
         "server.enable_sleep_mode",
+        "lora.download_dir",  # hf:// adapters: the pod's temp directory (the writable /tmp emptyDir)
     }
 )
 
@@ -297,7 +301,10 @@ ADAPTERS_DIR = "/adapters"
 
 
 def adapter_path(source: str) -> str:
-    """Where a pod finds an adapter: pvc://CLAIM/PATH under its claim's mount, file:///PATH as it is."""
+    """Where a pod finds an adapter: pvc://CLAIM/PATH under its claim's mount, file:///PATH as it is, and
+    hf://ORG/NAME[@REVISION] unchanged (the runtime downloads it when a request first needs it)."""
+    if source.startswith("hf://"):
+        return source
     if source.startswith("file://"):
         return source.removeprefix("file://")
     claim, _, sub = source.removeprefix("pvc://").partition("/")
@@ -306,11 +313,14 @@ def adapter_path(source: str) -> str:
 
 def adapter_volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, volumeMounts) for the adapters' sources: each claim mounted once, read-only, whatever
-    adapters it holds — so listing another adapter on a mounted claim changes only the config (live)."""
+    adapters it holds — so listing another adapter on a mounted claim changes only the config (live).
+    hf:// adapters need none: the pod downloads them into its own /tmp."""
     volumes: dict[str, dict[str, Any]] = {}
     mounts: dict[str, dict[str, Any]] = {}
     for adapter in spec.adapters:
         source = adapter.source
+        if source.startswith("hf://"):
+            continue
         if source.startswith("file://"):
             key, path = source, source.removeprefix("file://")
             volume = {"hostPath": {"path": path}}
@@ -324,6 +334,31 @@ def adapter_volumes(spec: ModelDeploymentSpec) -> tuple[list[dict[str, Any]], li
         volumes[key] = {"name": name, **volume}
         mounts[key] = {"name": name, "mountPath": path, "readOnly": True}
     return list(volumes.values()), list(mounts.values())
+
+
+def adapter_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    """The serving container's env for hf:// adapters, which the runtime downloads itself (huggingface_hub)
+    when a request first needs one: the hub client set up as for the model's download (HUB_CLIENT_ENV), the
+    Hub or mirror (lora.hfEndpoint, else model.hfEndpoint) as HF_ENDPOINT, and lora.hfTokenSecret as
+    HF_TOKEN. Never model.hfTokenSecret: the model's token goes to its download alone, not to the server.
+
+    Given whenever `adapters` lists some, hf:// or not: the pod template changes only with these lora
+    settings or when adapters go from none to some (which turns LoRA on and rolls the pods anyway), so
+    listing an hf:// adapter beside others changes only the config (live), and a deployment without
+    adapters keeps its pod template as it was.
+    """
+    if not spec.adapters:
+        return []
+    env: list[dict[str, Any]] = [dict(e) for e in HUB_CLIENT_ENV]
+    endpoint = spec.lora.hf_endpoint or spec.model.hf_endpoint
+    if endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": endpoint})
+    token = spec.lora.hf_token_secret
+    if token is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
+        )
+    return env
 
 
 def _lora_values(spec: ModelDeploymentSpec, served_name: str) -> dict[str, Any]:
@@ -543,7 +578,12 @@ def build_deployment(
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         # The root filesystem is read-only: caches (Triton JIT, HF, torch) go to the writable /tmp, or
         # the compile caches to the model cache volume where there is one (the next pod skips compiling).
-        "env": [{"name": "HOME", "value": "/tmp"}, *compile_cache_env(mount.cache_dir), *mount.env],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            *compile_cache_env(mount.cache_dir),
+            *mount.env,
+            *adapter_env(spec),
+        ],
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # A crash's last log lines become lastState.terminated.message (and so the ModelDeployment's status).

@@ -172,7 +172,9 @@ class LoRAModuleSpec(_Strict):
 
     name: str = Field(min_length=1, description="The `model` clients send to use the adapter.")
     path: str = Field(
-        min_length=1, description="Folder with adapter_config.json + adapter_model.safetensors."
+        min_length=1,
+        description="Folder with adapter_config.json + adapter_model.safetensors, or hf://ORG/NAME[@REVISION] "
+        "(downloaded when first needed, into lora.download_dir).",
     )
     base_model_name: str | None = Field(
         None, description="Listed as the adapter's `parent`; default the model."
@@ -191,6 +193,11 @@ class LoRAConfig(_Strict):
         gt=0,
         description="Adapters loaded at once (host memory); loading one more evicts the least recently used "
         "idle one (loaded again from its path when asked for). Default and minimum: max_loras.",
+    )
+    download_dir: str | None = Field(
+        None,
+        description="Where hf:// adapters are downloaded (a cache verified by digest, one entry per commit); "
+        "default tokenfleet-adapters in the temp directory.",
     )
 
     @model_validator(mode="after")

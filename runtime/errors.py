@@ -1,8 +1,8 @@
 """Typed errors shared by the engine, the server and the router.
 
 The HTTP layer maps each to an OpenAI-style JSON error: InvalidRequest -> 400, ContextLengthExceeded -> 400
-(param "messages"/"prompt"), CapacityError -> 400 (can never fit), Overloaded -> 429, ConfigError -> startup
-failure or a refused reload.
+(param "messages"/"prompt"), CapacityError -> 400 (can never fit), Overloaded -> 429, AdaptersBusy and AdapterUnavailable -> 503
+with Retry-After, ConfigError -> startup failure or a refused reload.
 """
 
 from __future__ import annotations
@@ -58,5 +58,15 @@ class AdaptersBusy(TokenfleetError):
     code = "lora_slots_busy"  # the 503's error code: routers read it as "no room here", not ill health
 
     def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class AdapterUnavailable(TokenfleetError):
+    """An adapter's files cannot be fetched now (its Hub unreachable or failing): 503, retry after."""
+
+    code = "lora_source_unavailable"  # routers read it as this request's trouble, not the pod's health
+
+    def __init__(self, message: str, retry_after: float = 5.0):
         super().__init__(message)
         self.retry_after = retry_after

@@ -32,7 +32,7 @@ from tokenfleet.runtime.engine.scheduler import Scheduler
 from tokenfleet.runtime.engine.spec_decode.coordinator import SpecDecoder
 from tokenfleet.runtime.engine.spec_decode.proposer import build_proposer
 from tokenfleet.runtime.engine.structured_output.compiler import GrammarCompiler
-from tokenfleet.runtime.errors import ConfigError, InvalidRequest, ModelNotFound
+from tokenfleet.runtime.errors import AdapterUnavailable, ConfigError, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.loader import LoadedModel, load_model
 from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, shard_adapter
 from tokenfleet.runtime.model.lora_slots import LoRASlots
@@ -159,6 +159,9 @@ class EngineCore:
         )
         manager.set_listed((), config.lora.modules)
         for name, exc in manager.preload():  # as many as host memory holds; the rest on first use
+            if isinstance(exc, AdapterUnavailable):  # its Hub is down now: the pod serves, and tries on use
+                logger.warning("LoRA adapter %s not loaded at start: %s", name, exc)
+                continue
             raise ConfigError(f"lora.modules {name}: {exc}")
         logger.info(
             "LoRA: %d slots of rank %d (%.1f MiB), adapters %s",

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 from tokenfleet.runtime.config import LoRAConfig, LoRAModuleSpec
-from tokenfleet.runtime.errors import AdaptersBusy, InvalidRequest, ModelNotFound
+from tokenfleet.runtime.errors import AdaptersBusy, AdapterUnavailable, InvalidRequest, ModelNotFound
 from tokenfleet.runtime.model.arch import ModelArch
 from tokenfleet.runtime.model.lora_adapter import LoRAAdapterWeights, load_adapter, shard_adapter
 from tokenfleet.runtime.model.lora_slots import LoRASlots
+from tokenfleet.runtime.model.lora_source import AdapterSources
 
 
 @dataclass(eq=False)
@@ -70,8 +71,11 @@ class LoRAManager:
         parent: str,
         tp_size: int = 1,
         replicate: Replicate | None = None,
+        sources: AdapterSources | None = None,
     ):
         self.config = config
+        # An adapter's path may be an hf:// repository: downloaded once per process, on the loading thread.
+        self.sources = sources or AdapterSources(config.download_dir)
         self.slots = slots
         self._tp_size = tp_size
         self._replicate = replicate
@@ -108,7 +112,8 @@ class LoRAManager:
         return self._load(name, path, base_model_name)
 
     def _load(self, name: str, path: str, base_model_name: str | None) -> LoRAAdapter:
-        weights = load_adapter(path, self._arch, self.config.max_lora_rank, self._dtype)
+        local = self.sources.local(path)
+        weights = load_adapter(local, self._arch, self.config.max_lora_rank, self._dtype)
         adapter = LoRAAdapter(name, weights, base_model_name or self._parent)
         with self._lock:
             if name in self._adapters:  # a concurrent load of the same name won
@@ -179,7 +184,7 @@ class LoRAManager:
                     break
             try:
                 self.ensure_loaded(name)
-            except (InvalidRequest, AdaptersBusy, ModelNotFound) as exc:
+            except (InvalidRequest, AdaptersBusy, AdapterUnavailable, ModelNotFound) as exc:
                 failed.append((name, exc))
         return failed
 

@@ -51,6 +51,17 @@ Log = Callable[[str], None]
 Clock = Callable[[], float]
 
 
+@dataclass(frozen=True)
+class Fields:
+    """The settings a failure's reason tells the user to check (a model's, or an adapter's)."""
+
+    token: str = "model.hfTokenSecret"
+    source: str = "model.source"
+
+
+MODEL_FIELDS = Fields()
+
+
 class FetchError(Exception):
     """A failed attempt: `reason` is one human-readable line; `transient` failures are retried."""
 
@@ -470,7 +481,7 @@ def link(path: Path, entry: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- failures
-def classify(exc: BaseException, source: HfSource) -> FetchError:
+def classify(exc: BaseException, source: HfSource, fields: Fields = MODEL_FIELDS) -> FetchError:
     """One failed attempt as a FetchError: its reason in one line, and whether another attempt may help."""
     if isinstance(exc, FetchError):
         return exc
@@ -484,14 +495,14 @@ def classify(exc: BaseException, source: HfSource) -> FetchError:
         token = "the token was refused" if os.environ.get("HF_TOKEN") else "no token was given"
         return FetchError(
             f"{where}: access denied (HTTP {status}): the repository is gated, private or missing and "
-            f"{token}; set model.hfTokenSecret to a Secret holding a token with access to it",
+            f"{token}; set {fields.token} to a Secret holding a token with access to it",
             transient=False,
         )
     if isinstance(exc, errors.RemoteEntryNotFoundError):
         return FetchError(f"{where}: a file the Hub listed is not found (HTTP {status})", transient=False)
     if isinstance(exc, errors.RepositoryNotFoundError) or status == 404:
         return FetchError(
-            f"{where}: repository not found (HTTP {status}); check model.source", transient=False
+            f"{where}: repository not found (HTTP {status}); check {fields.source}", transient=False
         )
     if isinstance(exc, errors.OfflineModeIsEnabled):
         return FetchError(f"{where}: HF_HUB_OFFLINE is set, nothing can be downloaded", transient=False)
@@ -570,9 +581,10 @@ def fetch(
     sleep: Callable[[float], None] = time.sleep,
     log: Log = print_line,
     clock: Clock = time.monotonic,
+    fields: Fields = MODEL_FIELDS,
 ) -> Fetched:
     """Fetch `source` into `cache_dir`, verify it, point `link_path` at it. Raises FetchError (its reason
-    one short line) when an attempt fails for good or the last of `attempts` fails."""
+    one short line, naming `fields` to check) when an attempt fails for good or the last of `attempts` fails."""
 
     def emit(line: str) -> None:
         log(_redact(line))  # no line ever carries the token, whatever an error message held
@@ -600,7 +612,7 @@ def fetch(
                 downloaded, hit = _ensure(entry, snapshot, emit, clock)
             link(target, entry)
         except Exception as e:
-            failure = classify(e, parsed)
+            failure = classify(e, parsed, fields)
             final = not failure.transient or attempt == attempts
             if final:
                 reason = (

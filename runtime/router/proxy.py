@@ -6,7 +6,9 @@ A pod's 503 `lora_slots_busy` (every LoRA adapter it holds has requests in fligh
 one asked for) is a placement miss, not ill health: the pod stays in rotation with no adapter room until
 its next load report, and the request tries a pod with room. When no pod tried had one, the client gets
 the 503 with Retry-After, and a place is made for the adapter's next requests: one pod's spare copy of
-another adapter gets no new requests until it is idle (adapter_placement.AdapterDrains).
+another adapter gets no new requests until it is idle (adapter_placement.AdapterDrains). A 503
+`lora_source_unavailable` (the pod could not download an hf:// adapter now) is the request's trouble too:
+the pod stays in rotation and another pod, which may hold the adapter already, is tried.
 When the model's route has a fallback, the last attempt goes there: a primary that failed every attempt
 before the first byte is passed over for it (a route's other endpoints are tried first, being the model
 the client asked for).
@@ -27,7 +29,7 @@ import logging
 
 import aiohttp
 from aiohttp import web
-from tokenfleet.runtime.errors import AdaptersBusy
+from tokenfleet.runtime.errors import AdaptersBusy, AdapterUnavailable
 from tokenfleet.runtime.openai.resume import RESUME_HEADER, RESUME_STREAM, RESUME_WHOLE
 from tokenfleet.runtime.router import resume
 from tokenfleet.runtime.router.assemble import can_assemble
@@ -140,6 +142,10 @@ async def _attempt(
                 # requests are welcome), just no room until its next /load report says otherwise.
                 fleet.adapter_busy(ep)
                 return Retry(503, body, "lora_busy")
+            if upstream.status == 503 and _error_code(body) == AdapterUnavailable.code:
+                # The pod could not download the adapter (its Hub is failing): the pod is fine, and another
+                # that fetched it earlier may serve it.
+                return Retry(503, body, "lora_source")
             if upstream.status == 503:  # loading or draining: not ready, not failing (its probe says which)
                 fleet.not_ready(ep)
             elif upstream.status >= 500:

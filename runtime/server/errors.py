@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from tokenfleet.runtime.errors import (
     AdaptersBusy,
+    AdapterUnavailable,
     CapacityError,
     ContextLengthExceeded,
     EngineDeadError,
@@ -81,6 +82,8 @@ def from_exception(exc: TokenfleetError) -> ApiError:
         return model_not_found(exc.name)
     if isinstance(exc, AdaptersBusy):
         return unavailable(str(exc), code=AdaptersBusy.code, retry_after=exc.retry_after)
+    if isinstance(exc, AdapterUnavailable):
+        return unavailable(str(exc), code=AdapterUnavailable.code, retry_after=exc.retry_after)
     if isinstance(exc, EngineDeadError):
         return unavailable(f"The engine is not running: {exc}", code="engine_dead")
     return ApiError(500, f"{type(exc).__name__}: {exc}", type="internal_error", code="internal_error")

@@ -6,6 +6,8 @@ import re
 
 import pytest
 from tokenfleet.operator.api import (
+    ADAPTER_SOURCE_PATTERN,
+    SOURCE_PATTERN,
     parse_cache_policy,
     parse_model_deployment,
     parse_routing_policy,
@@ -89,3 +91,56 @@ def test_tensor_parallelism_on_cpu_needs_no_gpus():
     """gloo workers on CPU: a CPU replica may be sharded too (resources.gpus 0)."""
     spec = parse_model_deployment({"tensorParallelSize": 3})
     assert (spec.tensor_parallel_size, spec.resources.gpus) == (3, 0)
+
+
+HF_SOURCES = [
+    "hf://org/name",
+    "hf://meta-llama/Llama-3.2-1B@v2",
+    "hf://org/name.v1_a-b@0123456789abcdef0123456789abcdef01234567",
+    "hf://org/name@refs/pr/1",
+    "hf://org",
+    "hf://org/",
+    "hf:///name",
+    "hf://org/name/extra",
+    "hf://org/name@",
+    "hf://org/na me",
+    "hf://org/name@rev ision",
+    "hf://org/name@rev\n",
+    "hf://org/n@me",
+    "hf://ORG/Name@Main",
+]
+
+
+@pytest.mark.parametrize("source", HF_SOURCES)
+def test_adapters_take_the_models_hf_grammar(source):
+    """An adapter's hf:// source is valid exactly when a model's is (one grammar, shared)."""
+    as_model = re.fullmatch(SOURCE_PATTERN.removeprefix("^").removesuffix("$"), source) is not None
+    as_adapter = re.fullmatch(ADAPTER_SOURCE_PATTERN.removeprefix("^").removesuffix("$"), source) is not None
+    assert as_adapter == as_model
+
+
+@pytest.mark.parametrize("source", ["hf://org/name", "hf://org/name@main", "hf://org/name@refs/pr/1"])
+def test_hf_adapter_sources_are_accepted(source):
+    spec = parse_model_deployment({"adapters": [{"name": "a", "source": source}]})
+    assert spec.adapters[0].source == source
+
+
+@pytest.mark.parametrize(
+    "source", ["hf://org", "hf://org/name/extra", "hf://org/name@", "hf://org/na me", "hf:///name", "hf://"]
+)
+def test_bad_hf_adapter_sources_are_refused(source):
+    with pytest.raises(ConfigError, match=r"adapters\.0\.source: String should match pattern"):
+        parse_model_deployment({"adapters": [{"name": "a", "source": source}]})
+
+
+def test_lora_hub_settings_are_camel_case_and_need_no_hf_model():
+    spec = parse_model_deployment(
+        {
+            "model": {"source": "pvc://models/llama"},
+            "lora": {"hfEndpoint": "https://mirror.example", "hfTokenSecret": {"name": "adapters-token"}},
+        }
+    )
+    assert spec.lora.hf_endpoint == "https://mirror.example"
+    assert (spec.lora.hf_token_secret.name, spec.lora.hf_token_secret.key) == ("adapters-token", "token")
+    with pytest.raises(ConfigError, match=r"lora\.hfEndpoint: String should match pattern"):
+        parse_model_deployment({"lora": {"hfEndpoint": "ftp://mirror.example"}})

@@ -400,7 +400,8 @@ def test_editing_adapters_on_a_mounted_claim_needs_no_rollout():
             {"adapters": [{"name": "a", "source": "pvc://c/x"}, {"name": "a", "source": "pvc://c/y"}]},
             "unique",
         ),
-        ({"adapters": [{"name": "a", "source": "hf://org/name"}]}, "source"),
+        ({"adapters": [{"name": "a", "source": "s3://bucket/name"}]}, "source"),
+        ({"adapters": [{"name": "a", "source": "hf://name"}]}, "source"),
         (
             {
                 "adapters": [{"name": "a", "source": "pvc://c/x"}] * 1,
@@ -413,6 +414,102 @@ def test_editing_adapters_on_a_mounted_claim_needs_no_rollout():
 def test_bad_adapter_lists_are_refused(spec, message):
     with pytest.raises((ValueError, ConfigError), match=message):
         parse_model_deployment(spec)
+
+
+HUB_ENV = ("HF_HOME", "HF_HUB_DISABLE_TELEMETRY", "NO_COLOR", "HF_ENDPOINT", "HF_TOKEN")
+
+
+def _serving_env(spec: dict) -> list[dict]:
+    md, cfg = _runtime(spec)
+    (container,) = build_deployment("m", md, cfg)["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "runtime"
+    return container["env"]
+
+
+def test_hf_adapters_are_downloaded_by_the_pods():
+    model = {
+        "source": "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        "hfEndpoint": "https://hf-mirror.internal.example",
+        "hfTokenSecret": {"name": "model-token"},
+    }
+    spec = {
+        "model": model,
+        "adapters": [
+            {"name": "sql", "source": "hf://team-a/sql-lora"},
+            {"name": "chat", "source": "hf://team-b/chat.lora@0123456789abcdef0123456789abcdef01234567"},
+            {"name": "local", "source": "pvc://adapters/team-a/local"},
+        ],
+    }
+    md, cfg = _runtime(spec)
+    # The runtime gets the hf:// sources as they are and downloads them itself.
+    assert [(m.name, m.path) for m in cfg.lora.modules] == [
+        ("sql", "hf://team-a/sql-lora"),
+        ("chat", "hf://team-b/chat.lora@0123456789abcdef0123456789abcdef01234567"),
+        ("local", "/adapters/adapters/team-a/local"),
+    ]
+    pod = build_deployment("m", md, cfg)["spec"]["template"]["spec"]
+    adapter_volumes = [v for v in pod["volumes"] if v["name"].startswith("adapters-")]
+    assert [v.get("persistentVolumeClaim") for v in adapter_volumes] == [
+        {"claimName": "adapters", "readOnly": True}
+    ]  # no volume for an hf:// adapter
+    (main,) = pod["containers"]
+    hub = [e for e in main["env"] if e["name"] in HUB_ENV]
+    assert hub == [
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "NO_COLOR", "value": "1"},
+        {"name": "HF_ENDPOINT", "value": "https://hf-mirror.internal.example"},  # the model's, by default
+    ]  # and no HF_TOKEN: the model's token goes to its download alone
+    init_token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "model-token", "key": "token"}}}
+    assert init_token in pod["initContainers"][0]["env"]
+
+
+def test_hf_adapters_endpoint_and_token_of_their_own():
+    lora = {
+        "hfEndpoint": "https://adapters-mirror.example/hub",
+        "hfTokenSecret": {"name": "adapter-token", "key": "hf"},
+    }
+    model = {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "hfEndpoint": "https://hf-mirror.internal.example"}
+    spec = {"model": model, "adapters": [{"name": "sql", "source": "hf://team-a/sql-lora@v2"}], "lora": lora}
+    env = {e["name"]: e for e in _serving_env(spec)}
+    assert env["HF_ENDPOINT"] == {"name": "HF_ENDPOINT", "value": "https://adapters-mirror.example/hub"}
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "adapter-token", "key": "hf"}},
+    }
+    # Neither endpoint set: huggingface_hub's own default (huggingface.co), no HF_ENDPOINT.
+    names = [e["name"] for e in _serving_env({"adapters": [{"name": "sql", "source": "hf://team-a/sql"}]})]
+    assert "HF_HOME" in names and "HF_ENDPOINT" not in names and "HF_TOKEN" not in names
+    # The lora settings are valid whatever the model's source (they are not the model's download).
+    assert parse_model_deployment(
+        {"model": {"source": "pvc://models/llama"}, "lora": lora}
+    ).lora.hf_token_secret
+
+
+def test_without_adapters_the_pods_get_no_hub_env():
+    plain = {"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "hfEndpoint": "https://mirror.example"}}
+    assert not [e for e in _serving_env(plain) if e["name"] in HUB_ENV]
+    # Lora settings alone change nothing in the pods: no adapter, no LoRA.
+    lora = {"hfEndpoint": "https://adapters.example", "hfTokenSecret": {"name": "adapter-token"}}
+    md, cfg = _runtime(plain)
+    md2, cfg2 = _runtime({**plain, "lora": lora})
+    assert build_deployment("m", md2, cfg2) == build_deployment("m", md, cfg)
+
+
+def test_adding_an_hf_adapter_beside_others_needs_no_rollout():
+    md, cfg = _runtime(LORA)
+    edited = {**LORA, "adapters": [*LORA["adapters"], {"name": "hub", "source": "hf://team-c/hub-lora@main"}]}
+    md2, cfg2 = _runtime(edited)
+    assert cfg2.lora.modules[-1].path == "hf://team-c/hub-lora@main"
+    assert build_config_map("m", cfg2) != build_config_map("m", cfg)  # the pods reload it: live
+    assert config_hash(cfg2) == config_hash(cfg)
+    assert build_deployment("m", md2, cfg2) == build_deployment("m", md, cfg)
+    # Its endpoint or token is a change of the serving container's env: that one rolls the pods.
+    md3, cfg3 = _runtime({**edited, "lora": {**LORA["lora"], "hfEndpoint": "https://mirror.example"}})
+    assert (
+        build_deployment("m", md3, cfg3)["spec"]["template"]
+        != build_deployment("m", md2, cfg2)["spec"]["template"]
+    )
 
 
 def test_more_adapters_than_a_pod_holds_are_loaded_on_demand():

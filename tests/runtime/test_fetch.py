@@ -7,7 +7,6 @@ huggingface_hub 2.4.0 asks for and counts every request.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -27,25 +26,12 @@ from tokenfleet.runtime.model import fetch_cli
 from tokenfleet.runtime.model.fetch import MANIFEST, FetchError, fetch, parse_source
 from tokenfleet.runtime.model.fetch_progress import format_progress, last_progress, parse_progress
 
+from .hub_client import FakeHub, FakeRepo, client_pointed_at, hub_env, serve_hub
+
 REPO = "org/model"
 COMMIT = "a" * 40
 TOKEN = "hf_secretTokenValue123"
 MODEL = "model.safetensors"
-
-
-def _load_fake_hub():
-    # Beside the e2e harness that serves it to pods; by path, so neither folder goes on sys.path.
-    path = Path(__file__).resolve().parents[2] / "e2e" / "fake_hub.py"
-    spec = importlib.util.spec_from_file_location("fake_hub", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fake_hub = _load_fake_hub()
-FakeHub, FakeRepo = fake_hub.FakeHub, fake_hub.FakeRepo
 
 
 def _repo(private: bool = False, commit: str = COMMIT) -> FakeRepo:
@@ -61,31 +47,11 @@ def _repo(private: bool = False, commit: str = COMMIT) -> FakeRepo:
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
     fake = FakeHub({REPO: _repo(), "org/private": _repo(private=True)}, token=TOKEN)
-    server = fake_hub.serve_hub(fake)
-    for key, value in _hub_env(fake.url, tmp_path).items():
-        monkeypatch.setenv(key, value)
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
-        monkeypatch.delenv(key, raising=False)
-    # huggingface_hub reads HF_ENDPOINT once, when imported: this process imported it long before.
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", fake.url)
-    monkeypatch.setattr(
-        constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}"
-    )
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
-    yield fake
+    server = serve_hub(fake)
+    with client_pointed_at(monkeypatch, fake.url, tmp_path):
+        yield fake
     server.shutdown()
     server.server_close()
-
-
-def _hub_env(url: str, tmp_path: Path) -> dict[str, str]:
-    return {
-        "HF_ENDPOINT": url,
-        "HF_HOME": str(tmp_path / "hf-home"),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "NO_PROXY": "127.0.0.1",
-    }
 
 
 class Run:
@@ -120,7 +86,7 @@ def _assert_intact(tmp_path: Path, hub: FakeHub, link: str = "model") -> None:
 def test_cli_fetches_verifies_and_links(hub: FakeHub, tmp_path: Path) -> None:
     # The real command in its own process, configured only through the environment, as in a pod.
     termination = tmp_path / "termination-log"
-    env = {**os.environ, **_hub_env(hub.url, tmp_path)}
+    env = {**os.environ, **hub_env(hub.url, tmp_path)}
     env.pop("HF_TOKEN", None)
     argv = [
         "fetch",
@@ -168,7 +134,7 @@ def test_cli_answers_ready_with_its_progress_while_it_downloads(hub: FakeHub, tm
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, **_hub_env(hub.url, tmp_path)}
+    env = {**os.environ, **hub_env(hub.url, tmp_path)}
     argv = ["fetch", f"hf://{REPO}", "--cache-dir", str(tmp_path / "cache"), "--link", str(tmp_path / "model"),
             "--status-port", str(port), "--status-host", "127.0.0.1"]  # fmt: skip
     proc = subprocess.Popen(

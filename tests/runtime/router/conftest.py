@@ -104,6 +104,9 @@ class FakePod:
         # `lora_slots_busy` (as if every held one had requests in flight). None: no limit.
         self.max_adapters: int | None = None
         self.report_room = True  # whether /load says how many more it could load (older pods do not)
+        # Loadable adapters whose source it cannot download now (an hf:// adapter while the Hub fails): a
+        # real pod's 503 `lora_source_unavailable`.
+        self.source_down: set[str] = set()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._loading_gate])
@@ -158,6 +161,13 @@ class FakePod:
             return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
         model = payload.get("model")
         if model in self.loadable and model not in self.adapters:
+            if model in self.source_down:
+                error = {
+                    "message": f"the adapter source hf://org/{model} cannot be downloaded now",
+                    "type": "service_unavailable",
+                    "code": "lora_source_unavailable",
+                }
+                return web.json_response({"error": error}, status=503, headers={"Retry-After": "5"})
             if self.max_adapters is not None and len(self.adapters) >= self.max_adapters:
                 error = {
                     "message": "no adapter place",

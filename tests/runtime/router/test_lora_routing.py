@@ -181,3 +181,38 @@ async def test_an_adapter_no_pod_has_room_for_is_refused_at_once_and_a_place_is_
             await wait_until(lambda: eps[u0].lora_room == 1)
             assert (await send(url, {**chat(0, "w4"), "model": "new"}))[:2] == (200, u0)
             assert "new" in pods[0].adapters
+
+
+async def test_an_adapter_a_pod_cannot_download_is_retried_elsewhere_and_the_pod_stays_in_rotation(
+    serve_app, start_router, make_pod, wait_until
+):
+    """A pod that cannot download an hf:// adapter now answers 503 `lora_source_unavailable`: the request's
+    trouble, not the pod's — the router tries another pod (which may hold the adapter or reach the Hub), keeps
+    the first one in rotation, and when no pod can, the client gets the 503 with its code and Retry-After."""
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.loadable = {"hub-a", "hub-b"}
+        pod.source_down = {"hub-b"}
+    pods[0].source_down.add("hub-a")
+    pods[1].running = 3  # busier: pod 0 is tried first
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["hub-a", "hub-b"]}
+            for i, u in enumerate((u0, u1))
+        ]
+        async with start_router(backends, {"strategy": "least-load"}) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u1].reported_load >= 3)
+            assert (await send(url, {**chat(0, "w1"), "model": "hub-a"}))[:2] == (200, u1)
+            assert [r["payload"]["model"] for r in pods[0].requests] == ["hub-a"]  # refused there first
+            assert router.fleet.available(eps[u0]) and router.fleet.available(eps[u1])
+            assert router.fleet.metrics.retries.labels("lora_source")._value.get() == 1
+            assert (await send(url, chat(1, "w2")))[:2] == (200, u0)  # still the first pick for the rest
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(url + "/v1/chat/completions", json={**chat(2, "w3"), "model": "hub-b"}) as r,
+            ):
+                assert r.status == 503 and r.headers["Retry-After"]
+                assert (await r.json())["error"]["code"] == "lora_source_unavailable"
+            assert router.fleet.available(eps[u0]) and router.fleet.available(eps[u1])
+            assert (await send(url, chat(2, "w4")))[:2] == (200, u0)
