@@ -13,7 +13,8 @@ new name and refuses the old one — with no restart and no rollout.
    adapter's files): through the router both new names answer within seconds — the Hub's adapter with the
    same tokens the first adapter gave from the claim, downloaded once, with the token; the old name is a 404
    `model_not_found` in OpenAI's error shape, from the router and from the pod itself (it unloaded it), and
-   the pod's list has the new adapters with the base model as their parent;
+   the pod's list has the new adapters with the base model as their parent; the Hub's adapter has
+   `minCopies: 1`, so the operator pins it on the pod (with the internal key) and the status says so;
 3. the same pod (uid), no container restart, and the same pod template (config hash, generation, one
    ReplicaSet): nothing rolled.
 
@@ -179,8 +180,12 @@ def _manifests(adapters: list[str], hub_url: str) -> str:
 
 
 def _adapters(names: list[str]) -> list[dict]:
+    # The Hub's adapter is kept on a pod whatever requests come (minCopies: the operator pins it there).
     return [
-        {"name": n, "source": HUB_SOURCE if n == "qv-c" else f"pvc://{CLAIM}/{ADAPTERS[n][0]}"} for n in names
+        {"name": n, "source": HUB_SOURCE, "minCopies": 1}
+        if n == "qv-c"
+        else {"name": n, "source": f"pvc://{CLAIM}/{ADAPTERS[n][0]}"}
+        for n in names
     ]
 
 
@@ -236,7 +241,9 @@ def _assert_not_found(status: int, body: dict, model: str, who: str) -> None:
 def _adapters_ready(cluster, namespace: str) -> dict | None:
     status = (cluster.get("md", "lora", namespace) or {}).get("status") or {}
     names = [a.get("name") for a in status.get("adapters") or []]
-    return status if status.get("adaptersReady") == "2/2" and names == ["qv-b", "qv-c"] else None
+    pinned = [a.get("pinnedPods") for a in status.get("adapters") or []]
+    done = status.get("adaptersReady") == "2/2" and names == ["qv-b", "qv-c"] and pinned == [0, 1]
+    return status if done else None
 
 
 def _template(cluster, namespace: str) -> tuple:
@@ -328,8 +335,8 @@ def test_an_adapter_swapped_in_spec_is_served_through_the_router_without_a_resta
         # The operator's status says so too, from the pod's own /load.
         md_status = until("status.adapters", lambda: _adapters_ready(cluster, ns))
         assert md_status["adapters"] == [
-            {"name": "qv-b", "loadedPods": 1, "ready": True},
-            {"name": "qv-c", "loadedPods": 1, "ready": True},
+            {"name": "qv-b", "loadedPods": 1, "ready": True, "pinnedPods": 0},
+            {"name": "qv-c", "loadedPods": 1, "ready": True, "pinnedPods": 1},
         ], md_status
 
         # 3. Nothing restarted or rolled.

@@ -39,6 +39,14 @@ def loaded_adapters(body: Mapping[str, Any] | None) -> frozenset[str]:
     return frozenset(name for name in adapters if isinstance(name, str))
 
 
+def pinned_adapters(body: Mapping[str, Any] | None) -> frozenset[str]:
+    """The adapter names a pod's /load answer says are pinned there (its share of minimum copies)."""
+    pinned = body.get("lora_pinned") if isinstance(body, Mapping) else None
+    if not isinstance(pinned, list):
+        return frozenset()
+    return frozenset(name for name in pinned if isinstance(name, str))
+
+
 def adapter_status(
     listed: Sequence[str], answers: Sequence[Mapping[str, Any] | None]
 ) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -49,9 +57,11 @@ def adapter_status(
     if not listed:
         return None, None
     held = [loaded_adapters(a) for a in answers]
+    pinned = [pinned_adapters(a) for a in answers]
     entries = []
     for name in listed:
         count = sum(name in h for h in held)
-        entries.append({"name": name, "loadedPods": count, "ready": bool(held) and count == len(held)})
+        entry = {"name": name, "loadedPods": count, "ready": bool(held) and count == len(held)}
+        entries.append({**entry, "pinnedPods": sum(name in p for p in pinned)})
     ready = sum(e["ready"] for e in entries)
     return entries, f"{ready}/{len(listed)}"

@@ -166,6 +166,31 @@ class Adapter(_Spec):
         "resolved to its commit once per pod, so pin a commit for identical weights on every pod. Adding or "
         "removing one applies live.",
     )
+    min_copies: int = Field(
+        0,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Pods that keep it loaded whatever requests come (at most the Ready pods there are): the "
+        "operator pins it on that many, those holding it first, and renews the pins every few seconds; a "
+        "pinned copy is never evicted for another adapter nor drained by the routers. For an adapter whose "
+        "first request must not wait for a load. With more adapters listed than lora.maxCpuLoras, one place "
+        "per pod always stays unpinned.",
+    )
+    max_copies: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="The most pods holding it at once: while that many do, the routers send its requests only "
+        "to them, however busy (no spill loads another copy). Default: no bound.",
+    )
+
+    @model_validator(mode="after")
+    def _check_copies(self) -> Adapter:
+        if self.max_copies is not None and self.min_copies > self.max_copies:
+            raise ValueError(
+                f"adapters {self.name!r}: minCopies ({self.min_copies}) is more than maxCopies ({self.max_copies})"
+            )
+        return self
 
 
 class LoRASettings(_Spec):
@@ -620,6 +645,7 @@ class AdapterStatus(_Spec):
 
     name: str
     loaded_pods: int = Field(description="Ready pods that report it loaded.")
+    pinned_pods: int = Field(0, description="Ready pods that keep it pinned there (its minCopies).")
     ready: bool = Field(description="Loaded on every Ready pod (and there is one).")
 
 
@@ -773,6 +799,12 @@ CEL_RULES: dict[str, dict[str, list[dict[str, str]]]] = {
             ]
             for field in ("allowFrom", "gatewayFrom")
         },
+        "adapters": [
+            {
+                "rule": "self.all(a, !has(a.maxCopies) || !has(a.minCopies) || a.minCopies <= a.maxCopies)",
+                "message": "adapters: minCopies must be <= maxCopies",
+            }
+        ],
         **_autoscaling_rules("autoscaling"),
         **{
             path: rules

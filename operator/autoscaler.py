@@ -41,7 +41,6 @@ requests count as decode demand only (`scale_targets`).
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import Mapping
@@ -73,7 +72,7 @@ from tokenfleet.operator.fleet_scrape import (
     pod_view,
     scrape_session,
 )
-from tokenfleet.operator.internal_key import INTERNAL_KEY_ENTRY, internal_key_secret_name
+from tokenfleet.operator.internal_key import read_internal_key
 from tokenfleet.operator.pod_metrics import MetricsParseError, router_gauges
 from tokenfleet.operator.reconcile import OperatorContext
 from tokenfleet.operator.router_builders import ROUTER_PORT, router_selector
@@ -293,7 +292,7 @@ async def _sleep_and_wake(
     reached stays as it is, and the next decision sees it as it is and asks again."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        key = await asyncio.to_thread(read_internal_key, ctx, namespace, name)
+        key = await asyncio.to_thread(read_internal_key, ctx.kube, namespace, name)
     except ApiException as e:
         logger.warning(
             "autoscaler: the internal key cannot be read (%s): no pod put to sleep or woken", e.reason
@@ -346,15 +345,6 @@ async def _replace(
     ctx.event(
         dict(body), "Warning", "WakeFailed", f"pod {pod} could not wake ({why}): deleted, to be replaced"
     )
-
-
-def read_internal_key(ctx: OperatorContext, namespace: str, md_name: str) -> str | None:
-    """The deployment's internal key (its Secret), or None when there is none yet."""
-    secret = ctx.kube.get("Secret", namespace, internal_key_secret_name(md_name))
-    data = (secret or {}).get("data") or {}
-    if INTERNAL_KEY_ENTRY not in data:
-        return None
-    return base64.b64decode(data[INTERNAL_KEY_ENTRY]).decode().strip() or None
 
 
 async def _mark_deletion_costs(

@@ -361,6 +361,12 @@ def adapter_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
     return env
 
 
+def host_places(spec: ModelDeploymentSpec) -> int:
+    """Adapters a pod holds at once (its max_cpu_loras): lora.maxCpuLoras, else every listed one (at least
+    maxLoras)."""
+    return spec.lora.max_cpu_loras or max(len(spec.adapters), spec.lora.max_loras)
+
+
 def _lora_values(spec: ModelDeploymentSpec, served_name: str) -> dict[str, Any]:
     """The RuntimeConfig lora fields of `spec.adapters` (LoRA is on only when some are listed)."""
     if not spec.adapters:
@@ -368,7 +374,7 @@ def _lora_values(spec: ModelDeploymentSpec, served_name: str) -> dict[str, Any]:
     for adapter in spec.adapters:
         if adapter.name == served_name:
             raise ConfigError(f"adapters: {adapter.name!r} is the model's own served name")
-    host = spec.lora.max_cpu_loras or max(len(spec.adapters), spec.lora.max_loras)
+    host = host_places(spec)
     return {
         "lora.enable": True,
         "lora.max_cpu_loras": host,

@@ -107,6 +107,7 @@ def router_backends(
             build_runtime_config(role_spec(spec, role), cache),
             builtin_model,
             key_owner=md_name,  # both roles' pods hold their deployment's one key
+            adapters=spec.adapters,
         )
         out.append(base.model_copy(update={"role": role}))
     return out

@@ -94,3 +94,13 @@ def router_key_volume(md_names: Iterable[str]) -> tuple[list[dict[str, Any]], li
     ]
     volume = {"name": ROUTER_VOLUME, "projected": {"sources": sources, "defaultMode": _MODE}}
     return [volume], [{"name": ROUTER_VOLUME, "mountPath": INTERNAL_KEY_DIR, "readOnly": True}]
+
+
+def read_internal_key(kube: Any, namespace: str, md_name: str) -> str | None:
+    """The deployment's internal key (its Secret), or None when there is none yet: what the operator's own
+    calls to its pods (sleep and wake, adapter pins) authenticate with."""
+    secret = kube.get("Secret", namespace, internal_key_secret_name(md_name))
+    data = (secret or {}).get("data") or {}
+    if INTERNAL_KEY_ENTRY not in data:
+        return None
+    return base64.b64decode(data[INTERNAL_KEY_ENTRY]).decode().strip() or None

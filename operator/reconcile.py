@@ -568,7 +568,7 @@ def _reconcile_routing_policy(
         if md_spec.disaggregation is not None:  # one backend per role's Service
             backends += router_backends(md_name, namespace, md_spec, cache, builtin)
         else:
-            backends.append(build_backend(md_name, namespace, config, builtin))
+            backends.append(build_backend(md_name, namespace, config, builtin, adapters=md_spec.adapters))
     try:
         router_config = build_router_config(
             namespace, spec, backends, body["metadata"].get("generation"), rp_name=name

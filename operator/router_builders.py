@@ -17,12 +17,12 @@ API keys come from the Secret entry `apiKeySecret` names, mounted whole so rotat
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from tokenfleet.operator.api import GROUP
+from tokenfleet.operator.api import GROUP, Adapter
 from tokenfleet.operator.builders import (
     CONFIG_DIR,
     CONFIG_HASH_ANNOTATION,
@@ -38,6 +38,7 @@ from tokenfleet.operator.builders import (
 from tokenfleet.operator.internal_key import router_key_path, router_key_volume
 from tokenfleet.runtime.config import RuntimeConfig
 from tokenfleet.runtime.router.config import (
+    AdapterCopies,
     Backend,
     Discovery,
     Peers,
@@ -84,6 +85,7 @@ def build_backend(
     config: RuntimeConfig,
     builtin_model: bool,
     key_owner: str | None = None,
+    adapters: Sequence[Adapter] = (),
 ) -> Backend:
     """One router backend per ModelDeployment (`md_name` = its Service): its URL, what the router needs to
     hash prompts, and the internal key file of `key_owner` (default `md_name`; a disaggregated role's
@@ -98,6 +100,12 @@ def build_backend(
         block_size=config.cache.block_size,
         internal_key_file=router_key_path(key_owner or md_name),
         adapters=tuple(m.name for m in config.lora.modules),
+        # What the routers enforce of `adapters[]` min/maxCopies (the operator pins the minimum itself).
+        adapter_copies={
+            a.name: AdapterCopies(min_copies=a.min_copies, max_copies=a.max_copies)
+            for a in adapters
+            if a.min_copies or a.max_copies is not None
+        },
     )
 
 

@@ -21,7 +21,7 @@ runs, whichever router replica they reach; `stored` confirms the blocks once the
 
     GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float,
                   "tokenizer_digest": str | null, "lora_adapters": {name: key, ...}, "lora_room": int,
-                  "access": {path: {"needs": ..., "why": ...}}}
+                  "lora_pinned": [name, ...], "access": {path: {"needs": ..., "why": ...}}}
 
 `tokenizer_digest` is that of the pod's `GET /v1/tokenizer` (openai/tokenizer_wire.py): a router that
 fetched the tokenizer refetches it when the digest changes. `access` is for people (which key each
@@ -33,7 +33,9 @@ the same chained hashes from the same token ids. `lora_adapters` (only on a pod 
 each loaded adapter to the key its requests' blocks are hashed with (`block_hash.with_adapter`: the name and
 the weights' digest), so a router hashes an adapter's prompt as that pod does — and knows which pods hold
 which adapter. `lora_room` (with it) counts the adapters the pod could load now: host places free or held
-by an adapter no request is using; at 0 a request for an adapter it does not hold would be refused (503).
+by an adapter no request is using nor a pin holds; at 0 a request for an adapter it does not hold would be
+refused (503). `lora_pinned` lists the adapters pinned there now (kept loaded for a lease: an adapter's
+minimum copies); the operator reads it, routers ignore it.
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
 Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
@@ -160,6 +162,7 @@ class LoadReport:
     tokenizer_digest: str | None = None
     lora_adapters: dict[str, str] | None = None  # adapter name -> its block-hash key; None: LoRA off
     lora_room: int | None = None  # adapters it could load now (free or idle host places); None: LoRA off
+    lora_pinned: tuple[str, ...] | None = None  # adapters pinned now; None: LoRA off
 
     def to_json(self) -> dict:
         out: dict = {
@@ -173,4 +176,6 @@ class LoadReport:
             out["lora_adapters"] = dict(self.lora_adapters)
         if self.lora_room is not None:
             out["lora_room"] = self.lora_room
+        if self.lora_pinned is not None:
+            out["lora_pinned"] = list(self.lora_pinned)
         return out

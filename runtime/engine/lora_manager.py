@@ -8,7 +8,9 @@ Three levels, as in vLLM:
   API; `ensure_loaded` on first use, off the event loop), so a bad adapter is refused before anything
   changes. Loading one more than the limit evicts the least recently used adapter that no request is using
   (it stays known and is loaded again when asked for); when every one is in use the load is refused with a
-  retry-after (nothing is ever pulled from under a running request). A deployment may list more adapters
+  retry-after (nothing is ever pulled from under a running request). An adapter **pinned** (`pin`, for a
+  lease) is not evicted either while its lease lasts: what keeps a deployment's minimum copies of an adapter
+  on the pods the operator chose. A deployment may list more adapters
   than a pod holds at once: routers send an adapter's requests to the pods that hold it, and spill to
   another pod (which loads it) only when those are busy (router/fleet.py).
 - **In a slot** (device, at most `max_loras`): assigned per step by `slots_for` on the engine thread, a copy
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +75,7 @@ class LoRAManager:
         tp_size: int = 1,
         replicate: Replicate | None = None,
         sources: AdapterSources | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
         # An adapter's path may be an hf:// repository: downloaded once per process, on the loading thread.
@@ -88,6 +92,8 @@ class LoRAManager:
         # (path, base model name). Evicting one from host memory keeps it here; unloading forgets it.
         self._known: dict[str, tuple[str, str | None]] = {}
         self._clock = 0  # a use counter: LRU order without reading time
+        self._now = clock
+        self._pinned: dict[str, float] = {}  # name -> when its pin ends (self._now's time)
         # Engine thread only: the adapter in each device slot, and when the slot was last used.
         self._slot_owner: list[LoRAAdapter | None] = [None] * slots.max_loras
         self._slot_used = [0] * slots.max_loras
@@ -119,11 +125,14 @@ class LoRAManager:
             if name in self._adapters:  # a concurrent load of the same name won
                 return self._adapters[name]
             if len(self._adapters) >= self.config.host_limit:
-                idle = [a for a in self._adapters.values() if a.in_flight == 0]
+                now = self._now()
+                idle = [
+                    a for a in self._adapters.values() if a.in_flight == 0 and not self._held(a.name, now)
+                ]
                 if not idle:
                     raise AdaptersBusy(
                         f"all {self.config.host_limit} loaded adapters (max_cpu_loras) have requests in "
-                        f"flight; `{name}` can be loaded when one of them is idle",
+                        f"flight or are pinned; `{name}` can be loaded when one of them is idle",
                         retry_after=1.0,
                     )
                 # Evicted from host memory only: still known, loaded again from its path when asked for.
@@ -156,6 +165,7 @@ class LoRAManager:
         with self._lock:
             known = self._known.pop(name, None)
             adapter = self._adapters.pop(name, None)
+            self._pinned.pop(name, None)
         if known is None and adapter is None:
             raise ModelNotFound(name)
 
@@ -204,10 +214,39 @@ class LoRAManager:
 
     def room(self) -> int:
         """Adapters this pod could load now without refusing (AdaptersBusy): its host places that are free or
-        hold an adapter no request is using. Routers send an adapter no pod holds where there is room."""
+        hold an adapter no request is using and no pin holds. Routers send an adapter no pod holds where
+        there is room."""
         with self._lock:
-            busy = sum(1 for a in self._adapters.values() if a.in_flight > 0)
+            now = self._now()
+            busy = sum(1 for a in self._adapters.values() if a.in_flight > 0 or self._held(a.name, now))
         return max(0, self.config.host_limit - busy)
+
+    def pin(self, name: str, seconds: float) -> LoRAAdapter:
+        """Keep `name` in host memory for `seconds` from now, loading it first if it is not (slow: file
+        reads, maybe a download; not on the event loop): it is not evicted for another adapter until the pin
+        ends, renewed by pinning again. ModelNotFound, InvalidRequest, AdaptersBusy, AdapterUnavailable as
+        `ensure_loaded`; nothing is pinned then."""
+        adapter = self.ensure_loaded(name)
+        with self._lock:
+            if self._adapters.get(name) is adapter:  # not unloaded or evicted meanwhile
+                self._pinned[name] = self._now() + seconds
+        return adapter
+
+    def pinned(self) -> list[str]:
+        """The adapters pinned now, by name."""
+        with self._lock:
+            now = self._now()
+            return sorted(n for n in self._pinned if self._held(n, now))
+
+    def _held(self, name: str, now: float) -> bool:
+        """Whether a pin holds `name` at `now` (under the lock; an ended pin is forgotten)."""
+        until = self._pinned.get(name)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._pinned[name]
+        return False
 
     def known(self) -> list[tuple[str, str, str]]:
         """(name, path, parent) of every adapter requests may name, loaded or not, by name."""

@@ -13,11 +13,15 @@ room). Once a spill has loaded the adapter there, that pod is a holder too, so t
 adapter grows with its load and shrinks as idle copies are evicted. The margin is the hysteresis: a holder
 set that is merely a little busier never spills, so copies do not flap. An adapter no pod holds goes to the
 pods with room; without room anywhere, to any pod (one of them will have room first).
+
+An adapter's `maxCopies` bounds the set: while that many pods hold it, its requests go only to them
+(`within_max_copies`), however busy. Its `minCopies` are pinned on pods by the operator, which the pods do
+not evict; a place is never made by draining one of those copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.runtime.router.config import Balance
@@ -77,9 +81,12 @@ class AdapterDrains:
             if (held is not None and drain.victim not in held) or now >= drain.until:
                 del self.by_pod[pod]
 
-    def make_place(self, adapter: str, eps: Sequence[Endpoint], now: float) -> Endpoint | None:
+    def make_place(
+        self, adapter: str, eps: Sequence[Endpoint], now: float, min_copies: Mapping[str, int] | None = None
+    ) -> Endpoint | None:
         """Begin a drain for `adapter`, which no endpoint of `eps` holds or has room for; the pod chosen, or
-        None when a place is being made for it already or no copy can be spared."""
+        None when a place is being made for it already or no copy can be spared (an adapter's last copy, or
+        one of its `min_copies`, never is)."""
         self.settle(eps, now)
         if any(d.for_adapter == adapter for d in self.by_pod.values()):
             return None
@@ -94,7 +101,8 @@ class AdapterDrains:
                 continue
             for name in ep.lora_adapters:
                 n = copies.get(name, 0)
-                if n < 2 or name == adapter:
+                spare = max(1, min_copies.get(name, 0)) if min_copies else 1
+                if n <= spare or name == adapter:
                     continue
                 key = (-n, ep.load)
                 if best is None or key < best[0]:
@@ -104,6 +112,15 @@ class AdapterDrains:
         _, ep, victim = best
         self.by_pod[ep.id] = Drain(victim, adapter, now + self.timeout_s)
         return ep
+
+
+def within_max_copies(adapter: str, eps: Sequence[Endpoint], max_copies: int | None) -> list[Endpoint]:
+    """`eps`, or only those holding `adapter` when `max_copies` of them hold it already: no request for it
+    goes where it would load one more copy than its maximum."""
+    if max_copies is None:
+        return list(eps)
+    holders = [ep for ep in eps if adapter in ep.lora_adapters]
+    return holders if len(holders) >= max_copies else list(eps)
 
 
 def adapter_candidates(

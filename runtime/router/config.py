@@ -255,6 +255,23 @@ def _check_fallback_chains(routes: tuple[ModelRoute, ...]) -> None:
         walk(route.model, (route.model,))
 
 
+class AdapterCopies(_Spec):
+    """How many pods must and may hold one LoRA adapter (a ModelDeployment's `adapters[]` minCopies and
+    maxCopies)."""
+
+    min_copies: int = Field(
+        0,
+        ge=0,
+        description="Pods the operator keeps it pinned on; a place is never made by draining below it.",
+    )
+    max_copies: int | None = Field(
+        None,
+        ge=1,
+        description="The most pods holding it at once: while that many do, its requests go only to them "
+        "(never a spill that loads another copy).",
+    )
+
+
 class Backend(_Spec):
     name: str = Field(description="The ModelDeployment (its Service) name.")
     model: str = Field(description="The served model name.")
@@ -268,6 +285,9 @@ class Backend(_Spec):
         (),
         description="LoRA adapters its pods serve beside `model`: a request naming one goes to this backend "
         "(the pods' own list, on /load, makes its prefix matches exact).",
+    )
+    adapter_copies: dict[str, AdapterCopies] = Field(
+        default_factory=dict, description="Per adapter of `adapters`: its minimum and maximum copies, if set."
     )
     internal_key_file: str | None = Field(
         None,

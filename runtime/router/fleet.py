@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 from tokenfleet.runtime.engine.fair_share import FairShare
-from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
-from tokenfleet.runtime.router.config import Backend, RouterConfig
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates, within_max_copies
+from tokenfleet.runtime.router.config import AdapterCopies, Backend, RouterConfig
 from tokenfleet.runtime.router.decision import EndpointState, approx_extra, decide, exact_matches
 from tokenfleet.runtime.router.endpoints import Endpoint, EndpointSet
 from tokenfleet.runtime.router.health import Probe
@@ -91,6 +91,7 @@ class Fleet:
         self.fair = FairShare()
         self.gate = PriorityGate(config.routing.max_queued, clock)
         self.adapter_drains = AdapterDrains()  # places being made for adapters no pod had room for
+        self.adapter_copies = _adapter_copies(config)
         self._set_queue_policy(config)
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._followers: dict[str, KVEventFollower] = {}
@@ -115,6 +116,7 @@ class Fleet:
     def apply(self, config: RouterConfig) -> None:
         """A new config's live part: routing policy and the backend list (the caller syncs discovery)."""
         self.config = config
+        self.adapter_copies = _adapter_copies(config)
         self.strategy = make_strategy(config.routing, self.strategy)
         self.gate.max_queued = config.routing.max_queued
         self._set_queue_policy(config)
@@ -215,7 +217,9 @@ class Fleet:
     def make_adapter_place(self, targets: Sequence[RouteTarget], adapter: str) -> None:
         """No endpoint tried had room for `adapter` (the client got a 503): drain a spare copy of another
         adapter on one pod so a place frees (AdapterDrains)."""
-        if self.adapter_drains.make_place(adapter, self.healthy_endpoints(targets), self.clock()) is not None:
+        least = {name: c.min_copies for name, c in self.adapter_copies.items() if c.min_copies}
+        eps = self.healthy_endpoints(targets)
+        if self.adapter_drains.make_place(adapter, eps, self.clock(), least) is not None:
             self.metrics.adapter_drains.inc()
 
     def adapter_busy(self, ep: Endpoint) -> None:
@@ -375,12 +379,14 @@ class Fleet:
         exclude: frozenset[str],
     ) -> Pick | None:
         limit = self.config.routing.max_in_flight_per_endpoint
+        adapter = prompt.adapter
+        copies = self.adapter_copies.get(adapter) if adapter is not None else None
         for target in targets:
-            eps = [
-                ep
-                for ep in self.endpoints.of_backends(target.backends)
-                if ep.id not in exclude and self.available(ep)
-            ]
+            eps = [ep for ep in self.endpoints.of_backends(target.backends) if self.available(ep)]
+            if adapter is not None and copies is not None and copies.max_copies is not None:
+                # Counted over every available pod, tried or not: a retry never loads one copy too many.
+                eps = within_max_copies(adapter, eps, copies.max_copies)
+            eps = [ep for ep in eps if ep.id not in exclude]
             if not eps:
                 continue
             # The request was admitted already (the gate): a retry may exceed the in-flight limit rather
@@ -489,3 +495,12 @@ class Fleet:
         if pick.approx_hashes:
             self.approx.record(pick.endpoint.id, pick.approx_hashes)
             self.recent.record(pick.endpoint.id, pick.approx_hashes)
+
+
+def _adapter_copies(config: RouterConfig) -> dict[str, AdapterCopies]:
+    """Each adapter's copies bounds, from the backends that set them (the first one naming it wins)."""
+    out: dict[str, AdapterCopies] = {}
+    for backend in config.backends:
+        for name, copies in backend.adapter_copies.items():
+            out.setdefault(name, copies)
+    return out

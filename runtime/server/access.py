@@ -21,7 +21,7 @@ from tokenfleet.runtime.openai import kv_transfer as kv_wire
 from tokenfleet.runtime.openai.tokenizer_wire import TOKENIZER_PATH
 
 # vLLM's runtime LoRA endpoints: they load files from the pod's disk (server/lora_endpoints.py).
-LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/pin_lora_adapter"})
 
 
 class Access(Enum):

@@ -42,6 +42,7 @@ class KVEventPump:
             kv_cache_usage=s.kv_cache_usage,
             lora_adapters=None if lora is None else {a.name: a.cache_key for a in lora.adapters()},
             lora_room=None if lora is None else lora.room(),
+            lora_pinned=None if lora is None else tuple(lora.pinned()),
         )
 
     async def start(self) -> None:

@@ -144,3 +144,16 @@ def test_lora_hub_settings_are_camel_case_and_need_no_hf_model():
     assert (spec.lora.hf_token_secret.name, spec.lora.hf_token_secret.key) == ("adapters-token", "token")
     with pytest.raises(ConfigError, match=r"lora\.hfEndpoint: String should match pattern"):
         parse_model_deployment({"lora": {"hfEndpoint": "ftp://mirror.example"}})
+
+
+def test_an_adapters_min_copies_cannot_exceed_its_max():
+    spec = parse_model_deployment(
+        {"adapters": [{"name": "a", "source": "pvc://c/a", "minCopies": 2, "maxCopies": 3}]}
+    )
+    assert (spec.adapters[0].min_copies, spec.adapters[0].max_copies) == (2, 3)
+    with pytest.raises(ConfigError, match=r"minCopies \(4\) is more than maxCopies \(3\)"):
+        parse_model_deployment(
+            {"adapters": [{"name": "a", "source": "pvc://c/a", "minCopies": 4, "maxCopies": 3}]}
+        )
+    with pytest.raises(ConfigError, match=r"maxCopies: Input should be greater than or equal to 1"):
+        parse_model_deployment({"adapters": [{"name": "a", "source": "pvc://c/a", "maxCopies": 0}]})

@@ -140,3 +140,22 @@ def test_router_replicas_find_each_other_through_their_service_to_hold_one_quota
     cfg = build_router_config("ns", parse_routing_policy({}), [_backend("a")], rp_name="chat")
     assert (cfg.peers.service, cfg.peers.port) == ("chat-router", 8080)
     assert build_router_service("chat")["metadata"]["name"] == "chat-router"
+
+
+def test_an_adapters_copies_bounds_reach_the_routers():
+    md = parse_model_deployment(
+        {
+            "adapters": [
+                {"name": "sql", "source": "pvc://c/sql", "minCopies": 1, "maxCopies": 2},
+                {"name": "chat", "source": "pvc://c/chat"},
+            ]
+        }
+    )
+    backend = build_backend("m", "ns", build_runtime_config(md, None), True, adapters=md.adapters)
+    assert backend.adapters == ("sql", "chat")
+    assert {n: (c.min_copies, c.max_copies) for n, c in backend.adapter_copies.items()} == {"sql": (1, 2)}
+    text = yaml.safe_dump(backend.model_dump(mode="json", by_alias=True))
+    assert (
+        RouterConfig.model_validate({"backends": [yaml.safe_load(text)]}).backends[0].adapter_copies
+        == backend.adapter_copies
+    )

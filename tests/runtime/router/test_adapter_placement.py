@@ -3,7 +3,7 @@ which adapters each holds, how many it could load now (`lora_room`), and its loa
 
 from __future__ import annotations
 
-from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates, within_max_copies
 from tokenfleet.runtime.router.config import Balance, Discovery
 from tokenfleet.runtime.router.endpoints import Endpoint
 from tokenfleet.runtime.router.health import HealthState
@@ -80,3 +80,23 @@ def test_a_place_is_made_from_the_most_copied_adapter_on_its_least_loaded_pod():
 def test_no_place_is_made_from_an_only_copy():
     eps = [pod("a", 0, ("x",), room=0), pod("b", 0, ("y",), room=0)]
     assert AdapterDrains().make_place("new", eps, now=0.0) is None
+
+
+def test_no_place_is_made_from_a_copy_its_adapter_keeps_as_a_minimum():
+    """An adapter with minCopies 3 and three copies gives none up (the operator pins them): the place comes
+    from the next most copied adapter."""
+    eps = [pod("a", 0, ("pinned", "x"), room=0), pod("b", 1, ("pinned", "x"), room=0)]
+    eps.append(pod("c", 2, ("pinned", "y"), room=0))
+    assert AdapterDrains().make_place("new", eps, now=0.0, min_copies={"pinned": 3}) is eps[0]  # "x" on a
+    assert AdapterDrains().make_place("new", eps, now=0.0) is eps[0]  # unbounded: "pinned" (3 copies) on a
+    assert AdapterDrains().make_place("new", eps, now=0.0, min_copies={"pinned": 3, "x": 2}) is None
+
+
+def test_at_its_maximum_an_adapters_requests_go_only_to_its_holders():
+    busy = pod("busy", 9, ("sql",), room=0)
+    idle = pod("idle", 0, room=3)
+    assert names(within_max_copies("sql", [busy, idle], None)) == ["busy", "idle"]
+    assert names(within_max_copies("sql", [busy, idle], 2)) == ["busy", "idle"]  # one more copy may come
+    assert names(within_max_copies("sql", [busy, idle], 1)) == ["busy"]
+    # Without the bound the busy holder would spill to the idle pod.
+    assert names(adapter_candidates("sql", [busy, idle], BALANCE)) == ["busy", "idle"]

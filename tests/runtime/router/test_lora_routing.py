@@ -216,3 +216,41 @@ async def test_an_adapter_a_pod_cannot_download_is_retried_elsewhere_and_the_pod
                 assert (await r.json())["error"]["code"] == "lora_source_unavailable"
             assert router.fleet.available(eps[u0]) and router.fleet.available(eps[u1])
             assert (await send(url, chat(2, "w4")))[:2] == (200, u0)
+
+
+async def test_an_adapter_at_its_max_copies_never_spills_and_a_retry_stays_on_its_holders(
+    serve_app, start_router, make_pod, wait_until
+):
+    """maxCopies 1: however busy the one pod holding the adapter is, its requests stay there (no spill
+    loads a second copy); when that pod fails one, the retry does not load it elsewhere either."""
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.loadable = {"sql"}
+    pods[0].adapters = {"sql": "sql@1"}
+    pods[0].running = 9  # clearly busier: without the bound its requests would spill to pod 1
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {
+                "name": f"p{i}",
+                "model": "m",
+                "url": u,
+                "adapters": ["sql"],
+                "adapterCopies": {"sql": {"maxCopies": 1}},
+            }
+            for i, u in enumerate((u0, u1))
+        ]
+        routing = {"strategy": "prefix-affinity", "balance": {"absolute": 2, "relative": 1.5}}
+        async with start_router(backends, routing) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u0].lora_adapters == {"sql": "sql@1"} and eps[u0].reported_load >= 9)
+            for k in range(3):
+                assert (await send(url, {**chat(k, f"w{k}"), "model": "sql"}))[:2] == (200, u0)
+            assert "sql" not in pods[1].adapters
+            assert (await send(url, chat(0, "w5")))[:2] == (200, u1)  # other requests balance as ever
+            pods[0].fail_status = 500
+            async with (
+                aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+                s.post(url + "/v1/chat/completions", json={**chat(1, "w6"), "model": "sql"}) as r,
+            ):
+                assert r.status in (500, 503), await r.text()
+            assert "sql" not in pods[1].adapters
