@@ -52,7 +52,7 @@ adapter_model.safetensors, A and B ~ N(0, 0.01^2), alpha = 2r), targeting all se
 `--placement` runs a different question on the fleet simulator (sim/, docs/simulator.md) instead: where a
 fleet should run each adapter's requests. 16 H100 pods of an 8B model (`--pods`, `--gpu`, `--sim-model`),
 100 adapters (`--num-adapters`) named with Zipf popularity (`--zipf`, 1.0), at most 8 held per pod
-(`--max-adapters`, also the per-step `max_loras`), 50 ms per adapter load (`--load-s`); 20 tenants with
+(`--max-adapters`, host places; the per-step `max_loras` is `--max-loras`, default the same), 50 ms per adapter load (`--load-s`); 20 tenants with
 512-token system prompts, ~256-token questions, ~128-token answers, Poisson arrivals for `--duration`
 seconds. The rates are fractions (`--loads`, default 0.5 0.8 1.0) of a fleet capacity the bench measures
 first: the highest rate (a 5 req/s grid) at which one pod serving the base model alone meets the SLO, times
@@ -281,7 +281,7 @@ def _sim_config(args, replicas: int, rate: float, policy: str, adapters: bool) -
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "lora": {
             "max_adapters": args.max_adapters,
-            "max_loras": args.max_adapters,
+            "max_loras": args.max_loras or args.max_adapters,
             "load_s": args.load_s,
             "placement": policy,
         },
@@ -311,7 +311,8 @@ def placement_experiment(args) -> int:
     capacity = per_pod * args.pods
     print(
         f"# {args.pods} x {args.gpu} pods of {args.sim_model}; {args.num_adapters} adapters, Zipf {args.zipf}, "
-        f"<= {args.max_adapters} per pod, {args.load_s * 1000:.0f} ms per load; SLO TTFT <= {args.slo_ttft} s "
+        f"<= {args.max_adapters} per pod, {args.max_loras or args.max_adapters} per step, "
+        f"{args.load_s * 1000:.0f} ms per load; SLO TTFT <= {args.slo_ttft} s "
         f"and TPOT <= {args.slo_tpot * 1000:.0f} ms; {args.duration:g} s of arrivals"
     )
     print(
@@ -392,7 +393,13 @@ def main() -> int:
     sim.add_argument("--sim-model", default="8b", help="a simulator model preset")
     sim.add_argument("--num-adapters", type=int, default=100)
     sim.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
-    sim.add_argument("--max-adapters", type=int, default=8, help="adapters per pod (and per step)")
+    sim.add_argument("--max-adapters", type=int, default=8, help="adapters a pod holds (max_cpu_loras)")
+    sim.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="distinct adapters per step (device slots); default --max-adapters",
+    )
     sim.add_argument("--load-s", type=float, default=0.05, help="seconds to load an adapter")
     sim.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 1.0], help="fractions of capacity")
     sim.add_argument("--policies", nargs="+", default=["placement", "affinity", "none"])

@@ -21,7 +21,8 @@ runs, whichever router replica they reach; `stored` confirms the blocks once the
 
     GET /load -> {"num_running": int, "num_waiting": int, "kv_cache_usage": float,
                   "tokenizer_digest": str | null, "lora_adapters": {name: key, ...}, "lora_room": int,
-                  "lora_pinned": [name, ...], "access": {path: {"needs": ..., "why": ...}}}
+                  "lora_pinned": [name, ...], "lora_active": [name, ...], "lora_slots": int,
+                  "access": {path: {"needs": ..., "why": ...}}}
 
 `tokenizer_digest` is that of the pod's `GET /v1/tokenizer` (openai/tokenizer_wire.py): a router that
 fetched the tokenizer refetches it when the digest changes. `access` is for people (which key each
@@ -35,7 +36,10 @@ the weights' digest), so a router hashes an adapter's prompt as that pod does â€
 which adapter. `lora_room` (with it) counts the adapters the pod could load now: host places free or held
 by an adapter no request is using nor a pin holds; at 0 a request for an adapter it does not hold would be
 refused (503). `lora_pinned` lists the adapters pinned there now (kept loaded for a lease: an adapter's
-minimum copies); the operator reads it, routers ignore it.
+minimum copies); the operator reads it, routers ignore it. `lora_active` lists the adapters with requests in
+flight there (waiting or running) and `lora_slots` how many distinct adapters one step runs (`max_loras`):
+a request for an adapter that is not active waits for a slot while `lora_slots` are, however much host
+room there is, so routers count both.
 
 The pod serves it (`runtime/server/kv_event_log.py`); the router consumes it (`runtime/router/kv_events.py`).
 Both share only the types below. The pod writes each event with `KVWireEvent.to_json`; the router reads a
@@ -163,6 +167,8 @@ class LoadReport:
     lora_adapters: dict[str, str] | None = None  # adapter name -> its block-hash key; None: LoRA off
     lora_room: int | None = None  # adapters it could load now (free or idle host places); None: LoRA off
     lora_pinned: tuple[str, ...] | None = None  # adapters pinned now; None: LoRA off
+    lora_active: tuple[str, ...] | None = None  # adapters with requests in flight; None: LoRA off
+    lora_slots: int | None = None  # distinct adapters per step (max_loras); None: LoRA off
 
     def to_json(self) -> dict:
         out: dict = {
@@ -178,4 +184,8 @@ class LoadReport:
             out["lora_room"] = self.lora_room
         if self.lora_pinned is not None:
             out["lora_pinned"] = list(self.lora_pinned)
+        if self.lora_active is not None:
+            out["lora_active"] = list(self.lora_active)
+        if self.lora_slots is not None:
+            out["lora_slots"] = self.lora_slots
         return out

@@ -65,6 +65,11 @@ class PodAdapters:
         loading = self._loading
         return {name: sim_adapter(name).cache_key for name in self._held if name not in loading}
 
+    def active(self) -> frozenset[str]:
+        """What the pod's `/load` reports as `lora_active`: adapters with requests on the pod (as the engine
+        counts them in flight: waiting or running; parked ones reach the scheduler when their load ends)."""
+        return frozenset(self._in_use)
+
     def room(self) -> int:
         """What the pod's `/load` reports as `lora_room`: adapters it could load now (places free or held by
         an adapter no request uses)."""

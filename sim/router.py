@@ -91,6 +91,8 @@ class EndpointView:
     since_report: int = 0  # this router's starts - ends since the last report, as `Endpoint` counts them
     lora_adapters: dict[str, str] = field(default_factory=dict)  # the last report's: name -> key
     lora_room: int | None = None  # the last report's: adapters it could load now (free or idle places)
+    lora_active: frozenset[str] = frozenset()  # the last report's adapters in flight, plus those sent since
+    lora_slots: int | None = None  # the last report's: distinct adapters per step
 
     def count(self, started: int) -> None:
         """One request of this router's started here (1) or ended (-1)."""
@@ -184,6 +186,8 @@ class SimRouter:
         kv_usage: float,
         lora_adapters: dict[str, str] | None = None,
         lora_room: int | None = None,
+        lora_active: frozenset[str] | None = None,
+        lora_slots: int | None = None,
     ) -> None:
         ep = self.endpoints.get(name)
         if ep is not None:
@@ -191,6 +195,8 @@ class SimRouter:
             if lora_adapters is not None:
                 ep.lora_adapters = lora_adapters
                 ep.lora_room = lora_room
+                ep.lora_active = lora_active or frozenset()
+                ep.lora_slots = lora_slots
 
     def apply_events(self, name: str, events: Sequence[KVEvent]) -> None:
         """One step's KV events, in order. Runs of consecutive stored (or removed) events are applied as one
@@ -313,7 +319,11 @@ class SimRouter:
             self.recent.record(decision.endpoint_id, sreq.block_hashes)
             if self.fair is not None and not tried:  # sent: its prompt counts now, once (not per retry)
                 self.fair.charge_prompt(sreq.tenant or "", len(sreq.prompt))
-        self.endpoints[decision.endpoint_id].count(1)
+        ep = self.endpoints[decision.endpoint_id]
+        ep.count(1)
+        adapter = sreq.adapter
+        if adapter is not None and ep.lora_slots is not None and adapter not in ep.lora_active:
+            ep.lora_active = ep.lora_active | {adapter}  # as Fleet.acquire marks it
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id
 

@@ -429,6 +429,8 @@ class Simulation:
                     r.kv_usage,
                     None if held is None else held.loaded(),
                     None if held is None else held.room(),
+                    None if held is None else held.active(),
+                    r.scheduler.max_loras,
                 )
 
     def _sample(self, pod: _Pod, window_s: float, quantile: float) -> PodSample:

@@ -232,6 +232,13 @@ class LoRAManager:
                 self._pinned[name] = self._now() + seconds
         return adapter
 
+    def active(self) -> list[str]:
+        """The adapters with requests in flight (waiting or running), by name: each needs a device slot to
+        step, and only `max_loras` step at once, so routers send a request for another adapter here only
+        while fewer are active (what `/load` reports with `lora_slots`)."""
+        with self._lock:
+            return sorted(a.name for a in self._adapters.values() if a.in_flight > 0)
+
     def pinned(self) -> list[str]:
         """The adapters pinned now, by name."""
         with self._lock:

@@ -63,6 +63,10 @@ class Endpoint:
     # LoRA adapters its /load reports loaded: name -> the key their blocks are hashed with (kv_wire.py).
     lora_adapters: dict[str, str] = field(default_factory=dict)
     lora_room: int | None = None  # adapters it could load now (its /load's lora_room); None: not reported
+    # Adapters with requests in flight there (its /load's lora_active, plus those this router sent since)
+    # and how many step at once (lora_slots; None: not reported): adapter_placement.py counts slots.
+    lora_active: frozenset[str] = frozenset()
+    lora_slots: int | None = None
 
     @property
     def id(self) -> str:

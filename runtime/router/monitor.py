@@ -53,6 +53,12 @@ async def probe_load(session: aiohttp.ClientSession, ep: Endpoint) -> Probe:
     )
     room = data.get("lora_room")
     ep.lora_room = room if isinstance(room, int) and not isinstance(room, bool) else None
+    active = data.get("lora_active")
+    ep.lora_active = (
+        frozenset(a for a in active if isinstance(a, str)) if isinstance(active, list) else frozenset()
+    )
+    slots = data.get("lora_slots")
+    ep.lora_slots = slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
     return Probe.OK
 
 

@@ -94,7 +94,7 @@ async def _attempts(
             fleet.metrics.retries.labels(last_error.reason if last_error else "unknown").inc()
         ep = pick.endpoint
         tried.add(ep.id)
-        fleet.acquire(ep)
+        fleet.acquire(ep, out.adapter)
         try:
             result = await _attempt(request, fleet, out, pick, retries)
         finally:

@@ -43,6 +43,8 @@ class KVEventPump:
             lora_adapters=None if lora is None else {a.name: a.cache_key for a in lora.adapters()},
             lora_room=None if lora is None else lora.room(),
             lora_pinned=None if lora is None else tuple(lora.pinned()),
+            lora_active=None if lora is None else tuple(lora.active()),
+            lora_slots=None if lora is None else lora.slots.max_loras,
         )
 
     async def start(self) -> None:

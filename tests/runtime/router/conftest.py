@@ -104,6 +104,9 @@ class FakePod:
         # `lora_slots_busy` (as if every held one had requests in flight). None: no limit.
         self.max_adapters: int | None = None
         self.report_room = True  # whether /load says how many more it could load (older pods do not)
+        # Device slots (distinct adapters per step) and the adapters it reports in flight; None: not said.
+        self.lora_slots: int | None = None
+        self.lora_active: tuple[str, ...] = ()
         # Loadable adapters whose source it cannot download now (an hf:// adapter while the Hub fails): a
         # real pod's 503 `lora_source_unavailable`.
         self.source_down: set[str] = set()
@@ -124,6 +127,8 @@ class FakePod:
                         len(self.cached) / 10_000,
                         lora_adapters=dict(self.adapters) if self.adapters else None,
                         lora_room=self.lora_room,
+                        lora_active=self.lora_active if self.lora_slots is not None else None,
+                        lora_slots=self.lora_slots,
                     ),
                 ),
             ]

@@ -58,7 +58,7 @@ def test_a_place_is_made_from_the_most_copied_adapter_on_its_least_loaded_pod():
     c = pod("c", 3, ("hot", "z"), room=0)
     d = pod("d", 0, ("solo", "y"), room=0)
     eps = [a, b, c, d]
-    drains = AdapterDrains(timeout_s=10.0)
+    drains = AdapterDrains(timeout_s=10.0, pods_per_drain=1)  # a drain per pod at once may go
     assert drains.make_place("new", eps, now=0.0) is b  # "hot" has three copies; b is the least loaded
     assert drains.make_place("new", eps, now=1.0) is None  # one place at a time per adapter
     assert names(adapter_candidates("hot", eps, BALANCE, drains)) == ["a", "c"]
@@ -100,3 +100,41 @@ def test_at_its_maximum_an_adapters_requests_go_only_to_its_holders():
     assert names(within_max_copies("sql", [busy, idle], 1)) == ["busy"]
     # Without the bound the busy holder would spill to the idle pod.
     assert names(adapter_candidates("sql", [busy, idle], BALANCE)) == ["busy", "idle"]
+
+
+def slotted(
+    name: str, load: int, adapters: tuple[str, ...], active: tuple[str, ...], room: int = 4
+) -> Endpoint:
+    ep = pod(name, load, adapters, room)
+    ep.lora_active, ep.lora_slots = frozenset(active), 2
+    return ep
+
+
+def test_a_pod_whose_slots_other_adapters_take_is_no_holder_and_has_no_room():
+    """Two slots per step: a pod running two other adapters would make the request wait for one of them to
+    finish all its requests (a request's lifetime), host room or not. A pod that can run it at once is
+    preferred — a holder, else one that loads it — and a slot-blocked holder is the last resort."""
+    blocked = slotted("blocked", 0, ("sql", "a", "b"), active=("a", "b"))  # holds sql, both slots taken
+    joins = slotted("joins", 5, ("sql", "a"), active=("sql", "a"))  # sql steps there already
+    free = slotted("free", 1, ("c",), active=("c",))  # one slot free, host room: loads it
+    full = slotted("full", 0, ("d",), active=("d", "e"))  # no slot free
+    assert names(adapter_candidates("sql", [blocked, joins, free, full], BALANCE)) == ["joins", "free"]
+    assert names(adapter_candidates("sql", [blocked, free, full], BALANCE)) == ["free"]
+    assert names(adapter_candidates("sql", [blocked, full], BALANCE)) == ["blocked"]  # no load, waits a slot
+    assert names(adapter_candidates("new", [blocked, full], BALANCE)) == ["blocked", "full"]  # anywhere
+    # A pod that does not report slots is taken at its word, as for room.
+    silent = pod("silent", 3, room=1)
+    assert names(adapter_candidates("sql", [blocked, silent], BALANCE)) == ["silent"]
+
+
+def test_drains_are_few_at_once_one_per_eight_pods():
+    """Each drain sends its copy's requests to the adapter's other holders: at most one at a time per eight
+    pods (at least one), so a saturated fleet does not drain its hot adapters' copies over and over."""
+    eps = [pod(f"p{i}", i, ("hot", f"x{i}"), room=0) for i in range(16)]
+    drains = AdapterDrains(timeout_s=10.0)
+    assert drains.make_place("a", eps, now=0.0) is eps[0]
+    assert drains.make_place("b", eps, now=0.0) is eps[1]
+    assert drains.make_place("c", eps, now=0.0) is None  # two at once for sixteen pods
+    drains.settle(eps, now=11.0)
+    assert drains.make_place("c", eps, now=11.0) is eps[0]
+    assert AdapterDrains().make_place("a", eps[:4], now=0.0) is eps[0]  # a small fleet still gets one

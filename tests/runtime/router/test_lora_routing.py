@@ -254,3 +254,35 @@ async def test_an_adapter_at_its_max_copies_never_spills_and_a_retry_stays_on_it
             ):
                 assert r.status in (500, 503), await r.text()
             assert "sql" not in pods[1].adapters
+
+
+async def test_an_adapter_goes_where_it_steps_at_once_not_to_a_holder_whose_slots_are_taken(
+    serve_app, start_router, make_pod, wait_until
+):
+    """The pod holding the adapter steps two adapters at once and both slots are taken by others: the
+    request would wait there for a slot. It goes to a pod with a free slot (which loads it), and the router
+    counts the adapter active there at once, so a second new adapter is not sent into the last slot too."""
+    pods = [make_pod() for _ in range(2)]
+    for pod in pods:
+        pod.loadable = {"sql", "chat", "new"}
+        pod.max_adapters = 8
+        pod.lora_slots = 2
+    pods[0].adapters = {"sql": "sql@1", "a": "a@1", "b": "b@1"}
+    pods[0].lora_active = ("a", "b")
+    pods[1].adapters = {"c": "c@1"}
+    pods[1].lora_active = ("c",)
+    async with serve_app(pods[0].app()) as u0, serve_app(pods[1].app()) as u1:
+        backends = [
+            {"name": f"p{i}", "model": "m", "url": u, "adapters": ["sql", "chat", "new"]}
+            for i, u in enumerate((u0, u1))
+        ]
+        # Probes far apart: the second request must go by what the router marked, not a fresh report.
+        discovery = {"probeIntervalSeconds": 30}
+        async with start_router(backends, {"strategy": "least-load"}, discovery=discovery) as (url, router):
+            eps = router.fleet.endpoints.by_id
+            await wait_until(lambda: eps[u0].lora_slots == 2 and eps[u1].lora_slots == 2)
+            assert (await send(url, {**chat(0, "w1"), "model": "sql"}))[:2] == (200, u1)
+            assert eps[u1].lora_active == {"c", "sql"}  # marked when sent: both its slots are taken now
+            assert (await send(url, {**chat(1, "w2"), "model": "sql"}))[:2] == (200, u1)  # joins it there
+            # "new": no pod has a free slot; the holder-less fallback is any pod (the request waits there).
+            assert (await send(url, {**chat(2, "w3"), "model": "new"}))[0] == 200

@@ -61,6 +61,7 @@ def test_a_pinned_adapter_is_not_evicted_for_another_until_its_pin_ends(
     status, text = post(server, "/v1/pin_lora_adapter", {"lora_name": "qv8", "seconds": 3})
     assert status == 200 and json.loads(text) == {"lora_name": "qv8", "pinned_seconds": 3.0}, text
     load = _load(server)
+    assert (load["lora_slots"], load["lora_active"]) == (1, [])  # one adapter per step; none in flight now
     assert set(load["lora_adapters"]) == {"qv8"} and load["lora_room"] == 0 and load["lora_pinned"] == ["qv8"]
     with pytest.raises(openai.APIStatusError) as err:
         complete(oai, "mlp4", PROMPT)
