@@ -282,6 +282,7 @@ def _sim_config(args, replicas: int, rate: float, policy: str, adapters: bool) -
         "lora": {
             "max_adapters": args.max_adapters,
             "max_loras": args.max_loras or args.max_adapters,
+            "max_copies": args.max_copies,
             "load_s": args.load_s,
             "placement": policy,
         },
@@ -400,6 +401,7 @@ def main() -> int:
         default=None,
         help="distinct adapters per step (device slots); default --max-adapters",
     )
+    sim.add_argument("--max-copies", type=int, default=None, help="every adapter's maxCopies (placement)")
     sim.add_argument("--load-s", type=float, default=0.05, help="seconds to load an adapter")
     sim.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 1.0], help="fractions of capacity")
     sim.add_argument("--policies", nargs="+", default=["placement", "affinity", "none"])

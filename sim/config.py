@@ -112,6 +112,12 @@ class LoRASpec(_Model):
     step_overhead_per_adapter: float = Field(
         0.01, ge=0, description="... plus this fraction per distinct adapter in the batch."
     )
+    max_copies: int | None = Field(
+        None,
+        ge=1,
+        description="Every adapter's maxCopies (the most pods holding it at once; the router's rule, "
+        "`within_max_copies`, with `placement`); none: no bound.",
+    )
     placement: Literal["placement", "affinity", "none"] = Field(
         "placement",
         description="placement: the router's rule (the adapter's holders, spilling when they are clearly "

@@ -53,7 +53,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import (
     KVEvent,
     PrefillScheduled,
 )
-from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates
+from tokenfleet.runtime.router.adapter_placement import AdapterDrains, adapter_candidates, within_max_copies
 from tokenfleet.runtime.router.config import RoutingSpec
 from tokenfleet.runtime.router.decision import (
     AT_CAPACITY,
@@ -123,10 +123,14 @@ class SimRouter:
         clock: Callable[[], float],
         index_blocks: int = 200_000,
         placement: str = "placement",
+        max_copies: int | None = None,
     ) -> None:
         assert placement in PLACEMENTS, placement
         self.spec = spec
         self.placement = placement
+        self.max_copies = (
+            max_copies  # every adapter's maxCopies, with `placement` (as Fleet._pick applies it)
+        )
         self.clock = clock
         self.drains = AdapterDrains()  # places being made for refused adapters (placement only)
         self.model_name = model_name
@@ -297,6 +301,9 @@ class SimRouter:
         with the request, so no prefix term, no prompt key, no session), among all decode pods (the
         request was admitted already)."""
         states = self._states(role)
+        if sreq.adapter is not None and self.placement == "placement" and self.max_copies is not None:
+            # Counted over every pod, tried or not, as Fleet._pick counts them: a retry loads no extra copy.
+            states = within_max_copies(sreq.adapter, states, self.max_copies)  # type: ignore[assignment,arg-type]
         if tried:
             states = [s for s in states if s.endpoint_id not in tried]
         limit = self.spec.max_in_flight_per_endpoint
@@ -322,7 +329,7 @@ class SimRouter:
         ep = self.endpoints[decision.endpoint_id]
         ep.count(1)
         adapter = sreq.adapter
-        if adapter is not None and ep.lora_slots is not None and adapter not in ep.lora_active:
+        if adapter is not None and adapter not in ep.lora_active:
             ep.lora_active = ep.lora_active | {adapter}  # as Fleet.acquire marks it
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         return decision.endpoint_id

@@ -98,7 +98,12 @@ class Simulation:
         self._pending_followups = 0
         self.collector = Collector(config)
         self.router = SimRouter(
-            config.routing, config.cache.block_size, model_name, self.clock, placement=config.lora.placement
+            config.routing,
+            config.cache.block_size,
+            model_name,
+            self.clock,
+            placement=config.lora.placement,
+            max_copies=config.lora.max_copies,
         )
         self.replica_config = ReplicaConfig(
             config.scheduler,

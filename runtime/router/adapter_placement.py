@@ -142,7 +142,9 @@ def within_max_copies(adapter: str, eps: Sequence[Endpoint], max_copies: int | N
     goes where it would load one more copy than its maximum."""
     if max_copies is None:
         return list(eps)
-    holders = [ep for ep in eps if adapter in ep.lora_adapters]
+    # A pod the router sent the adapter to since its last report holds it too (it is loading it): counted,
+    # or the requests of one report period would load a copy on every pod they reach.
+    holders = [ep for ep in eps if adapter in ep.lora_adapters or adapter in ep.lora_active]
     return holders if len(holders) >= max_copies else list(eps)
 
 

@@ -310,7 +310,7 @@ class Fleet:
     def acquire(self, ep: Endpoint, adapter: str | None = None) -> None:
         """One of this router's requests starts on `ep` (under `adapter`: active there from now on, as far as
         placement knows, until the pod's next report says)."""
-        if adapter is not None and ep.lora_slots is not None and adapter not in ep.lora_active:
+        if adapter is not None and adapter not in ep.lora_active:
             ep.lora_active = ep.lora_active | {adapter}
         ep.in_flight += 1
         ep.since_report += 1

@@ -241,3 +241,36 @@ def test_bad_lora_settings_are_refused_naming_the_field(config, field):
         parse_config(config)
     assert e.value.field == field
     assert str(e.value).startswith(f"{field}: ")
+
+
+def _busy_fleet(max_copies: int | None) -> dict:
+    """Two adapters on four pods, busy enough that the hot one's holders spill without a bound."""
+    return simulate(
+        parse_config(
+            {
+                "model": "8b",
+                "fleet": {"gpu": "h100", "replicas": 4},
+                "probe_interval_s": 0.05,
+                "lora": {"max_adapters": 2, "max_loras": 2, "load_s": 0.005, "max_copies": max_copies},
+                "workload": {
+                    "rate": 120,
+                    "duration_s": 5,
+                    "num_tenants": 3,
+                    "system_prompt_tokens": 64,
+                    "user_tokens": 64,
+                    "output_tokens": 32,
+                    "adapters": {"count": 2, "zipf": 1.0},
+                    "seed": 1,
+                },
+            }
+        )
+    )
+
+
+def test_max_copies_bounds_the_pods_holding_an_adapter():
+    """The router's `within_max_copies` in the simulator (`lora.max_copies`): without it the hot adapter's
+    busy holders spill to other pods; with a bound of one, a busy fleet serves it from one pod only."""
+    free, bounded = _busy_fleet(None), _busy_fleet(1)
+    assert free["lora"]["top_adapter_pods"] > 1
+    assert bounded["lora"]["top_adapter_pods"] == 1
+    assert bounded["requests"]["finished"] == bounded["requests"]["arrived"]

@@ -100,6 +100,10 @@ def test_at_its_maximum_an_adapters_requests_go_only_to_its_holders():
     assert names(within_max_copies("sql", [busy, idle], 1)) == ["busy"]
     # Without the bound the busy holder would spill to the idle pod.
     assert names(adapter_candidates("sql", [busy, idle], BALANCE)) == ["busy", "idle"]
+    # A pod the router sent the adapter to since its last report is loading it: a copy, counted.
+    loading, other = pod("loading", 0, room=3), pod("other", 0, room=3)
+    loading.lora_active = frozenset({"sql"})
+    assert names(within_max_copies("sql", [busy, loading, other], 2)) == ["busy", "loading"]
 
 
 def slotted(
