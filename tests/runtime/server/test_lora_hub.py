@@ -20,16 +20,11 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
-from tokenfleet.runtime.engine.async_engine import AsyncEngine
-from tokenfleet.runtime.engine.engine_core import EngineCore
 from tokenfleet.runtime.errors import AdapterUnavailable
-from tokenfleet.runtime.model import load_model
 
 from ..hub_client import FakeHub, FakeRepo, client_pointed_at, serve_hub
 from ..lora_adapters import peft_greedy
-from .conftest import ServerThread, real_config
-from .test_lora_server import MAX_NEW, complete, metric, post
+from .test_lora_server import MAX_NEW, complete, metric, post, start_lora_server
 
 PROMPT = "The capital of France is"
 COMMITS = {"qv8": "1" * 40, "mlp4": "2" * 40}
@@ -52,18 +47,12 @@ def hub_server(lora_adapters, tmp_path_factory):
     http = serve_hub(hub)
     tmp = tmp_path_factory.mktemp("lora_hub")
     with pytest.MonkeyPatch.context() as mp, client_pointed_at(mp, hub.url, tmp):
-        config = real_config(
-            model={"dtype": "float32", "attention_backend": "torch"},
-            lora={
-                "enable": True,
-                "max_loras": 1,
-                "max_cpu_loras": 1,
-                "download_dir": str(tmp / "adapters"),
-                "modules": [{"name": "qv8", "path": "hf://org/qv8"}],
-            },
+        server = start_lora_server(
+            max_loras=1,
+            max_cpu_loras=1,
+            download_dir=str(tmp / "adapters"),
+            modules=[{"name": "qv8", "path": "hf://org/qv8"}],
         )
-        model = load_model(config.model, torch.device("cpu"))  # its own: LoRA hooks its projections
-        server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=model))).start()
         yield hub, http, server
         server.stop()
     http.shutdown()

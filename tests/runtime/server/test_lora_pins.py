@@ -11,14 +11,9 @@ import urllib.request
 
 import openai
 import pytest
-import torch
-from tokenfleet.runtime.engine.async_engine import AsyncEngine
-from tokenfleet.runtime.engine.engine_core import EngineCore
-from tokenfleet.runtime.model import load_model
 
 from ..lora_adapters import peft_greedy
-from .conftest import ServerThread, real_config
-from .test_lora_server import MAX_NEW, complete, post
+from .test_lora_server import MAX_NEW, complete, post, start_lora_server
 
 PROMPT = "The capital of France is"
 
@@ -26,17 +21,11 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def one_place_server(lora_adapters):
     _, paths = lora_adapters
-    config = real_config(
-        model={"dtype": "float32", "attention_backend": "torch"},
-        lora={
-            "enable": True,
-            "max_loras": 1,
-            "max_cpu_loras": 1,  # one host place: loading one adapter evicts the other
-            "modules": [{"name": n, "path": str(paths[n])} for n in ("qv8", "mlp4")],
-        },
+    server = start_lora_server(
+        max_loras=1,
+        max_cpu_loras=1,  # one host place: loading one adapter evicts the other
+        modules=[{"name": n, "path": str(paths[n])} for n in ("qv8", "mlp4")],
     )
-    model = load_model(config.model, torch.device("cpu"))  # its own: LoRA hooks its projections
-    server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=model))).start()
     yield server
     server.stop()
 

@@ -29,20 +29,22 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 MAX_NEW = 8
 
 
+def start_lora_server(**lora) -> ServerThread:
+    """The real server with the default model (fp32, torch attention) serving LoRA with these `lora` settings;
+    the caller stops it."""
+    config = real_config(
+        model={"dtype": "float32", "attention_backend": "torch"}, lora={"enable": True, **lora}
+    )
+    model = load_model(config.model, torch.device("cpu"))  # its own: LoRA hooks its projections
+    return ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=model))).start()
+
+
 @pytest.fixture(scope="module")
 def lora_server(lora_adapters):
     _, paths = lora_adapters
-    config = real_config(
-        model={"dtype": "float32", "attention_backend": "torch"},
-        lora={
-            "enable": True,
-            "max_loras": 2,
-            "max_cpu_loras": 2,
-            "modules": [{"name": "qv8", "path": str(paths["qv8"])}],
-        },
+    server = start_lora_server(
+        max_loras=2, max_cpu_loras=2, modules=[{"name": "qv8", "path": str(paths["qv8"])}]
     )
-    model = load_model(config.model, torch.device("cpu"))  # its own: LoRA hooks its projections
-    server = ServerThread(config, lambda cfg: AsyncEngine(EngineCore(cfg, loaded=model))).start()
     yield server
     server.stop()
 
