@@ -45,7 +45,7 @@ What the kernels cost depends on the device the model runs on (`--device`, defau
 Adapters are random PEFT-format folders written to a temporary directory (adapter_config.json +
 adapter_model.safetensors, A and B ~ N(0, 0.01^2), alpha = 2r), targeting all seven projections by default.
 
-    python bench/lora.py [--num-prompts 16] [--max-tokens 32] [--prompt-len 32] [--adapters 1 4 8]
+    python bench/lora.py [--tiny | --model PATH] [--num-prompts 16] [--max-tokens 32] [--prompt-len 32] [--adapters 1 4 8]
                          [--rank 16] [--targets q_proj ...] [--rounds 3] [--device auto] [--threads N]
                          [--json out.json]
 
@@ -64,6 +64,11 @@ TPOT <= --slo-tpot), TTFT and TPOT p99, adapter swaps per minute (loads that evi
 how many pods served the most requested adapter. All figures are simulated (virtual time).
 
     python bench/lora.py --placement [--duration 20] [--loads 0.5 0.8 1.0] [--policies placement affinity none]
+                         [--max-copies N] [--min-copies N --pin-top K]
+
+`--min-copies N --pin-top K` gives the K most requested adapters a minCopies of N: the operator's pins
+(operator/adapter_copies.py, every 5 s) keep each on N pods; the table then says how often every minimum
+was held at the operator's tick.
 
 On a machine whose cores other processes share, `--threads 1` keeps torch's worker threads from waiting on
 each other (with 2 threads on 2 busy cores a step here took ~2.5x as long as with 1).
@@ -72,11 +77,13 @@ each other (with 2 threads on 2 busy cores a step here took ~2.5x as long as wit
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -283,6 +290,7 @@ def _sim_config(args, replicas: int, rate: float, policy: str, adapters: bool) -
             "max_adapters": args.max_adapters,
             "max_loras": args.max_loras or args.max_adapters,
             "max_copies": args.max_copies,
+            "min_copies": {f"adapter-{i}": args.min_copies for i in range(args.pin_top)},
             "load_s": args.load_s,
             "placement": policy,
         },
@@ -313,7 +321,10 @@ def placement_experiment(args) -> int:
     print(
         f"# {args.pods} x {args.gpu} pods of {args.sim_model}; {args.num_adapters} adapters, Zipf {args.zipf}, "
         f"<= {args.max_adapters} per pod, {args.max_loras or args.max_adapters} per step, "
-        f"{args.load_s * 1000:.0f} ms per load; SLO TTFT <= {args.slo_ttft} s "
+        f"{args.load_s * 1000:.0f} ms per load"
+        + (f", minCopies {args.min_copies} for the {args.pin_top} most requested" if args.pin_top else "")
+        + (f", maxCopies {args.max_copies}" if args.max_copies else "")
+        + f"; SLO TTFT <= {args.slo_ttft} s "
         f"and TPOT <= {args.slo_tpot * 1000:.0f} ms; {args.duration:g} s of arrivals"
     )
     print(
@@ -323,6 +334,7 @@ def placement_experiment(args) -> int:
     print(
         f"{'load':>5} {'req/s':>7} {'policy':<10} {'SLO met':>8} {'TTFT p99 s':>11} {'TPOT p99 ms':>12} "
         f"{'swaps/min':>10} {'loads':>6} {'top adapter pods':>17} {'pods/adapter':>13} {'503s':>6} {'retried':>8}"
+        + (f" {'mins held':>10}" if args.pin_top and args.min_copies else "")
     )
     rows = []
     for load in args.loads:
@@ -347,13 +359,15 @@ def placement_experiment(args) -> int:
                 # refused that the router sent to another pod.
                 "rejected": r["requests"]["rejected"],
                 "retried_elsewhere": lora["retried_elsewhere"],
+                "min_copies_met": lora["min_copies_met"],
             }
             rows.append(row)
             print(
                 f"{load:>5.0%} {rate:>7g} {policy:<10} {row['slo_attainment']:>8.1%} {row['ttft_p99_s']:>11.3f} "
                 f"{row['tpot_p99_s'] * 1000:>12.1f} {row['swaps_per_min']:>10.1f} {row['adapter_loads']:>6} "
                 f"{row['top_adapter_pods']:>17} {row['pods_per_adapter_mean']:>13.2f} {row['rejected']:>6} "
-                f"{row['retried_elsewhere']:>8}",
+                f"{row['retried_elsewhere']:>8}"
+                + (f" {row['min_copies_met']:>10.0%}" if row["min_copies_met"] is not None else ""),
                 flush=True,
             )
     print(f"# {time.process_time() - started:.0f} s of CPU")
@@ -366,6 +380,11 @@ def placement_experiment(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in model")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a random 2-layer Llama, hidden 64 (bench/host_overhead.py's): what adapters cost the host path",
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -402,6 +421,10 @@ def main() -> int:
         help="distinct adapters per step (device slots); default --max-adapters",
     )
     sim.add_argument("--max-copies", type=int, default=None, help="every adapter's maxCopies (placement)")
+    sim.add_argument(
+        "--min-copies", type=int, default=0, help="minCopies of the --pin-top most requested adapters"
+    )
+    sim.add_argument("--pin-top", type=int, default=0, help="how many of the most requested adapters get it")
     sim.add_argument("--load-s", type=float, default=0.05, help="seconds to load an adapter")
     sim.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 1.0], help="fractions of capacity")
     sim.add_argument("--policies", nargs="+", default=["placement", "affinity", "none"])
@@ -426,6 +449,15 @@ def main() -> int:
         "attention_backend": "auto",
         "device": device.type,
     }
+    if args.tiny:
+        # The host path alone: a model whose forward is nearly free, so what a step with adapters adds is
+        # the LoRA path's own work (launches, gathers, slot bookkeeping), not arithmetic the model hides it in.
+        from host_overhead import build_checkpoint
+
+        tiny_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-lora-tiny-"))
+        atexit.register(shutil.rmtree, tiny_dir, True)
+        build_checkpoint(tiny_dir)
+        args.model = str(tiny_dir)
     if args.model:
         model_kwargs["model"] = args.model
     loaded = load_model(ModelConfig(**model_kwargs), device)

@@ -9,6 +9,10 @@ the request, off the engine loop, so a load delays only the requests that need i
 `load_s` after the load begins, while the running batch steps on. A request for an adapter that is loading
 joins that load. The *slot* level (`max_loras` distinct adapters per step) is the real scheduler's own
 rule: the replica passes `max_loras` to it.
+
+Pins (`pin`) are the operator's minimum copies (operator/adapter_copies.py), as `LoRAManager.pin` keeps
+them: a pinned adapter is loaded first if the pod lacks it, is never evicted for another until its lease
+ends, and counts as a place in use in `room`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class PodAdapters:
         self._held: OrderedDict[str, None] = OrderedDict()  # LRU order: first = least recently used
         self._loading: dict[str, list] = {}  # name -> the requests parked until its load completes
         self._in_use: dict[str, int] = {}  # name -> requests on this pod (parked, waiting, running)
+        self._pinned: dict[str, float] = {}  # name -> when its pin's lease ends
         self.num_parked = 0
         self.loads = 0
         self.swaps = 0  # loads that evicted another adapter
@@ -70,11 +75,28 @@ class PodAdapters:
         counts them in flight: waiting or running; parked ones reach the scheduler when their load ends)."""
         return frozenset(self._in_use)
 
-    def room(self) -> int:
+    def room(self, now: float) -> int:
         """What the pod's `/load` reports as `lora_room`: adapters it could load now (places free or held by
-        an adapter no request uses)."""
+        an adapter no request uses and no pin holds)."""
         in_use = self._in_use
-        return self.max_adapters - sum(1 for name in self._held if name in in_use)
+        return self.max_adapters - sum(
+            1 for name in self._held if name in in_use or self._is_pinned(name, now)
+        )
+
+    def pinned(self, now: float) -> list[str]:
+        """What the pod's `/load` reports as `lora_pinned`."""
+        return [name for name in list(self._pinned) if self._is_pinned(name, now)]
+
+    def pin(self, name: str, until: float, now: float) -> bool:
+        """Keep `name` held until `until`, loading it first if the pod lacks it (evicting an idle, unpinned
+        adapter if the pod is full); False, and nothing pinned, when there is no room (the pod's 503)."""
+        held = self._held
+        if name not in held:
+            if not self._make_room(now):
+                return False
+            self._start_load(name, [], now)
+        self._pinned[name] = until
+        return True
 
     @property
     def held(self) -> list[str]:
@@ -92,7 +114,7 @@ class PodAdapters:
                 self._in_use[name] = self._in_use.get(name, 0) + 1
                 return READY
             parked.append(item)
-        elif self._make_room():
+        elif self._make_room(now):
             self._start_load(name, [item], now)
         else:
             self.refusals += 1
@@ -115,14 +137,24 @@ class PodAdapters:
         else:
             del self._in_use[name]  # idle now: the next adapter the pod lacks may evict it
 
-    def _make_room(self) -> bool:
-        """Whether one more adapter fits, evicting the least recently used idle one if the pod is full."""
+    def _is_pinned(self, name: str, now: float) -> bool:
+        until = self._pinned.get(name)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._pinned[name]  # the lease ended: forgotten, as the engine forgets it
+        return False
+
+    def _make_room(self, now: float) -> bool:
+        """Whether one more adapter fits, evicting the least recently used idle, unpinned one if the pod is
+        full."""
         held = self._held
         if len(held) < self.max_adapters:
             return True
         in_use = self._in_use
         for name in held:
-            if name not in in_use:
+            if name not in in_use and not self._is_pinned(name, now):
                 del held[name]
                 self.swaps += 1
                 return True

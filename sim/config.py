@@ -9,7 +9,7 @@ so a simulated setting means what it means in a pod; the autoscaling section is 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -117,6 +117,15 @@ class LoRASpec(_Model):
         ge=1,
         description="Every adapter's maxCopies (the most pods holding it at once; the router's rule, "
         "`within_max_copies`, with `placement`); none: no bound.",
+    )
+    min_copies: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="Adapter name -> its minCopies: the operator pins it on that many Ready pods every "
+        "`pin_interval_s` (operator/adapter_copies.py, a lease of a few intervals), and the router's drains "
+        "never take a copy below it.",
+    )
+    pin_interval_s: float = Field(
+        5.0, gt=0, description="The operator's adapter report period, which renews the pins."
     )
     placement: Literal["placement", "affinity", "none"] = Field(
         "placement",

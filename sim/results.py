@@ -10,7 +10,8 @@ the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
 With LoRA adapters (`workload.adapters`), `lora`: adapter loads and swaps (loads that evicted another
 adapter) in all and per replica, swaps per minute, the most adapters any pod held at once, how long
 requests waited on their pod for an adapter's load (or for room to load it), and how many pods served each
-adapter (the most requested one's, and the mean). SLO attainment is `slo.goodput_fraction`: the share of
+adapter (the most requested one's, and the mean), and for adapters with a minCopies how many pods hold them
+at the end and how often the operator found every minimum held. SLO attainment is `slo.goodput_fraction`: the share of
 arrived requests whose TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
 
 With `breakdown`, the same per-request figures per tenant and/or per priority (`by_tenant`, `by_priority`):
@@ -237,6 +238,12 @@ class Collector:
             "pods_per_adapter_mean": _r(sum(len(p) for p in served.values()) / len(served))
             if served
             else 0.0,
+            # minCopies (lora.min_copies): the pods holding each such adapter at the end, and the share of
+            # the operator's ticks after the first that found every minimum held already.
+            "min_copies_held": {
+                name: sum(name in a.loaded() for a in states.values()) for name in sim.config.lora.min_copies
+            },
+            "min_copies_met": _r(sim.pin_ticks_met / (sim.pin_ticks - 1)) if sim.pin_ticks > 1 else None,
         }
 
     def results(self, sim, end: float) -> dict:

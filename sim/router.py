@@ -36,7 +36,7 @@ waits only while no decode pod exists at all.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenfleet.runtime.engine.fair_share import FairShare
@@ -124,6 +124,7 @@ class SimRouter:
         index_blocks: int = 200_000,
         placement: str = "placement",
         max_copies: int | None = None,
+        min_copies: Mapping[str, int] | None = None,
     ) -> None:
         assert placement in PLACEMENTS, placement
         self.spec = spec
@@ -133,6 +134,7 @@ class SimRouter:
         )
         self.clock = clock
         self.drains = AdapterDrains()  # places being made for refused adapters (placement only)
+        self.min_copies = dict(min_copies or {})  # the adapters' minCopies: no drain goes below them
         self.model_name = model_name
         self.block_size = block_size
         self.extra = hash_extra(model_name)
@@ -413,7 +415,7 @@ class SimRouter:
         placement, a place is made for its next requests (`Fleet.make_adapter_place`); the baselines, routers
         that read no adapter room, make none."""
         if self.placement == "placement" and sreq.adapter is not None:
-            self.drains.make_place(sreq.adapter, self._states(role), self.clock())  # type: ignore[arg-type]
+            self.drains.make_place(sreq.adapter, self._states(role), self.clock(), self.min_copies)  # type: ignore[arg-type]
 
     def timed_out(self, waiter: Waiter) -> str | None:
         """`waiter`'s deadline has come: if it still waits, it leaves the queue and this is the status the

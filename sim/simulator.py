@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from tokenfleet.operator import warm_tier
+from tokenfleet.operator.adapter_copies import PIN_TICKS, PodLoad, pins
 from tokenfleet.operator.autoscaling_policy import History, PodSample, PodState, decide, demand_calls_decision
 from tokenfleet.operator.pod_metrics import histogram_quantile
 from tokenfleet.runtime.engine.long_lived_heap import long_lived_heap
@@ -59,7 +60,8 @@ from tokenfleet.sim.workload import SimRequest
     QUEUE_DEADLINE,
     DEMAND,
     ADAPTER_LOADED,
-) = range(12)
+    ADAPTER_PINS,
+) = range(13)
 
 
 class _Pod:
@@ -104,6 +106,7 @@ class Simulation:
             self.clock,
             placement=config.lora.placement,
             max_copies=config.lora.max_copies,
+            min_copies=config.lora.min_copies,
         )
         self.replica_config = ReplicaConfig(
             config.scheduler,
@@ -141,6 +144,8 @@ class Simulation:
         self._phases: dict[str, RequestRecord] = {}  # request id -> its prefill record, while it decodes
         self._tried: dict[str, frozenset[str]] = {}  # request id -> the pods that refused it its adapter
         self.adapter_retries = 0  # requests sent to another pod after such a refusal
+        self.pin_ticks = 0  # the operator's adapter ticks (with lora.min_copies) ...
+        self.pin_ticks_met = 0  # ... after the first, those that found every minimum loaded already
         # Called at each timeline tick with the virtual time (the speed experiment reads the CPU clock there).
         self.on_tick: Callable[[float], None] | None = None
 
@@ -433,10 +438,38 @@ class Simulation:
                     r.num_running + r.num_waiting,
                     r.kv_usage,
                     None if held is None else held.loaded(),
-                    None if held is None else held.room(),
+                    None if held is None else held.room(self.now),
                     None if held is None else held.active(),
                     r.scheduler.max_loras,
                 )
+
+    def _on_adapter_pins(self, _: object) -> None:
+        """The operator's adapter tick: each adapter's minCopies pinned, for a lease of a few ticks, on the
+        Ready pods `adapter_copies.pins` chooses from their load reports (holders first, then the least
+        loaded with room), as operator/adapter_report.py does."""
+        lora = self.config.lora
+        interval = lora.pin_interval_s
+        pods = {p.replica.name: p for p in self._live() if p.ready and p.replica.adapters is not None}
+        loads = []
+        for name, pod in pods.items():
+            r, held = pod.replica, pod.replica.adapters
+            assert held is not None
+            loads.append(
+                PodLoad(name, frozenset(held.loaded()), held.room(self.now), r.num_running + r.num_waiting)
+            )
+        listed = self.config.workload.adapters.count if self.config.workload.adapters is not None else 0
+        if self.pin_ticks:  # the first tick (the fleet's start) finds nothing loaded yet
+            self.pin_ticks_met += all(
+                sum(name in p.adapters for p in loads) >= min(n, len(loads))
+                for name, n in lora.min_copies.items()
+            )
+        self.pin_ticks += 1
+        until = self.now + PIN_TICKS * interval
+        for name, adapter in pins(lora.min_copies, loads, lora.max_adapters, listed):
+            held = pods[name].replica.adapters
+            assert held is not None
+            held.pin(adapter, until, self.now)  # a pod with no room refuses; the next tick tries again
+        self._push(self.now + interval, ADAPTER_PINS)
 
     def _sample(self, pod: _Pod, window_s: float, quantile: float) -> PodSample:
         r = pod.replica
@@ -592,6 +625,8 @@ class Simulation:
                 self._push(cfg.demand_interval_s, DEMAND)
         horizon = cfg.run_until_s or (cfg.trace and self.workload.duration_s) or cfg.workload.duration_s
         self._push(0.0, TICK)
+        if cfg.uses_adapters and any(cfg.lora.min_copies.values()):
+            self._push(0.0, ADAPTER_PINS)
         self._tick_s = float(horizon) / cfg.timeline_points
         handlers = {
             STEP: self._step_done,
@@ -606,6 +641,7 @@ class Simulation:
             QUEUE_DEADLINE: self._on_queue_deadline,
             DEMAND: self._on_demand,
             ADAPTER_LOADED: self._on_adapter_loaded,
+            ADAPTER_PINS: self._on_adapter_pins,
         }
         heap = self._heap
         pop = heapq.heappop

@@ -7,7 +7,7 @@ import pytest
 from tokenfleet.runtime.config import CacheConfig, SchedulerConfig
 from tokenfleet.runtime.engine.kv_cache.block_hash import block_hashes_for, hash_extra, with_adapter
 from tokenfleet.runtime.router.config import RoutingSpec
-from tokenfleet.sim.adapters import sim_adapter
+from tokenfleet.sim.adapters import BUSY, PARKED, PodAdapters, sim_adapter
 from tokenfleet.sim.api import simulate
 from tokenfleet.sim.config import LoRASpec, parse_config
 from tokenfleet.sim.cost_model import LinearCost
@@ -156,13 +156,13 @@ def test_a_pod_holds_at_most_max_adapters_and_refuses_one_more_while_all_are_in_
     refused = [r.request.request_id for r in records if r.rejected is not None]
     assert refused == ["q3", "q4", "q8", "q9"]
     assert all(r.rejected == ADAPTERS_BUSY for r in records if r.rejected is not None)
-    assert adapters.refusals == 4 and adapters.room() == 0
+    assert adapters.refusals == 4 and adapters.room(0.0) == 0
     assert len(adapters.held) == 3 and adapters.num_parked == 8  # the rest wait for their adapter's load
     assert pod.replica.num_waiting == 8  # parked requests count in the load report
     pod.run()
     assert sorted(pod.done) == sorted(r.request.request_id for r in records if r.rejected is None)
     assert all(len(rec.request.output) == rec.num_emitted for rec in pod.done.values())
-    assert adapters.loads == 3 and adapters.swaps == 0 and adapters.room() == 3
+    assert adapters.loads == 3 and adapters.swaps == 0 and adapters.room(0.0) == 3
     assert pod.max_batch_adapters == 2  # the scheduler's max_loras
     waited = [r.adapter_wait for r in records if r.rejected is None]
     assert min(waited) == pytest.approx(0.02) and all(w >= 0.02 - 1e-9 for w in waited)
@@ -274,3 +274,73 @@ def test_max_copies_bounds_the_pods_holding_an_adapter():
     assert free["lora"]["top_adapter_pods"] > 1
     assert bounded["lora"]["top_adapter_pods"] == 1
     assert bounded["requests"]["finished"] == bounded["requests"]["arrived"]
+
+
+def test_a_pin_loads_its_adapter_keeps_it_from_eviction_and_counts_as_a_place_in_use():
+    """The operator's minCopies on a simulated pod, as `LoRAManager.pin` keeps them: a pin loads the adapter
+    the pod lacks, a pinned adapter is never evicted for another while its lease lasts (the pod refuses the
+    other instead), it is no room in the load report, and the lease ends by itself."""
+    loads: list[str] = []
+    pod = PodAdapters(2, 0.01, lambda name, _: loads.append(name))
+    assert pod.pin("a", until=30.0, now=0.0)
+    assert loads == ["a"] and pod.load_done("a") == []  # loaded for the pin: no request waited for it
+    assert pod.loaded() == {"a": sim_adapter("a").cache_key}
+    assert pod.room(1.0) == 1 and pod.pinned(1.0) == ["a"]
+    assert pod.request("b", "req-b", 1.0) == PARKED
+    pod.load_done("b")
+    pod.release("b")  # b idle now: evictable; a pinned: not
+    assert pod.request("c", "req-c", 2.0) == PARKED
+    assert sorted(pod.held) == ["a", "c"] and pod.swaps == 1
+    # Every place in use or pinned: the next adapter is refused, the pin still holds.
+    assert pod.request("d", "req-d", 3.0) == BUSY
+    assert not pod.pin("e", until=40.0, now=3.0)  # no room for a second pin either
+    assert sorted(pod.held) == ["a", "c"] and pod.room(3.0) == 0
+    # The lease ends: "a" is an idle adapter like any other, and gives its place to the next one.
+    assert pod.pinned(30.0) == [] and pod.room(30.0) == 1
+    assert pod.request("d", "req-d", 30.0) == PARKED
+    assert sorted(pod.held) == ["c", "d"]
+
+
+def _pinned_fleet(min_copies: dict[str, int]) -> dict:
+    """Twenty adapters on four pods that hold three each: a rarely requested adapter loses its copies
+    unless pinned."""
+    return simulate(
+        parse_config(
+            {
+                "model": "8b",
+                "fleet": {"gpu": "h100", "replicas": 4},
+                "probe_interval_s": 0.05,
+                "lora": {
+                    "max_adapters": 3,
+                    "max_loras": 3,
+                    "load_s": 0.005,
+                    "min_copies": min_copies,
+                    "pin_interval_s": 1.0,
+                },
+                "workload": {
+                    "rate": 40,
+                    "duration_s": 10,
+                    "num_tenants": 3,
+                    "system_prompt_tokens": 64,
+                    "user_tokens": 64,
+                    "output_tokens": 32,
+                    "adapters": {"count": 20, "zipf": 1.0},
+                    "seed": 1,
+                },
+            }
+        )
+    )
+
+
+def test_min_copies_are_pinned_on_that_many_pods_through_the_run():
+    """`lora.min_copies` in the simulator: the operator's adapter tick (operator/adapter_copies.py) pins the
+    least requested adapter on three of the four pods, and every tick after the first finds them held,
+    while the other adapters come and go in the places left."""
+    free = _pinned_fleet({"adapter-19": 0})
+    pinned = _pinned_fleet({"adapter-19": 3})
+    assert free["lora"]["min_copies_met"] is None  # no minimum: the operator pins nothing
+    assert free["lora"]["min_copies_held"] == {"adapter-19": 0}  # evicted for the busier adapters
+    assert pinned["lora"]["min_copies_held"] == {"adapter-19": 3}
+    assert pinned["lora"]["min_copies_met"] == 1.0
+    for r in (free, pinned):
+        assert r["requests"]["finished"] + r["requests"]["rejected"] == r["requests"]["arrived"]
