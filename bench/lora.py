@@ -27,6 +27,12 @@ The per-added-adapter lines divide the step time added between consecutive adapt
 added, and by the projections hooked (4 fused per layer: qkv, o, gate_up, down). On CPU the step from 1
 adapter includes leaving the single-adapter fast path (no gathers), so the later pairs are the marginal cost.
 
+The hooks alone: every hooked projection's LoRA hook (shrink + expands, what the model runs after each
+base projection) timed on random inputs for one decode step of N tokens over k adapters' slots, outside
+the model: what the LoRA path costs a step, without the model's own noise around it. `--tiny` swaps the
+model for a random Llama whose forward is nearly free (hidden 64; `--tiny-layers 32` gives it an 8B
+model's layer count), so the step times show the host path's share.
+
 Loading: `engine.lora.register(name, path)` (read the safetensors from the page cache, parse, check the
 shapes, convert to the model dtype, digest: host work) and the first copy of the adapter into a device slot
 (`engine.lora.slots.load(slot, weights)`, what a step does when it needs an adapter that has no slot),
@@ -45,7 +51,7 @@ What the kernels cost depends on the device the model runs on (`--device`, defau
 Adapters are random PEFT-format folders written to a temporary directory (adapter_config.json +
 adapter_model.safetensors, A and B ~ N(0, 0.01^2), alpha = 2r), targeting all seven projections by default.
 
-    python bench/lora.py [--tiny | --model PATH] [--num-prompts 16] [--max-tokens 32] [--prompt-len 32] [--adapters 1 4 8]
+    python bench/lora.py [--tiny [--tiny-layers N] | --model PATH] [--num-prompts 16] [--max-tokens 32] [--prompt-len 32] [--adapters 1 4 8]
                          [--rank 16] [--targets q_proj ...] [--rounds 3] [--device auto] [--threads N]
                          [--json out.json]
 
@@ -92,6 +98,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenfleet.kernels.lora import make_lora_batch_from_runs
 from tokenfleet.runtime.config import ModelConfig
 from tokenfleet.runtime.engine.llm import LLM, LoRARequest
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -225,6 +232,45 @@ def throughput(loaded, args, model_kwargs: dict, adapters: list[Path], prompts: 
                 flush=True,
             )
     return cases, records, slot_bytes
+
+
+def hook_times(
+    loaded, args, model_kwargs: dict, adapters: list[Path], device: torch.device
+) -> dict[int, float]:
+    """Median ms of the LoRA work of one decode step alone, per adapter count: every hooked projection's
+    hook (shrink + expands, what the model runs after each base projection) on `--num-prompts` decode
+    tokens spread round-robin over k adapters' slots, without the rest of the model around it."""
+    k_max = max(args.adapters)
+    llm = build_llm(loaded, args, model_kwargs, k_max)
+    try:
+        lora = llm.engine.lora
+        assert lora is not None
+        slots = lora.slots
+        for i in range(k_max):
+            adapter = lora.register(f"h{i}", str(adapters[i]))
+            slots.load(i, adapter.weights)
+        gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        calls = []
+        for proj in slots.projections:
+            x = torch.randn(args.num_prompts, proj.a.shape[2], generator=gen).to(device, loaded.dtype)
+            out = torch.zeros(args.num_prompts, sum(proj.out_sizes), device=device, dtype=loaded.dtype)
+            calls.append((proj, (x,), out))
+        result = {}
+        for k in args.adapters:
+            slots.batch = make_lora_batch_from_runs([(i % k, 1) for i in range(args.num_prompts)], device)
+            times = []
+            for _ in range(max(5, 5 * args.rounds)):
+                _sync(device)
+                start = time.perf_counter()
+                for proj, inputs, out in calls:
+                    proj(None, inputs, out)
+                _sync(device)
+                times.append(1e3 * (time.perf_counter() - start))
+            result[k] = statistics.median(times)
+        slots.batch = None
+        return result
+    finally:
+        llm.shutdown()
 
 
 def load_times(loaded, args, model_kwargs: dict, folder: Path, targets: list[str], device: torch.device):
@@ -383,7 +429,13 @@ def main() -> int:
     ap.add_argument(
         "--tiny",
         action="store_true",
-        help="a random 2-layer Llama, hidden 64 (bench/host_overhead.py's): what adapters cost the host path",
+        help="a random Llama, hidden 64 (bench/host_overhead.py's): what adapters cost the host path",
+    )
+    ap.add_argument(
+        "--tiny-layers",
+        type=int,
+        default=2,
+        help="layers of the --tiny model (32: an 8B model's count, whose hooks a GPU step pays on the host)",
     )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -456,7 +508,7 @@ def main() -> int:
 
         tiny_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-lora-tiny-"))
         atexit.register(shutil.rmtree, tiny_dir, True)
-        build_checkpoint(tiny_dir)
+        build_checkpoint(tiny_dir, num_layers=args.tiny_layers)
         args.model = str(tiny_dir)
     if args.model:
         model_kwargs["model"] = args.model
@@ -490,6 +542,7 @@ def main() -> int:
             for i in range(max(args.adapters))
         ]
         cases, records, slot_bytes = throughput(loaded, args, model_kwargs, adapters, prompts)
+        hooks = hook_times(loaded, args, model_kwargs, adapters, device)
         loads = load_times(loaded, args, model_kwargs, folder, args.targets, device)
     load_after = os.getloadavg()[0]
 
@@ -530,6 +583,11 @@ def main() -> int:
             f"{1e3 * per_adapter / hooked:+.1f} us per hooked projection ({hooked} = 4 x {arch.num_layers} layers)"
         )
     print("# slots MiB: engine.lora.slots.nbytes, max_loras slots of rank max_lora_rank on every projection")
+    summary["hooks_ms_per_step"] = hooks
+    print(
+        f"# the LoRA hooks alone, one decode step of {args.num_prompts} tokens ({hooked} projections): "
+        + ", ".join(f"{k} adapter{'s' if k > 1 else ''} {ms:.2f} ms" for k, ms in hooks.items())
+    )
 
     print(f"\n# adapter load, median of {args.load_adapters} per rank ({','.join(args.targets)})")
     print(f"{'rank':>5}{'file MiB':>10}{'host MiB':>10}{'register ms':>13}{'slot copy ms':>14}")
