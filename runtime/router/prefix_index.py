@@ -320,16 +320,20 @@ class _Generation:
             if best is None:
                 continue
             for r in routes:
+                if best:
+                    if best == n:
+                        break  # the whole prompt: nothing longer to find
+                    if best >= len(r) or r[best] != hashes[best]:
+                        # Not one block past the best so far: nothing to find (one comparison). Routes
+                        # under one first block mostly share a system prompt and then diverge, so after
+                        # the first route nearly every other one stops here instead of bisecting.
+                        continue
                 m = min(n, len(r))
-                if m <= best:
-                    continue
                 if r[m - 1] == hashes[m - 1]:
                     best = m  # the whole shorter one is shared: one comparison
                 else:
                     # Equal at i means equal at every j < i (chaining): bisect the first difference.
-                    best = max(
-                        best, bisect_left(range(m), True, lo=best, key=lambda i, r=r: r[i] != hashes[i])
-                    )
+                    best = bisect_left(range(m), True, lo=best, key=lambda i, r=r: r[i] != hashes[i])
             result[endpoint_id] = best
 
 
@@ -341,7 +345,8 @@ class RecentRoutes:
     its first block hash and its endpoint, so recording one costs O(1) whatever the prompt's length. Block
     hashes are chained, so a route shares a prompt's first i blocks iff their hashes at position i - 1 agree:
     a match looks only at the routes under the prompt's first block and finds each one's shared run by
-    bisection, O(log prompt blocks) per route. `capacity_blocks` bounds the blocks a generation references: a
+    bisection, O(log prompt blocks) per route — or one comparison for a route that does not reach a block
+    past the longest run found so far for its endpoint, which after the first is nearly every route. `capacity_blocks` bounds the blocks a generation references: a
     generation that reaches it rotates early."""
 
     def __init__(
