@@ -51,7 +51,8 @@ What the kernels cost depends on the device the model runs on (`--device`, defau
 Adapters are random PEFT-format folders written to a temporary directory (adapter_config.json +
 adapter_model.safetensors, A and B ~ N(0, 0.01^2), alpha = 2r), targeting all seven projections by default.
 
-    python bench/lora.py [--tiny [--tiny-layers N] | --model PATH] [--num-prompts 16] [--max-tokens 32] [--prompt-len 32] [--adapters 1 4 8]
+    python bench/lora.py [--tiny [--tiny-layers N] | --model PATH] [--num-prompts 16] [--max-tokens 32]
+                         [--prompt-len 32] [--adapters 1 4 8]
                          [--rank 16] [--targets q_proj ...] [--rounds 3] [--device auto] [--threads N]
                          [--json out.json]
 

@@ -10,9 +10,9 @@ the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
 With LoRA adapters (`workload.adapters`), `lora`: adapter loads and swaps (loads that evicted another
 adapter) in all and per replica, swaps per minute, the most adapters any pod held at once, how long
 requests waited on their pod for an adapter's load (or for room to load it), and how many pods served each
-adapter (the most requested one's, and the mean), and for adapters with a minCopies how many pods hold them
-at the end and how often the operator found every minimum held. SLO attainment is `slo.goodput_fraction`: the share of
-arrived requests whose TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
+adapter (the most requested one's, and the mean), and for adapters with a minCopies how many pods hold
+them at the end and how often the operator found every minimum held. SLO attainment is
+`slo.goodput_fraction`: the share of arrived requests whose TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
 
 With `breakdown`, the same per-request figures per tenant and/or per priority (`by_tenant`, `by_priority`):
 what one class of traffic saw beside the others (a light tenant beside a flood, interactive beside batch).

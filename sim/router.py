@@ -415,7 +415,8 @@ class SimRouter:
         placement, a place is made for its next requests (`Fleet.make_adapter_place`); the baselines, routers
         that read no adapter room, make none."""
         if self.placement == "placement" and sreq.adapter is not None:
-            self.drains.make_place(sreq.adapter, self._states(role), self.clock(), self.min_copies)  # type: ignore[arg-type]
+            states = self._states(role)
+            self.drains.make_place(sreq.adapter, states, self.clock(), self.min_copies)  # type: ignore[arg-type]
 
     def timed_out(self, waiter: Waiter) -> str | None:
         """`waiter`'s deadline has come: if it still waits, it leaves the queue and this is the status the

@@ -346,8 +346,9 @@ class RecentRoutes:
     hashes are chained, so a route shares a prompt's first i blocks iff their hashes at position i - 1 agree:
     a match looks only at the routes under the prompt's first block and finds each one's shared run by
     bisection, O(log prompt blocks) per route — or one comparison for a route that does not reach a block
-    past the longest run found so far for its endpoint, which after the first is nearly every route. `capacity_blocks` bounds the blocks a generation references: a
-    generation that reaches it rotates early."""
+    past the longest run found so far for its endpoint, which after the first is nearly every route.
+    `capacity_blocks` bounds the blocks a generation references: a generation that reaches it rotates
+    early."""
 
     def __init__(
         self, capacity_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
