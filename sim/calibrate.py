@@ -25,6 +25,7 @@ own rows is printed so a bad fit is visible.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import time
@@ -38,7 +39,10 @@ from tokenfleet.sim.model_profile import model_profile
 PREFILLS = (32, 128, 384, 768)
 # (cached prefix, new tokens): the prompt of a tenant or a session's next turn, whose prefix is cached.
 PREFIX_HITS = ((256, 16), (1024, 32), (2048, 64))
-DECODES = ((1, 48), (4, 48), (12, 48), (24, 48), (6, 600))
+DECODES = ((1, 48), (2, 48), (3, 48), (4, 48), (12, 48), (24, 48), (6, 600))
+# Steps of this few tokens get their own measured excess over the fit (LinearCost.small_batch_extra_s):
+# on a CPU two and three rows cost about twice and three times one, four rows less than three.
+SMALL_BATCH_TOKENS = (2, 3)
 
 
 class Timed(NamedTuple):
@@ -259,8 +263,12 @@ async def _contention(session, urls: list[str], prompt, decode_tokens: int, log)
 def fit(
     rows: list[Timed], kv_cache_bytes: float = 2**30, cores: CoreUsage | None = None
 ) -> tuple[LinearCost, float]:
-    a = np.array([_features(r.shape, r.first_token) for r in rows], dtype=np.float64)
-    b = np.array([r.seconds for r in rows], dtype=np.float64)
+    """The linear terms fitted on every row but the small-batch decode steps, whose excess over the fit
+    is then taken as measured (`LinearCost.small_batch_extra_s`); and the median relative error."""
+    small = [r for r in rows if not r.first_token and r.shape.num_tokens in SMALL_BATCH_TOKENS]
+    linear_rows = [r for r in rows if not any(r is s for s in small)]
+    a = np.array([_features(r.shape, r.first_token) for r in linear_rows], dtype=np.float64)
+    b = np.array([r.seconds for r in linear_rows], dtype=np.float64)
     # Relative error matters (a 30 ms decode and a 2 s prefill alike): weight rows by 1 / time.
     w = 1.0 / b
     x = _nnls(a * w[:, None], b * w)
@@ -279,10 +287,18 @@ def fit(
         cores=cores,
         per_kv_read_s=per_kv_read,
     )
+    if small:
+        extra = [0.0] * (max(SMALL_BATCH_TOKENS) + 1)
+        for n in SMALL_BATCH_TOKENS:
+            excess = [r.seconds - cost.step_seconds(r.shape) for r in small if r.shape.num_tokens == n]
+            if excess:
+                extra[n] = float(np.median(excess))
+        cost = dataclasses.replace(cost, small_batch_extra_s=tuple(extra))
     pred = np.array(
         [cost.step_seconds(r.shape) + (cost.request_overhead_s if r.first_token else 0.0) for r in rows]
     )
-    return cost, float(np.median(np.abs(pred - b) / b))
+    seconds = np.array([r.seconds for r in rows], dtype=np.float64)
+    return cost, float(np.median(np.abs(pred - seconds) / seconds))
 
 
 def calibrate(out: Path, decode_steps: int = 6, via: str = "server", log=print) -> LinearCost:
@@ -291,13 +307,16 @@ def calibrate(out: Path, decode_steps: int = 6, via: str = "server", log=print) 
     else:
         rows, cores = measure(decode_steps, log), None
     cost, err = fit(rows, cores=cores)
+    extra = cost.small_batch_extra_s
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(cost.to_json() + "\n")
+    small = ", ".join(f"{n} tokens {extra[n] * 1e3:+.1f} ms" for n in SMALL_BATCH_TOKENS if n < len(extra))
     log(
         f"fit: base {cost.base_s * 1e3:.2f} ms + {cost.per_token_s * 1e3:.3f} ms/token + "
         f"{cost.per_seq_s * 1e3:.3f} ms/seq + {cost.per_attn_s * 1e9:.2f} ns/attention-pair + "
         f"{cost.per_kv_read_s * 1e6:.2f} us/context token read per step, "
-        f"{cost.request_overhead_s * 1e3:.1f} ms per request; "
-        f"median relative error {err:.1%} over {len(rows)} rows (timed through the {via}) -> {out}"
+        f"{cost.request_overhead_s * 1e3:.1f} ms per request"
+        + (f"; steps of {small} beyond that" if small else "")
+        + f"; median relative error {err:.1%} over {len(rows)} rows (timed through the {via}) -> {out}"
     )
     return cost

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from tokenfleet.sim.cost_model import CoreUsage, LinearCost
 from tokenfleet.sim.fidelity import sim_run, write_trace
 from tokenfleet.sim.model_profile import model_profile
@@ -50,6 +51,39 @@ def test_served_fit_separates_the_request_overhead_from_the_steps():
     assert err < 1e-6
     assert abs(cost.request_overhead_s - 0.03) < 1e-6 and abs(cost.base_s - 0.05) < 1e-6
     assert abs(cost.per_kv_read_s - 2e-5) < 1e-9
+
+
+def test_small_batch_steps_keep_their_measured_excess_and_the_line_fits_the_rest(tmp_path):
+    """A CPU runs two or three rows about one at a time and packs a matrix product from four on: steps of
+    two and three decodes cost far more than a line through the others says. The fit leaves them out of
+    the line and keeps each one's measured excess, which the profile carries to the simulator."""
+    from tokenfleet.sim.calibrate import Timed, fit
+    from tokenfleet.sim.cost_model import BatchShape
+
+    model = model_profile("smollm2-135m")
+    truth = LinearCost(0.05, 1e-3, 2e-3, 0.0, 2e-6, 2**30, model, "cpu", 0.03, per_kv_read_s=2e-5)
+    jump = {2: 0.017, 3: 0.031}  # a 2- and 3-row step's excess, as measured on 2 cores
+    rows = []
+    for p in (32, 128, 384, 768):
+        shape = BatchShape(p, 1, 1, p * (p + 1) / 2, p)
+        rows.append(Timed(shape, truth.step_seconds(shape) + 0.03, True))
+    for batch, ctx in ((1, 48), (2, 48), (3, 48), (4, 48), (12, 48), (24, 48), (6, 600)):
+        shape = BatchShape(batch, batch, batch, batch * ctx, batch * ctx)
+        rows.append(Timed(shape, truth.step_seconds(shape) + jump.get(batch, 0.0)))
+    cost, err = fit(rows)
+    assert err < 1e-6  # every row, the small batches included, predicted exactly
+    assert abs(cost.base_s - 0.05) < 1e-6 and abs(cost.per_seq_s - 2e-3) < 1e-6
+    assert cost.small_batch_extra_s[2] == pytest.approx(0.017) and cost.small_batch_extra_s[
+        3
+    ] == pytest.approx(0.031)
+    two = BatchShape(2, 2, 2, 96, 96)
+    assert cost.step_seconds(two) == pytest.approx(truth.step_seconds(two) + 0.017)
+    # A mixed step of 40 tokens is on the line; the profile round-trips the excess.
+    mixed = BatchShape(40, 3, 3, 2000, 400)
+    assert cost.step_seconds(mixed) == pytest.approx(truth.step_seconds(mixed))
+    path = tmp_path / "cpu.json"
+    path.write_text(cost.to_json())
+    assert LinearCost.load(path, model) == cost
 
 
 def test_profile_round_trips_and_a_shared_host_stretches_concurrent_steps(tmp_path):
