@@ -11,6 +11,8 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    be admitted, nothing behind it is. No admissions in a step that had to preempt (blocks are tight).
    Under `policy: priority` the head instead preempts running requests of a strictly lower priority
    (lowest first, newest first) until it fits, as vLLM's priority scheduling does; ties never preempt.
+   A request preempted in a step is not admitted again in that step (when it heads the queue, admissions
+   stop there).
    Under `fair_share`, within a priority the waiting request of the least-served tenant goes first and may
    preempt a much more served tenant's running request of the same priority (see "Fair share" below);
    priorities stay strict.
@@ -38,8 +40,10 @@ every pick of the step sees the service given so far. A flood from one tenant th
 requests behind it in the waiting queue. And when the batch or the cache is full, a waiting request of a
 tenant that received at least FAIR_PREEMPT_MARGIN less service than a running request's tenant (same
 priority) preempts it — the most-served tenant's newest first — so a light tenant behind a flood waits one
-step, not for a flood's request to finish; the margin keeps two tenants from trading a slot back and
-forth. With it off, none of this runs: one heap, no charges.
+step, not for a flood's request to finish. Only a tenant holding at least two more running requests than
+the waiting one's is preempted: a swap then never reverses their order in running requests, so it is never
+swapped back (service alone would: a prompt is charged in one lump the step it is admitted). With it off,
+none of this runs: one heap, no charges.
 
 A preempted request resumes by recomputing prompt + generated tokens (its `all_token_ids`), so the same
 rule covers resumption. Synchronous, deterministic, no torch, no clock: one engine thread owns all of this
@@ -49,6 +53,7 @@ state, and a simulator can drive it on virtual time.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.admission import AdmissionLimits
@@ -364,9 +369,18 @@ class Scheduler:
         # back in their places after the loop). The running adapters are gathered only when one is met.
         adapters: set | None = None
         passed_over: list[Request] = []
+        # The head that has just preempted to make room keeps its turn: the victim's refund may have put
+        # the victim's tenant back ahead of it, and the queue's order would hand the room straight back.
+        made_room: Request | None = None
         while budget > 0:
-            request = waiting.peek()
+            request = made_room or waiting.peek()
+            kept_turn, made_room = made_room is not None, None
             if request is None:
+                break
+            if preempted and request.request_id in preempted:
+                # It lost its slot in this very step, and its refund can leave its tenant less served than
+                # the one that displaced it: admitted again, it would be charged again, preempted again by
+                # the next head, without end. It waits for the next step, when the counters are settled.
                 break
             lora = request.lora
             if lora is not None and self.max_loras is not None:
@@ -379,6 +393,7 @@ class Scheduler:
                 if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
                     break
                 budget += refund
+                made_room = request
                 continue
             rid = request.request_id
             # A request scoring its prompt computes every position it has not scored yet: a hit would
@@ -403,8 +418,12 @@ class Scheduler:
                 if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
                     break
                 budget += refund
+                made_room = request
                 continue
-            waiting.pop()
+            if kept_turn:  # perhaps no longer the head
+                waiting.remove(rid)
+            else:
+                waiting.pop()
             if request.status is RequestStatus.WAITING:  # first admission (not a resumption)
                 request.num_cached_tokens = num_hit_tokens
                 # Every request, also one without a full block: routers count announcements as work.
@@ -647,18 +666,28 @@ class Scheduler:
 
     def _fair_victim(self, request: Request) -> int | None:
         """Fair share's preemption: the newest running request of the same priority whose tenant has
-        received at least FAIR_PREEMPT_MARGIN more service than `request`'s (the most-served tenant first),
-        else None. The margin is the hysteresis: the preempted tenant stays ahead in service, so it cannot
-        take the slot straight back, and two tenants swap a slot at most once per that much service."""
+        received at least FAIR_PREEMPT_MARGIN more service than `request`'s (the most-served tenant first)
+        and holds at least two more running requests than `request`'s tenant, else None.
+
+        Both are hysteresis, and the second is what guarantees it. Service is charged in lumps (a whole
+        prompt chunk the step it is scheduled), so right after its admission the displacing tenant can be
+        far more served than the displaced one, which would then take the slot back, and so on every step.
+        A swap from a tenant holding n running requests to one holding m <= n - 2 leaves them n - 1 >= m + 1:
+        it never turns the order of their running counts around, so the same rule cannot reverse it (each
+        swap lowers the sum of the squares of the tenants' running counts: swaps end)."""
         fair = self.fair
         assert fair is not None
-        floor = fair.counter(request.tenant or "") + FAIR_PREEMPT_MARGIN
+        tenant = request.tenant or ""
+        floor = fair.counter(tenant) + FAIR_PREEMPT_MARGIN
+        slots = Counter(r.tenant or "" for r in self.running)
+        enough = slots[tenant] + 2
         best, best_key = None, None
         for j, r in enumerate(self.running):
             if r.priority != request.priority:
                 continue
-            served = fair.counter(r.tenant or "")
-            if served < floor:
+            victim_tenant = r.tenant or ""
+            served = fair.counter(victim_tenant)
+            if served < floor or slots[victim_tenant] < enough:
                 continue
             key = (served, r.arrival_time, self._order[r.request_id])
             if best_key is None or key > best_key:

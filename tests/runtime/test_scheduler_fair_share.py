@@ -22,9 +22,14 @@ _first = itertools.count(100, 1000)
 
 
 def make(
-    fair: bool = True, max_seqs: int = 8, budget: int = 32, policy: str = "fcfs", caching: bool = True
+    fair: bool = True,
+    max_seqs: int = 8,
+    budget: int = 32,
+    policy: str = "fcfs",
+    caching: bool = True,
+    blocks: int = 64,
 ) -> Scheduler:
-    km = KVCacheManager(64, BS, enable_caching=caching, hash_extra=hash_extra("m"))
+    km = KVCacheManager(blocks, BS, enable_caching=caching, hash_extra=hash_extra("m"))
     config = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, fair_share=fair
     )
@@ -228,24 +233,60 @@ def test_the_engine_passes_each_requests_tenant_to_the_scheduler(default_model):
 
 
 def test_a_light_tenant_behind_a_flood_preempts_the_most_served_one_at_once_and_only_once():
-    s = make(max_seqs=1)
-    s.add_request(mkreq("a0", "A", max_tokens=200))
+    s = make(max_seqs=2)
+    s.add_request(mkreq("a0", "A", max_tokens=60))  # both fit the cache to the end: no preemption for blocks
+    s.add_request(mkreq("a1", "A", max_tokens=60))
     for _ in range(40):
-        step(s)  # A alone: 4 + 2 x 40 of service
+        step(s)  # A alone
     s.add_request(mkreq("b0", "B"))  # joins the credit below A: exactly the margin behind
     assert s.fair.counter("A") - s.fair.counter("B") == FAIR_PREEMPT_MARGIN
     out, _ = step(s)
-    assert [x.request_id for x in out.scheduled] == ["b0"] and out.preempted_ids == ("a0",)
+    assert [x.request_id for x in out.scheduled] == ["a0", "b0"] and out.preempted_ids == ("a1",)
     rest = admission_order(s)
-    assert "a0" in rest and s.num_preemptions_total == 1  # no slot traded back and forth
+    assert "a1" in rest and s.num_preemptions_total == 1  # no slot traded back and forth
+
+
+def test_a_tenant_is_never_preempted_down_to_fewer_running_requests_than_the_one_it_yields_to():
+    # One slot each way would swap back as soon as the newcomer's prompt is charged: A holding the only
+    # slot is not preempted, however far ahead in service.
+    s = make(max_seqs=1)
+    s.add_request(mkreq("a0", "A", max_tokens=40))
+    for _ in range(30):
+        step(s)
+    s.add_request(mkreq("b0", "B"))
+    assert s.fair.counter("A") - s.fair.counter("B") >= FAIR_PREEMPT_MARGIN
+    assert admission_order(s) == ["a0", "b0"] and s.num_preemptions_total == 0
 
 
 def test_fair_share_preempts_only_within_a_priority():
-    s = make(max_seqs=1)
+    s = make(max_seqs=2)
     s.add_request(mkreq("a0", "A", max_tokens=200))
+    s.add_request(mkreq("a1", "A", max_tokens=200))
     for _ in range(40):
         step(s)
     s.add_request(mkreq("b-low", "B", priority=1))
     for _ in range(20):
         out, _ = step(s)
-        assert [x.request_id for x in out.scheduled] == ["a0"] and not out.preempted_ids
+        assert [x.request_id for x in out.scheduled] == ["a0", "a1"] and not out.preempted_ids
+
+
+@pytest.mark.timeout(20)
+def test_a_request_preempted_for_fair_share_is_not_admitted_again_in_the_same_step():
+    """The victim's chunk is refunded when it is preempted, which can leave its tenant less served than the
+    preemptor's: re-admitting it at once would charge the chunk again, preempt it again for the same
+    head, and never end the step (a livelock seen with fleets of pods holding a flood)."""
+    s = make(max_seqs=2, budget=160, blocks=128)
+    s.add_request(mkreq("a0", "A", n=4, max_tokens=100))
+    s.add_request(mkreq("a1", "A", n=240, max_tokens=2))
+    step(s)  # a0's prompt, a1's first chunk: 156 prompt tokens
+    a_before = s.fair.counter("A")
+    s.add_request(mkreq("b0", "B"))
+    # B's history leaves it a little more served than A before this step's chunks (a0's decode, a1's last
+    # 84 prompt tokens, two sampled tokens), and more than the margin behind A after them.
+    s.fair.counters["B"] = a_before + 5
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled] == ["a0", "b0"] and out.preempted_ids == ("a1",)
+    assert s.get_request("a1").status is RequestStatus.PREEMPTED and s.fair.counter("A") < s.fair.counter("B")
+    s.update(out, {"a0": [TOKEN], "b0": [TOKEN]})
+    rest = admission_order(s)
+    assert "a1" in rest and s.num_preemptions_total == 1
