@@ -42,7 +42,13 @@ from tokenfleet.runtime.router.decision import AT_CAPACITY, NO_READY_ENDPOINT, r
 from tokenfleet.runtime.router.endpoints import EndpointSliceWatch, static_urls
 from tokenfleet.runtime.router.fleet import Fleet, PromptKey
 from tokenfleet.runtime.router.metrics import RouterMetrics
-from tokenfleet.runtime.router.model_routes import RouteTarget, route_of, served_models, session_draw
+from tokenfleet.runtime.router.model_routes import (
+    RouteTarget,
+    route_of,
+    served_models,
+    session_draw,
+    split_draws,
+)
 from tokenfleet.runtime.router.pod_auth import PodAuth
 from tokenfleet.runtime.router.pod_tokenizers import BackendTokenizer
 from tokenfleet.runtime.router.priority import QueueFull, QueueTimeout
@@ -535,8 +541,10 @@ async def handle_models(request: web.Request) -> web.Response:
         for m in data:
             if isinstance(m, dict) and "id" in m:
                 merged.setdefault(m["id"], m)
+    # An alias is listed while some request for it can be served: any side of a split, or a fallback.
+    draws = split_draws(router.config.routing)
     for route in router.config.routing.model_routes:
-        if fleet.healthy_endpoints(fleet.targets(route.model)):
+        if any(fleet.healthy_endpoints(fleet.targets(route.model, draw)) for draw in draws):
             merged.setdefault(
                 route.model, {"id": route.model, "object": "model", "created": 0, "owned_by": "tokenfleet"}
             )

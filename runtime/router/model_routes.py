@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from tokenfleet.runtime.router.config import MAX_FALLBACK_DEPTH, Backend, ModelRoute, RoutingSpec
 
@@ -57,6 +58,21 @@ def _pool(model: str, route: ModelRoute | None, backends: Sequence[Backend], dra
     if route is not None and route.backends:
         return route.backends
     return tuple(b.name for b in backends if b.model == model or model in b.adapters)
+
+
+def split_draws(spec: RoutingSpec) -> tuple[float, ...]:
+    """One draw inside each stretch of [0, 1) over which every split of `spec` picks the same side: between
+    them they reach every combination of sides a request may take (every split along a chain uses the
+    same draw), so "can some request for M be served" is asked of these draws alone."""
+    cuts = {0.0, 1.0}
+    for route in spec.model_routes:
+        total = sum(w.weight for w in route.split if w.weight > 0)
+        point = 0.0
+        for w in route.split:
+            if w.weight > 0:
+                point += w.weight
+                cuts.add(min(point / total, 1.0))
+    return tuple((a + b) / 2 for a, b in pairwise(sorted(cuts)) if b > a)
 
 
 def route_targets(

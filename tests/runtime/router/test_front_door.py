@@ -161,3 +161,22 @@ async def test_the_pods_queues_are_summed_per_model_for_the_autoscaler(serve_app
                     break
                 await asyncio.sleep(0.05)
             assert seen == {"llama": 7, "small": 9}
+
+
+async def test_v1_models_lists_a_split_alias_while_any_side_of_it_can_serve(
+    serve_app, start_router, make_pod, closed_port_url
+):
+    canary = make_pod("llama-next")
+    async with serve_app(canary.app()) as u2:
+        backends = [backend("v1", closed_port_url, "llama"), backend("v2", u2, "llama-next")]
+        routes = [
+            {"model": "chat", "split": [{"backend": "v1", "weight": 95}, {"backend": "v2", "weight": 5}]},
+            {"model": "legacy", "backends": ["v1"]},
+        ]
+        async with start_router(backends, {"modelRoutes": routes}, wait_ready=False) as (url, router):
+            await until(lambda: router.fleet.healthy_endpoints(router.fleet.targets("llama-next")))
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s, s.get(url + "/v1/models") as r:
+                listed = {m["id"] for m in (await r.json())["data"]}
+    # The 95 % side has no pod, the 5 % side does: the sessions that draw it are served, so the alias is
+    # there; the route whose only backend is down is not.
+    assert "chat" in listed and "legacy" not in listed

@@ -7,7 +7,7 @@ import random
 import pytest
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.router.config import RouterConfig
-from tokenfleet.runtime.router.model_routes import route_targets, session_draw
+from tokenfleet.runtime.router.model_routes import route_targets, session_draw, split_draws
 
 
 def config(routes, backends=(("v1", "llama"), ("v2", "llama-next"), ("small", "tiny"), ("big", "huge"))):
@@ -125,3 +125,21 @@ def test_bad_routes_are_rejected_naming_the_field(routes, words):
     with pytest.raises((ConfigError, ValueError)) as e:
         config(routes)
     assert words in str(e.value)
+
+
+def test_split_draws_reach_every_combination_of_sides_along_a_chain():
+    cfg = config(
+        [
+            {
+                "model": "chat",
+                "split": [{"backend": "v1", "weight": 95}, {"backend": "v2", "weight": 5}],
+                "fallback": ["spare"],
+            },
+            {"model": "spare", "split": [{"backend": "small", "weight": 1}, {"backend": "big", "weight": 1}]},
+        ]
+    )
+    draws = split_draws(cfg.routing)
+    reached = {tuple(t[1] for t in targets(cfg, "chat", d)) for d in draws}
+    every = {tuple(t[1] for t in targets(cfg, "chat", i / 1000)) for i in range(1000)}
+    assert reached == every and len(draws) == 3  # cuts at 0.5 and 0.95
+    assert split_draws(config([{"model": "chat", "backends": ["v1"]}]).routing) == (0.5,)
