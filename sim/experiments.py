@@ -164,6 +164,9 @@ def disaggregation(duration: float, rate: float, replicas: int, splits: list[int
 # p99 0.037 / 0.11 s at 24/s, 0.047 / 0.80 s at 28/s, 1.2 / 4.5 s at 32/s.
 FAIR_REQUEST = {"system_prompt_tokens": 500, "user_tokens": 600, "output_tokens": 300}
 FAIR_CAPACITY_PER_REPLICA = 29.0
+# The router's in-flight bound per pod when the pods' own queues are to hold the backlog (their fair share
+# then decides who is admitted, and preempts a flood's request for a tenant far behind in service).
+POD_QUEUE_IN_FLIGHT = 1024
 
 
 def _sim(config: dict) -> tuple[dict, float]:
@@ -181,11 +184,13 @@ def fairness(
     seed: int = 0,
 ) -> list[tuple]:
     """B at `b_share` of its share of the fleet, A at `flood` times its share; rows: B alone, A + B without
-    and with fair share. A floods from the start and B sends for `duration` seconds from `warmup` on, into
-    a fleet already full (at the very start no request has finished yet, so for the first answer's time
-    nobody gets a slot whatever the order). Requests wait in the router once every pod holds
-    `max_num_seqs`, up to `queueTimeoutSeconds` (5 s: then 429); the queue's bound is out of the way (a
-    full queue refuses B as well as A, whatever the order), so the order alone decides who is served."""
+    fair share, with it in the router, and with it in the router and the pods. A floods from the start and
+    B sends for `duration` seconds from `warmup` on, into a fleet already full (at the very start no request
+    has finished yet, so for the first answer's time nobody gets a slot whatever the order). Requests wait
+    in the router once every pod holds `max_num_seqs`, up to `queueTimeoutSeconds` (5 s: then 429); the
+    queue's bound is out of the way (a full queue refuses B as well as A, whatever the order), so the order
+    alone decides who is served. In the last row the router lets each pod hold POD_QUEUE_IN_FLIGHT, so the
+    pods' own fair-share queues hold most of the flood and their schedulers preempt A's requests for B."""
     share = FAIR_CAPACITY_PER_REPLICA * replicas / 2
     b = {"name": "B", "rate": b_share * share, "start_s": warmup, **FAIR_REQUEST}
     a = {"name": "A", "rate": flood * share, **FAIR_REQUEST}
@@ -201,19 +206,27 @@ def fairness(
     print("|" + "---|" * 11)
     rows = []
     solo_p99 = None
-    for label, tenants, fair in (
-        ("B alone", [b], False),
-        ("A + B, fair share off", [a, b], False),
-        ("A + B, fair share on", [a, b], True),
-    ):
+    # (label, tenants, fair share in the router, in the pods' schedulers, router's in-flight bound per pod)
+    runs = (
+        ("B alone", [b], False, False, 256),
+        ("A + B, fair share off", [a, b], False, False, 256),
+        ("A + B, fair share in the router", [a, b], True, False, 256),
+        ("A + B, fair share in the router and the pods", [a, b], True, True, POD_QUEUE_IN_FLIGHT),
+    )
+    for label, tenants, fair, pods_fair, in_flight in runs:
         r, wall = _sim(
             {
                 "model": "llama-3-8b",
                 "fleet": {"gpu": "h100-sxm", "replicas": replicas},
-                "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_waiting": 100_000},
+                "scheduler": {
+                    "max_num_seqs": 256,
+                    "max_num_batched_tokens": 8192,
+                    "max_waiting": 100_000,
+                    "fair_share": pods_fair,
+                },
                 "routing": {
                     "strategy": "prefix-affinity",
-                    "maxInFlightPerEndpoint": 256,
+                    "maxInFlightPerEndpoint": in_flight,
                     "maxQueued": 1_000_000,
                     "queueTimeoutSeconds": 5,
                     "fairShare": {"enabled": fair},

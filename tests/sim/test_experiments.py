@@ -7,12 +7,19 @@ from tokenfleet.sim import experiments
 
 
 def test_fairness_rows_show_fair_share_keeping_the_light_tenant_served(capsys):
-    alone, off, on = experiments.fairness(5, replicas=1, warmup=5)
-    assert [r[0] for r in (alone, off, on)] == ["B alone", "A + B, fair share off", "A + B, fair share on"]
-    assert alone[7] is None and off[8] > 0  # A is in the two mixed runs only, and its flood is refused
-    assert off[1] > 4.0 and on[1] * 3 < off[1]  # B's TTFT p50: the queue's deadline, or far below it
-    assert on[5] == 0 < off[5]  # B refused only first come first served
-    assert "| A + B, fair share on |" in capsys.readouterr().out
+    alone, off, on, pods = experiments.fairness(5, replicas=1, warmup=5)
+    assert [r[0] for r in (alone, off, on, pods)] == [
+        "B alone",
+        "A + B, fair share off",
+        "A + B, fair share in the router",
+        "A + B, fair share in the router and the pods",
+    ]
+    assert alone[7] is None and off[8] > 0  # A is in the mixed runs only, and its flood is refused
+    # B's TTFT p50: the queue's deadline first come first served, far below it with fair share, whether
+    # the router's queue or the pods' own queues hold the flood.
+    assert off[1] > 4.0 and on[1] * 3 < off[1] and pods[1] * 3 < off[1]
+    assert on[5] == 0 == pods[5] < off[5]  # B refused only first come first served
+    assert "| A + B, fair share in the router and the pods |" in capsys.readouterr().out
 
 
 def test_priority_rows_show_preemption_mattering_only_when_pods_hold_the_backlog():
