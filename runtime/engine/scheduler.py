@@ -387,7 +387,11 @@ class Scheduler:
                 if adapters is None:
                     adapters = {r.lora for r in self.running if r.lora is not None}
                 if lora not in adapters and len(adapters) >= self.max_loras:
-                    passed_over.append(waiting.pop())
+                    if kept_turn:
+                        waiting.remove(request.request_id)
+                    else:
+                        waiting.pop()
+                    passed_over.append(request)
                     continue
             if len(self.running) >= self.config.max_num_seqs:
                 if not preempts or (refund := self._preempt_for(request, entries, preempted)) is None:
