@@ -683,15 +683,20 @@ class Scheduler:
         assert fair is not None
         tenant = request.tenant or ""
         floor = fair.counter(tenant) + FAIR_PREEMPT_MARGIN
-        slots = Counter(r.tenant or "" for r in self.running)
-        enough = slots[tenant] + 2
+        # Running requests per tenant, counted only once some request passes the service test: a flood's
+        # own head, blocked every step behind its own tenant, never pays for it.
+        slots: Counter[str] | None = None
         best, best_key = None, None
         for j, r in enumerate(self.running):
             if r.priority != request.priority:
                 continue
             victim_tenant = r.tenant or ""
             served = fair.counter(victim_tenant)
-            if served < floor or slots[victim_tenant] < enough:
+            if served < floor:
+                continue
+            if slots is None:
+                slots = Counter(x.tenant or "" for x in self.running)
+            if slots[victim_tenant] < slots[tenant] + 2:
                 continue
             key = (served, r.arrival_time, self._order[r.request_id])
             if best_key is None or key > best_key:
