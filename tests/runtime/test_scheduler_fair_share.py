@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from tokenfleet.runtime.config import SchedulerConfig
@@ -290,3 +291,27 @@ def test_a_request_preempted_for_fair_share_is_not_admitted_again_in_the_same_st
     s.update(out, {"a0": [TOKEN], "b0": [TOKEN]})
     rest = admission_order(s)
     assert "a1" in rest and s.num_preemptions_total == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_token_is_charged_once_through_priority_preemptions(seed):
+    # One tenant (no return credit moves its counter), no prefix cache, a tight cache, small chunks and mixed
+    # priorities: chunks taken back by preemptions in the step that charged them, prompts recomputed. At the
+    # end the counter is exactly each prompt token once (a recomputed prompt is not charged again) and each
+    # generated token once.
+    rng = random.Random(seed)
+    s = make(max_seqs=4, budget=12, policy="priority", caching=False, blocks=14)
+    added: list[Request] = []
+    for k in range(300):
+        if k < 200 and rng.random() < 0.3:
+            added.append(r := mkreq(f"r{k}", "A", n=rng.randint(1, 24), priority=rng.randint(0, 2),
+                                    max_tokens=rng.randint(1, 8)))  # fmt: skip
+            s.add_request(r)
+        step(s)
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.num_preemptions_total > 0
+    assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in added)
+    expected = sum(r.num_prompt_tokens + 2 * r.num_output_tokens for r in added)
+    assert s.fair.counter("A") == expected
+    assert s.kv.num_free_blocks == s.kv.num_blocks
