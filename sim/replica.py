@@ -27,7 +27,7 @@ blocks under the adapter's key. A parked request counts as waiting in the pod's 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
@@ -96,8 +96,11 @@ class SimReplica:
         on_first_token: Callable[[float], None],
         shared_host: CoreUsage | None = None,
         on_adapter_load: Callable[[str, str, float], None] | None = None,
+        on_tokens: Callable[[Counter[str]], None] | None = None,
     ) -> None:
-        """`on_adapter_load(pod, adapter, ready_at)`: a load began; call `adapter_loaded` at `ready_at`."""
+        """`on_adapter_load(pod, adapter, ready_at)`: a load began; call `adapter_loaded` at `ready_at`.
+        `on_tokens(by_tenant)`: the tokens each step generated, per tenant, as a router relaying the streams
+        sees them pass (its fair share charges them then)."""
         num_blocks = cost.num_kv_blocks(config.cache.block_size)
         if num_blocks < 1:
             raise SimInputError(
@@ -128,6 +131,7 @@ class SimReplica:
         self.records: dict[str, RequestRecord] = {}
         self.itl_bins: dict[int, int] = {}  # log-spaced bins of inter-token gaps (results.py reads them)
         self._on_first_token = on_first_token
+        self._on_tokens = on_tokens
         self._pending = None  # the step in flight
         # The "model": request id -> [its token]; update() reads it for every sampling entry.
         self._tokens: dict[str, list[int]] = {}
@@ -287,6 +291,8 @@ class SimReplica:
         finished = self.scheduler.update(output, self._tokens)
         self.generation_tokens_total += len(sampled)
         records = self.records
+        if self._on_tokens is not None and sampled:
+            self._on_tokens(Counter(records[rid].request.tenant or "" for rid in sampled))
         itl_bins = self.itl_bins
         prev = self._prev_sampled
         left_at = self._left_at

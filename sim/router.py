@@ -35,7 +35,7 @@ waits only while no decode pod exists at all.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -383,12 +383,18 @@ class SimRouter:
         if self.fair is not None:
             self.fair.join(sreq.tenant or "")
 
-    def ended(self, sreq: SimRequest, output_tokens: int) -> None:
-        """A request is over for its client (served, or refused by the router or a pod)."""
+    def streamed(self, tokens_by_tenant: Counter[str]) -> None:
+        """Tokens a pod's step generated, per tenant: charged as they pass, as `handle_generate`'s meter
+        charges a stream's events."""
+        assert self.fair is not None
+        for tenant, n in tokens_by_tenant.items():
+            self.fair.charge_output(tenant, n)
+
+    def ended(self, sreq: SimRequest) -> None:
+        """A request is over for its client (served, or refused by the router or a pod); its output was
+        charged as it was generated (`streamed`)."""
         if self.fair is not None:
-            tenant = sreq.tenant or ""
-            self.fair.charge_output(tenant, output_tokens)
-            self.fair.leave(tenant)
+            self.fair.leave(sreq.tenant or "")
 
     # ---- the router's queue ------------------------------------------------------------------------------
 

@@ -167,6 +167,7 @@ class Simulation:
             self.collector.first_token,
             self._shared_host,
             self._adapter_load_started,
+            self.router.streamed if self.router.fair is not None else None,
         )
         pod = _Pod(replica, self.now, ready, role)
         self.pods[name] = pod
@@ -275,7 +276,7 @@ class Simulation:
 
     def _ended(self, rec: RequestRecord) -> None:
         """The client's request is over — served, or refused by the router or a pod (nothing emitted)."""
-        self.router.ended(rec.request, rec.num_emitted)
+        self.router.ended(rec.request)
         self.collector.finished(rec)
 
     def _on_queue_deadline(self, waiter: Waiter) -> None:

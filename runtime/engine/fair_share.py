@@ -3,7 +3,8 @@ serves several tenants — the router's, where it holds requests back, and the e
 
 A tenant is a client API key (or the value of a configured header, when a trusted gateway in front names
 tenants). Each tenant's counter is the service it has received: prompt tokens x `input_weight` when its
-request is sent to a pod, output tokens x `output_weight` when it finishes, divided by the tenant's weight
+request is sent to a pod (or its chunk is scheduled, in the engine), output tokens x `output_weight` as they
+are generated (the router counts a stream's events as they pass), divided by the tenant's weight
 (its key tier's `tierWeights`, default 1). Among waiters of the same priority, the tenant with the smallest
 counter goes next, first come first served within a tenant: a flood from one tenant cannot push another's
 requests behind it, and the flood still gets whatever capacity the others leave.

@@ -56,7 +56,7 @@ from tokenfleet.runtime.router.priority_classes import PriorityClasses, Priority
 from tokenfleet.runtime.router.prompt_blocks import prompt_text, prompt_token_ids
 from tokenfleet.runtime.router.quota_peers import USAGE_PATH, QuotaPeers
 from tokenfleet.runtime.router.ratelimit import RateLimiter, retry_after_header
-from tokenfleet.runtime.router.upstream import Outgoing, error_body, request_headers
+from tokenfleet.runtime.router.upstream import Outgoing, TokenMeter, error_body, request_headers
 
 log = logging.getLogger(__name__)
 
@@ -422,6 +422,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             raise _json_error(
                 404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found"
             )
+        # Output is charged to fair share as it streams (the queue's next pick sees service in flight), and
+        # settled to the exact count at the end.
+        meter = TokenMeter(lambda n: fleet.fair.charge_output(tenant, n, tier))
         out = Outgoing(
             path=request.path,
             payload=payload,
@@ -431,6 +434,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             prompt=prompt,
             session_key=session_key,
             adapter=adapter,
+            meter=meter,
         )
         # Served by a fallback because the primary has no ready endpoint (scaled to zero, or all ejected):
         # the request still counts as the primary's demand while it runs, or the primary would never wake.
@@ -446,7 +450,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             if displaced:
                 router.displaced[pending_key] -= 1
         router.limiter.charge_tokens(key, tier, outcome.completion_tokens, time.monotonic())
-        fleet.fair.charge_output(tenant, outcome.completion_tokens, tier)
+        meter.settle(outcome.completion_tokens)
         router.metrics.requests.labels(model, str(outcome.status)).inc()
         return resp
     finally:

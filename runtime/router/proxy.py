@@ -39,6 +39,7 @@ from tokenfleet.runtime.router.upstream import (
     Outcome,
     Outgoing,
     Retry,
+    TokenMeter,
     body_for,
     error_body,
     response_headers,
@@ -157,7 +158,7 @@ async def _attempt(
             return await _whole(fleet, pick, upstream, retries)
         if resumable or assembling:
             return await resume.stream(request, fleet, out, pick, upstream, retries, assembling)
-        return await _stream(request, fleet, pick, upstream, retries)
+        return await _stream(request, fleet, pick, upstream, retries, out.meter)
 
 
 def _error_code(body: bytes) -> str | None:
@@ -197,7 +198,12 @@ async def _whole(
 
 
 async def _stream(
-    request: web.Request, fleet: Fleet, pick: Pick, upstream: aiohttp.ClientResponse, retries: Retries
+    request: web.Request,
+    fleet: Fleet,
+    pick: Pick,
+    upstream: aiohttp.ClientResponse,
+    retries: Retries,
+    meter: TokenMeter | None,
 ) -> tuple[web.StreamResponse, Outcome]:
     resp = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, pick))
     await resp.prepare(request)
@@ -209,7 +215,10 @@ async def _stream(
             chunk = await asyncio.wait_for(upstream.content.readany(), retries.idle_timeout_seconds)
             if not chunk:
                 break
-            outcome.completion_tokens += _count_sse_tokens(chunk)
+            n = _count_sse_tokens(chunk)
+            outcome.completion_tokens += n
+            if meter is not None:
+                meter.add(n)
             window = tail + chunk
             ended = ended or b"data: [DONE]" in window
             tail = window[-16:]

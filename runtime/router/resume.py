@@ -46,6 +46,7 @@ from tokenfleet.runtime.router.upstream import (
     Outcome,
     Outgoing,
     Retry,
+    TokenMeter,
     body_for,
     error_body,
     response_headers,
@@ -147,8 +148,15 @@ def annotated_headers(out: Outgoing) -> dict[str, str]:
     return {**out.headers, RESUME_HEADER: RESUME_STREAM}
 
 
-async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_timeout: float) -> Break | None:
-    """Pass one pod's stream on, keeping `splice` in step. None when it reached [DONE].
+async def relay(
+    upstream: aiohttp.ClientResponse,
+    sink,
+    splice: Splice,
+    idle_timeout: float,
+    meter: TokenMeter | None = None,
+) -> Break | None:
+    """Pass one pod's stream on, keeping `splice` in step (and `meter`, one token per event). None when it
+    reached [DONE].
 
     Whole events only: an annotation and the text it describes reach the client together or not at all
     (the events complete in one read are written at once, and what they say is applied once written), so
@@ -188,6 +196,8 @@ async def relay(upstream: aiohttp.ClientResponse, sink, splice: Splice, idle_tim
                     break
                 splice.num_events += 1
             if out:
+                if meter is not None:  # generated: service given, whether or not the client still reads
+                    meter.add(len(out) - 1 if splice.done else len(out))  # [DONE] is no token
                 try:
                     await sink.write(b"\n\n".join(out) + b"\n\n")
                 except ConnectionResetError:
@@ -266,7 +276,7 @@ async def follow(
     be continued: the caller sends the error event). `outcome` gets the serving endpoint and the completion
     tokens."""
     tried = {pick.endpoint.id}
-    brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds)
+    brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds, out.meter)
     _judge(fleet, pick, brk)
     failure: str | None = None
     while brk is not None:
@@ -291,7 +301,7 @@ async def follow(
         pick, upstream = result
         outcome.endpoint = pick.endpoint.id
         try:
-            brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds)
+            brk = await relay(upstream, sink, splice, retries.idle_timeout_seconds, out.meter)
         finally:
             upstream.release()
             fleet.release(pick.endpoint)

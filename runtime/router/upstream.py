@@ -1,11 +1,13 @@
 """One upstream attempt's types, shared by the plain forward (proxy.py), resumed streams (resume.py) and the
 disaggregated paths: the request as the router forwards it (`Outgoing`), how an attempt ended (`Outcome`,
-`Retry`), the body and headers sent to a pod and passed back to the client, and OpenAI-style error bodies.
+`Retry`), the output tokens charged as a stream passes (`TokenMeter`), the body and headers sent to a pod
+and passed back to the client, and OpenAI-style error bodies.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -44,6 +46,7 @@ class Outgoing:
     prompt: PromptKey
     session_key: str | None
     adapter: str | None = None  # a LoRA adapter of the backends: the pods are asked for it by its name
+    meter: TokenMeter | None = None  # charged with each streamed event, whichever path relays it
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,32 @@ class Outcome:
     status: int
     completion_tokens: int = 0
     endpoint: str | None = None
+
+
+class TokenMeter:
+    """Output tokens charged as a stream passes through the router, one per event, then settled to the exact
+    count when the request ends.
+
+    Fair share's counters order the router's queue while streams are still running: a tenant whose long
+    streams are in flight has received that service already, and charging it only when each stream ends
+    would let it keep jumping ahead of a tenant whose requests are short. An event is one generated token
+    on our pods (and vLLM's); the few that are not (a usage-only chunk) are corrected by `settle`.
+    """
+
+    __slots__ = ("_charge", "charged")
+
+    def __init__(self, charge: Callable[[int], None]):
+        self._charge = charge
+        self.charged = 0
+
+    def add(self, n: int) -> None:
+        if n:
+            self.charged += n
+            self._charge(n)
+
+    def settle(self, total: int) -> None:
+        """The request's whole completion tokens are `total`: charge (or refund) the difference."""
+        self.add(total - self.charged)
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:

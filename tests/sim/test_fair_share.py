@@ -4,6 +4,7 @@ ordering `WaitQueue`), and the per-tenant / per-priority results that show it.""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from tokenfleet.runtime.engine.fair_share import FairShare
 from tokenfleet.runtime.router.config import RoutingSpec
@@ -34,7 +35,9 @@ def served_order(fair: bool) -> list[str]:
     order, running = [], first
     while True:
         router.release("p0")
-        router.ended(running, 10)
+        if fair:
+            router.streamed(Counter({running.tenant: 10}))  # its answer, as the pod generated it
+        router.ended(running)
         sent = router.dispatch_queued()
         if not sent:
             break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from tokenfleet.runtime.engine.fair_share import RETURN_CREDIT, FairShare
 from tokenfleet.runtime.router.config import FairShareSpec
@@ -11,7 +12,7 @@ from tokenfleet.runtime.router.priority import WaitQueue
 from tokenfleet.runtime.router.ratelimit import key_digest
 
 from .conftest import until
-from .test_proxy import backend, completion, post
+from .test_proxy import CLIENT_TIMEOUT, backend, completion, post
 
 
 def test_service_is_counted_in_weighted_tokens_per_tier_weight():
@@ -96,6 +97,34 @@ async def test_a_tenant_behind_anothers_flood_goes_next(serve_app, start_router,
     # request's output is charged when it ends, just after its slot is handed on, so one more flood request
     # may go first (a tie: both counters at the flood's prompt). Without, it waits behind the whole flood.
     assert order.index("light") <= 2 if enabled else order.index("light") == 5, order
+
+
+@pytest.mark.parametrize("max_resumes", [0, 2])  # the plain relay, and the resumable one
+async def test_a_streams_output_is_charged_as_it_passes_and_settled_at_the_end(
+    serve_app, start_router, make_pod, max_resumes
+):
+    pod = make_pod(tokens=5)
+    pod.gate = asyncio.Event()  # the pod holds its stream after the first event
+    routing = {"fairShare": {"enabled": True}, "retries": {"maxResumes": max_resumes}}
+    async with (
+        serve_app(pod.app()) as pod_url,
+        start_router([backend("a", pod_url)], routing, api_keys=["k"]) as (url, router),
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s,
+        s.post(
+            url + "/v1/completions", json=completion(stream=True), headers={"Authorization": "Bearer k"}
+        ) as r,
+    ):
+        assert r.status == 200
+        await asyncio.wait_for(r.content.readuntil(b"\n\n"), 2.0)  # the first token reached the client
+        fair = router.fleet.fair
+        prompt = len(completion()["prompt"].split()) * fair.input_weight  # the test tokenizer: a token a word
+        assert fair.counter("k") == prompt + 1 * fair.output_weight  # while the stream is still running
+        pod.gate.set()
+        await r.read()
+        # Five events, five tokens ([DONE] is none); the handler's settlement at the end changes nothing.
+        assert fair.counter("k") == prompt + 5 * fair.output_weight
+        await until(lambda: not fair.active)
+        assert fair.counter("k") == prompt + 5 * fair.output_weight
 
 
 def test_a_band_with_a_minimum_share_is_not_starved_by_more_urgent_work():
