@@ -26,7 +26,9 @@ on.
 `priority`: interactive beside batch at GPU scale — a batch flood (long questions and answers, priority 10)
 past the fleet's capacity plus a few interactive requests (short, priority -10), behind the router's
 priority queue holding the backlog (in flight per pod = `max_num_seqs`) or leaving it to the pods; the pods'
-scheduler `policy` fcfs vs priority (preempting batch for interactive).
+scheduler `policy` fcfs vs priority (preempting batch for interactive); then batch prompts long enough to
+be chunked over several steps, where under `priority` their chunks give the step's budget to interactive
+requests first.
 
 `speed`: wall-clock cost of simulating `duration` seconds of traffic on N replicas, extrapolated linearly to
 one hour (per-step cost is flat in time at a steady load, so the extrapolation is the measured rate); also
@@ -273,6 +275,10 @@ def fairness(
 # 256 batch requests fit one H100's KV cache, so a pod is full by `max_num_seqs`; one replica finishes ~17
 # of them per second (measured: batch alone on one replica, TTFT p50 0.05 s at 16/s, 2.1 s at 18/s).
 BATCH = {"name": "batch", "priority": 10, "user_tokens": 800, "output_tokens": 600}
+# Long prompts chunked over several steps (max_num_batched_tokens LONG_CHUNK): what a running request's
+# chunks do to a more urgent request that arrives meanwhile.
+LONG_BATCH = {"name": "batch", "priority": 10, "user_tokens": 4000, "output_tokens": 100}
+LONG_CHUNK = 1024
 INTERACTIVE = {
     "name": "interactive",
     "priority": -10,
@@ -293,7 +299,9 @@ def priority(
     `max_num_seqs` (256: the backlog waits in the router, by priority) or to 1,024 (the backlog waits in the
     pods' own queues), batch alone (its throughput: each setting's own, since the pods' balance differs)
     and both, with the pods' scheduler `policy` fcfs and priority (a waiting request preempts running ones
-    of a lower priority)."""
+    of a lower priority). Last, the same with the batch's prompts 4,000 tokens long and chunks of 1,024 (at
+    10 req/s per replica, which the fleet keeps up with): a long prompt takes several steps, and under
+    `priority` its chunks give the budget to a more urgent request first."""
     batch_rate = batch_rate or 28.0 * replicas  # ~1.6x what the fleet finishes: a flood
     interactive_rate = interactive_rate or 2.0 * replicas
     batch = {**BATCH, "rate": batch_rate}
@@ -309,19 +317,28 @@ def priority(
     print("|" + "---|" * 10)
     rows = []
     idle_p99 = None
-    alone_tok: dict[int, float] = {}  # batch alone's tokens/s per router setting
-    runs = [("interactive alone", [interactive], 256, "fcfs")]
+    alone_tok: dict[tuple[int, int], float] = {}  # batch alone's tokens/s per (router setting, chunk)
+    long_batch = {**LONG_BATCH, "rate": 10.0 * replicas}
+    # (label, tenants, router's in-flight bound per pod, pods' policy, max_num_batched_tokens)
+    runs = [("interactive alone", [interactive], 256, "fcfs", 8192)]
     for in_flight in (256, 1024):
-        runs.append(("batch alone", [batch], in_flight, "fcfs"))
-        runs += [("batch + interactive", [batch, interactive], in_flight, p) for p in ("fcfs", "priority")]
-    for label, tenants, in_flight, policy in runs:
+        runs.append(("batch alone", [batch], in_flight, "fcfs", 8192))
+        runs += [
+            ("batch + interactive", [batch, interactive], in_flight, p, 8192) for p in ("fcfs", "priority")
+        ]
+    runs.append(("long batch prompts alone", [long_batch], 1024, "fcfs", LONG_CHUNK))
+    runs += [
+        ("long batch prompts + interactive", [long_batch, interactive], 1024, p, LONG_CHUNK)
+        for p in ("fcfs", "priority")
+    ]
+    for label, tenants, in_flight, policy, budget in runs:
         r, wall = _sim(
             {
                 "model": "llama-3-8b",
                 "fleet": {"gpu": "h100-sxm", "replicas": replicas},
                 "scheduler": {
                     "max_num_seqs": 256,
-                    "max_num_batched_tokens": 8192,
+                    "max_num_batched_tokens": budget,
                     "max_waiting": 100_000,
                     "policy": policy,
                 },
@@ -338,8 +355,9 @@ def priority(
         ttft = inter["latency_s"]["ttft"] if inter else None
         if ttft and idle_p99 is None:
             idle_p99 = ttft["p99"]
+        key = (in_flight, budget)
         if bat and not inter:
-            alone_tok[in_flight] = bat["output_tokens_per_s"]
+            alone_tok[key] = bat["output_tokens_per_s"]
         row = (
             label,
             in_flight,
@@ -348,7 +366,7 @@ def priority(
             ttft["p99"] if ttft else None,
             ttft["p99"] / idle_p99 if ttft else None,
             bat["output_tokens_per_s"] if bat else None,
-            1 - bat["output_tokens_per_s"] / alone_tok[in_flight] if bat else None,
+            1 - bat["output_tokens_per_s"] / alone_tok[key] if bat else None,
             bat["preemptions"] / max(bat["requests"]["finished"], 1) if bat else None,
             wall,
         )

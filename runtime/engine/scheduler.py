@@ -5,6 +5,10 @@ There are no prefill and decode phases. Each step hands out a token budget (`max
    decode lacks 1 token, plus its speculative proposals; a long prompt gets a chunk). When the KV cache
    cannot hold a request's tokens, the lowest-priority, newest running request is preempted (blocks
    freed, recomputed later) until the allocation succeeds or the request itself was the one preempted.
+   Under `policy: priority` the budget follows priority too: a prompt chunk leaves one token for each more
+   urgent running request after it (admitted later), and chunks of a lower priority than the waiting head's
+   are scheduled after admissions, with the budget the admissions leave. A long prompt chunked over many
+   steps then never makes a more urgent stream miss a step, nor a more urgent request wait for its chunks.
 2. Then WAITING requests in (priority, arrival) order — preempted ones keep their place, ahead of later
    arrivals — while budget, `max_num_seqs` and free blocks allow: prefix-cache hits start
    `num_computed_tokens` ahead, the rest of the prompt gets a chunk. Strict FCFS: when the head cannot
@@ -229,13 +233,15 @@ class Scheduler:
             self.started = []
         # Entries are appended as soon as a request's allocation succeeds (its block table is final for
         # the step then); a request preempted later in the step is taken out again. Order: running
-        # order, then admission order.
+        # order, then admission order, then the running chunks that made way for the admissions.
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self.running
         plain = not self.num_lookahead_tokens
         i = 0
         num_plain = 0  # leading entries from the first run of plain decodes (running[:num_plain])
+        urgent = self._urgent_priority()
+        deferred: list[Request] = []  # running prompt chunks that go after the admissions
         while i < len(running) and budget > 0:
             if plain:
                 n = self._schedule_decodes(i, budget, entries)
@@ -245,12 +251,20 @@ class Scheduler:
                 budget -= n
                 if i == len(running) or budget == 0:
                     break
+            if urgent is not None:
+                request = running[i]
+                if request.priority > urgent and request.num_tokens - request.num_computed_tokens > 1:
+                    deferred.append(request)
+                    i += 1
+                    continue
             budget, i = self._schedule_running(i, budget, entries, preempted)
 
         if self.fair is not None and entries:
             self._charge_running(entries)  # before admissions: their picks see this step's service
         if not preempted:
             budget = self._admit_waiting(budget, entries, preempted)
+        if deferred:
+            budget = self._schedule_deferred(deferred, budget, entries, preempted)
 
         output = SchedulerOutput(
             scheduled=tuple(entries),
@@ -303,10 +317,17 @@ class Scheduler:
         return len(entries) - num_before
 
     def _schedule_running(
-        self, i: int, budget: int, entries: list[ScheduledRequest], preempted: list[str]
+        self,
+        i: int,
+        budget: int,
+        entries: list[ScheduledRequest],
+        preempted: list[str],
+        after_admissions: bool = False,
     ) -> tuple[int, int]:
         """Schedule `running[i]` in the general case (a chunk, proposals, look-ahead slots, a block to
-        allocate or cache), preempting while the cache cannot hold it; (budget left, next index)."""
+        allocate or cache), preempting while the cache cannot hold it; (budget left, next index).
+        `after_admissions`: a chunk deferred past the step's admissions: everything else is scheduled and
+        charged to fair share by now (a victim's charge is refunded), and no budget is kept for anyone."""
         running = self.running
         request = running[i]
         prompt = request.prompt_token_ids
@@ -316,6 +337,15 @@ class Scheduler:
         start = request.num_computed_tokens
         num_missing = num_tokens - start
         num_new = num_missing if num_missing < budget else budget
+        if num_new > 1 and self.config.policy == "priority" and not after_admissions:
+            # The budget goes in admission order; a more urgent request admitted after this one would get
+            # what this chunk leaves, possibly nothing, step after step while a long prompt is chunked.
+            priority = request.priority
+            num_urgent = sum(1 for r in itertools.islice(running, i + 1, None) if r.priority < priority)
+            if num_urgent:
+                num_new = min(num_new, budget - num_urgent)
+                if num_new <= 0:
+                    return budget, i + 1  # no room for any of it this step: the urgent ones go first
         lookahead = self.num_lookahead_tokens
         spec: tuple[int, ...] = ()
         num_slots = num_new
@@ -334,10 +364,7 @@ class Scheduler:
             victim_index = max(range(len(running)), key=lambda j: self._preemption_key(running[j]))
             victim = running.pop(victim_index)
             vid = victim.request_id
-            for j in range(len(entries) - 1, -1, -1):  # newest first: victims are the newest
-                if entries[j][0] == vid:  # already given tokens in this step: take them back
-                    budget += entries.pop(j).num_tokens
-                    break
+            budget += self._take_back(victim, entries, charged=after_admissions)
             self._preempt(victim)
             preempted.append(vid)
             if victim_index < i:
@@ -356,6 +383,33 @@ class Scheduler:
             )
         )
         return budget - num_new - len(spec), i + 1
+
+    def _urgent_priority(self) -> int | None:
+        """Under `policy: priority`, the waiting head's priority: running prompt chunks of a lower priority
+        go after this step's admissions. None under `fcfs`, or with nothing waiting."""
+        if self.config.policy != "priority":
+            return None
+        head = self.waiting.peek()
+        return None if head is None else head.priority
+
+    def _schedule_deferred(
+        self, deferred: list[Request], budget: int, entries: list[ScheduledRequest], preempted: list[str]
+    ) -> int:
+        """Schedule the running chunks that made way for the admissions, in running order, with the budget
+        left; the budget then left."""
+        for request in deferred:
+            if budget <= 0:
+                break
+            if request.status is not _RUNNING:  # preempted in this step
+                continue
+            budget, _ = self._schedule_running(
+                self.running.index(request), budget, entries, preempted, after_admissions=True
+            )
+            if self.fair is not None and entries and entries[-1][0] == request.request_id:
+                entry = entries[-1]  # scheduled (not preempted to make room for itself): charge it
+                start = entry.start_pos
+                self._charge_entry(request, start, start + len(entry.token_ids), entry.sample, 1)
+        return budget
 
     def _admit_waiting(self, budget: int, entries: list[ScheduledRequest], preempted: list[str]) -> int:
         """Admit waiting requests in order while budget, max_num_seqs and blocks allow; budget left. Under
@@ -654,19 +708,23 @@ class Scheduler:
         if victim_index is None:
             return None
         victim = running.pop(victim_index)
+        refund = self._take_back(victim, entries, charged=True)
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return refund
+
+    def _take_back(self, victim: Request, entries: list[ScheduledRequest], charged: bool) -> int:
+        """Take a preempted request's entry of this step out of `entries`, if it has one; the tokens it
+        had been given. `charged`: its service was charged to fair share already, so it is refunded."""
         vid = victim.request_id
-        refund = 0
-        for j in range(len(entries) - 1, -1, -1):
-            if entries[j][0] == vid:  # scheduled earlier in this step: take its tokens back
+        for j in range(len(entries) - 1, -1, -1):  # newest first: victims are the newest
+            if entries[j][0] == vid:
                 entry = entries.pop(j)
-                refund = entry.num_tokens
-                if self.fair is not None:  # and the service charged for them before admissions
+                if charged and self.fair is not None:
                     start = entry.start_pos
                     self._charge_entry(victim, start, start + len(entry.token_ids), entry.sample, -1)
-                break
-        self._preempt(victim)
-        preempted.append(vid)
-        return refund
+                return entry.num_tokens
+        return 0
 
     def _fair_victim(self, request: Request) -> int | None:
         """Fair share's preemption: the newest running request of the same priority whose tenant has

@@ -146,6 +146,39 @@ def test_under_the_priority_policy_a_full_batch_yields_to_a_higher_priority_requ
     assert_all_free(s)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_under_the_priority_policy_a_long_prompts_chunks_give_way_to_more_urgent_requests(policy):
+    # A batch request's long prompt is chunked over several steps. Under fcfs the budget goes to running
+    # requests in admission order, so its chunks take it all: an urgent request arriving meanwhile waits for
+    # the whole prompt, and once running it would get only what the chunks leave.
+    s = make(budget=16, policy=policy)
+    s.add_request(mkreq("decoding", 3, priority=5, max_tokens=20))
+    s.add_request(urgent := mkreq("urgent", 4, priority=0, max_tokens=20))
+    step(s)
+    s.add_request(long := mkreq("long", 60, priority=5, max_tokens=2))
+    out, _ = step(s)
+    assert counts(out) == {"decoding": 1, "urgent": 1, "long": 14}
+    s.add_request(later := mkreq("later", 4, priority=0, max_tokens=20))  # arrives while it is chunked
+    out, _ = step(s)
+    if policy == "fcfs":  # the chunks take the budget first: the urgent request waits for the whole prompt
+        assert counts(out) == {"decoding": 1, "urgent": 1, "long": 14}
+        steps = 1
+        while later.num_computed_tokens == 0:
+            step(s)
+            steps += 1
+        assert steps == 4 and long.num_output_tokens == 1
+        return
+    # The chunk goes after the admission, with what is left.
+    assert counts(out) == {"decoding": 1, "urgent": 1, "later": 4, "long": 10}
+    tokens = urgent.num_output_tokens
+    out, _ = step(s)  # the chunk leaves a token for the urgent stream admitted after it
+    assert counts(out) == {"decoding": 1, "urgent": 1, "long": 13, "later": 1}
+    assert urgent.num_output_tokens == tokens + 1
+    while s.has_unfinished_requests():
+        step(s)
+    assert_all_free(s)
+
+
 def test_under_the_priority_policy_equal_priorities_never_preempt_each_other():
     s = make(max_seqs=2, policy="priority")
     for rid in ("a", "b"):

@@ -32,9 +32,15 @@ def test_priority_rows_show_preemption_mattering_only_when_pods_hold_the_backlog
         ("batch alone", 1024, "fcfs"),
         ("batch + interactive", 1024, "fcfs"),
         ("batch + interactive", 1024, "priority"),
+        ("long batch prompts alone", 1024, "fcfs"),
+        ("long batch prompts + interactive", 1024, "fcfs"),
+        ("long batch prompts + interactive", 1024, "priority"),
     ]
     # The router holding the backlog leaves the pods nothing to preempt for: the same run either way.
     assert rows[2][3:9] == rows[3][3:9] and rows[3][8] == 0
     # Pods holding it: priority preempts batch, and the interactive p99 drops.
     assert rows[6][4] * 2 < rows[5][4] and rows[6][8] > 0
     assert rows[1][7] == 0.0 and rows[4][7] == 0.0 and rows[5][7] > 0  # loss against batch alone
+    # Long prompts chunked over steps: under priority their chunks go after the interactive admissions, so
+    # the interactive TTFT drops without preempting anything.
+    assert rows[9][4] < rows[8][4] and rows[9][8] == 0 and rows[7][7] == 0.0
