@@ -315,3 +315,23 @@ def test_every_token_is_charged_once_through_priority_preemptions(seed):
     expected = sum(r.num_prompt_tokens + 2 * r.num_output_tokens for r in added)
     assert s.fair.counter("A") == expected
     assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_a_chunk_that_made_way_for_admissions_and_then_preempts_refunds_its_victims_charge():
+    # c's prompt chunk makes way for u's admission; scheduled after it, with the budget left, it finds the
+    # cache too small and preempts d (the lowest priority), whose decode was charged before the admissions,
+    # then itself. d's token is refunded: at the end every token is charged exactly once.
+    s = make(max_seqs=8, budget=24, policy="priority", caching=False, blocks=16)
+    s.add_request(e := mkreq("e", "A", n=20, priority=0, max_tokens=10))
+    s.add_request(d := mkreq("d", "A", n=3, priority=9, max_tokens=10))
+    step(s)
+    s.add_request(c := mkreq("c", "A", n=40, priority=5, max_tokens=2))
+    out, _ = step(s)
+    assert {x.request_id: x.num_tokens for x in out.scheduled} == {"e": 1, "d": 1, "c": 22}
+    s.add_request(u := mkreq("u", "A", n=4, priority=0, max_tokens=2))
+    out, _ = step(s)
+    assert {x.request_id: x.num_tokens for x in out.scheduled} == {"e": 1, "u": 4}
+    assert out.preempted_ids == ("d", "c")
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.fair.counter("A") == sum(r.num_prompt_tokens + 2 * r.num_output_tokens for r in (e, d, c, u))
