@@ -15,7 +15,10 @@ shared machine's slow minute hits all systems alike. Every system runs with the 
 count (`--threads`; the pod gets it through OMP_NUM_THREADS). Printed per row: tok/s of each system,
 offline/HF and served/offline, the per-step time of the offline engine's decode steps and of HF's
 steps (with a model this cheap, that is host time), and the CPU seconds the load generator (this
-process, while only the HTTP client runs in it) spent on the served round beside the pod's own.
+process, while only the HTTP client runs in it) spent on the served round beside the pod's own. On the
+CPU, each engine's own StepClock (runtime/engine/step_clock.py; a served pod's through its
+/metrics) splits its step into the model's work (forward, logits, sampling) and the host gap between steps: what the offline
+engine and the served pod pay on top of the same model, side by side.
 
     python bench/host_overhead.py [--device cpu|cuda] [--streams 1 16 64 256] [--rounds 3] [--tokens 64]
 """
@@ -104,8 +107,8 @@ class Offline:
             enable_prefix_caching=False,
         )
 
-    def run(self, batch: list[list[int]], tokens: int) -> tuple[float, float]:
-        """(seconds, median decode-step seconds)."""
+    def run(self, batch: list[list[int]], tokens: int) -> tuple[float, float, float, float]:
+        """(seconds, median decode-step seconds, mean model seconds, mean host-gap seconds)."""
         from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -114,6 +117,8 @@ class Offline:
         def on_step(outputs) -> None:
             stamps.append((time.perf_counter(), sum(len(o.new_token_ids) for o in outputs)))
 
+        clock = self.llm.engine.runner.clock
+        before = clock_reading(clock)
         start = time.perf_counter()
         outs = self.llm.generate(batch, params, on_step=on_step)
         seconds = time.perf_counter() - start
@@ -121,7 +126,23 @@ class Offline:
         # Decode steps: every stream emits one token (the first steps are the prefill).
         times = [t for t, n in stamps if n == len(batch)]
         gaps = [b - a for a, b in itertools.pairwise(times)]
-        return seconds, statistics.median(gaps) if gaps else float("nan")
+        return (
+            seconds,
+            statistics.median(gaps) if gaps else float("nan"),
+            *split_step(before, clock_reading(clock)),
+        )
+
+
+def clock_reading(clock) -> tuple[float, float, int, int]:
+    """(model s, host-gap s, model runs, gaps) of an engine's StepClock, cumulative."""
+    return clock.model_seconds, clock.host_gap_seconds, clock.num_model_runs, clock.num_gaps
+
+
+def split_step(before: tuple[float, ...], after: tuple[float, ...]) -> tuple[float, float]:
+    """Mean model seconds and mean host-gap seconds per step between two clock readings (NaN where none counted:
+    the clock runs only on the CPU)."""
+    model, gap, runs, gaps = (b - a for a, b in zip(before, after, strict=True))
+    return (model / runs if runs else float("nan"), gap / gaps if gaps else float("nan"))
 
 
 class HF:
@@ -233,13 +254,34 @@ class Served:
         assert all(c == tokens for c in counts), counts
         return seconds
 
-    def run(self, batch: list[list[int]], tokens: int) -> tuple[float, float, float, float]:
-        """(seconds, per-token seconds, client CPU s, pod CPU s)."""
+    def run(self, batch: list[list[int]], tokens: int) -> tuple[float, ...]:
+        """(seconds, per-token seconds, client CPU s, pod CPU s, mean model s, mean host-gap s)."""
         from tokenfleet.sim.real_pod import cpu_seconds
 
+        before = self.clock()
         c0, p0 = time.process_time(), cpu_seconds(self.proc.pid)
         seconds = asyncio.run(self._run(batch, tokens))
-        return seconds, seconds / tokens, time.process_time() - c0, cpu_seconds(self.proc.pid) - p0
+        client, pod = time.process_time() - c0, cpu_seconds(self.proc.pid) - p0
+        return seconds, seconds / tokens, client, pod, *split_step(before, self.clock())
+
+    def clock(self) -> tuple[float, float, int, int]:
+        """The pod's step clock from its /metrics (zeros where it does not run: not on the CPU)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        values = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        # A step that schedules anything runs the model once: engine_steps counts the runs.
+        return tuple(  # type: ignore[return-value]
+            values.get(f"tokenfleet:engine_{name}_total", 0.0)
+            for name in ("model_seconds", "host_gap_seconds", "steps", "host_gaps")
+        )
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -318,9 +360,14 @@ def main() -> None:
         rows = results.get((name, streams))
         return statistics.median(r[i] for r in rows) if rows else float("nan")
 
+    def split(name: str, streams: int, i: int) -> str:
+        model, gap = med(name, streams, i), med(name, streams, i + 1)
+        return "-" if model != model else f"{1e3 * model:.2f}+{1e3 * gap:.2f}"
+
     print(
         f"{'streams':>7} {'offline tok/s':>13} {'hf tok/s':>9} {'served tok/s':>12} {'off/hf':>7} {'srv/off':>7} "
-        f"{'off ms/step':>11} {'hf ms/step':>10} {'srv ms/tok':>10} {'client cpu s':>12} {'pod cpu s':>9}"
+        f"{'off ms/step':>11} {'hf ms/step':>10} {'srv ms/tok':>10} {'client cpu s':>12} {'pod cpu s':>9} "
+        f"{'off model+gap ms':>16} {'srv model+gap ms':>16}"
     )
     for streams in args.streams:
         total = streams * args.tokens
@@ -331,9 +378,14 @@ def main() -> None:
             f"{streams:>7} {off:>13.0f} {hf:>9.0f} {srv:>12.0f} {off / hf:>7.2f} {srv / off:>7.2f} "
             f"{1e3 * med('offline', streams, 1):>11.2f} {1e3 * med('hf', streams, 1):>10.2f} "
             f"{1e3 * med('served', streams, 1):>10.2f} {med('served', streams, 2):>12.2f} "
-            f"{med('served', streams, 3):>9.2f}",
+            f"{med('served', streams, 3):>9.2f} "
+            f"{split('offline', streams, 2):>16} {split('served', streams, 4):>16}",
             flush=True,
         )
+    print(
+        "model+gap: mean ms per step in the model's work (forward, logits, sampling) + from its end to the "
+        "next step's (the engine's StepClock; host clock, CPU only)"
+    )
 
 
 if __name__ == "__main__":

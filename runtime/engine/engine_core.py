@@ -280,6 +280,7 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self.runner.clock.pause()  # waiting on something other than the host (a transfer, a wake)
             return []
         self._num_steps += 1
         now = self.clock()
@@ -313,6 +314,8 @@ class EngineCore:
             for listener in self.finish_listeners:
                 listener(done)
         self._publish_kv_events()
+        if not self.has_unfinished():
+            self.runner.clock.pause()  # out of work: the time until the next request is idle
         return outputs
 
     def _release_lora(self, request_id: str) -> None:
@@ -413,6 +416,9 @@ class EngineCore:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.outputs.generation_tokens_total,
             num_steps=self._num_steps,
+            model_seconds_total=self.runner.clock.model_seconds,
+            host_gap_seconds_total=self.runner.clock.host_gap_seconds,
+            num_host_gaps=self.runner.clock.num_gaps,
             kv_metrics=km.metrics(),
             **self._spec_stats(),
             **self._lora_stats(),

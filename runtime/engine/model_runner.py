@@ -47,6 +47,7 @@ from tokenfleet.runtime.engine.sleep_weights import SleepingWeights, release_hos
 from tokenfleet.runtime.engine.spec_decode.proposer import ProposalInput, Proposer
 from tokenfleet.runtime.engine.spec_decode.rejection_sampler import RejectionSampler
 from tokenfleet.runtime.engine.spec_decode.verify_rows import build_verify_batch
+from tokenfleet.runtime.engine.step_clock import StepClock
 from tokenfleet.runtime.errors import ConfigError
 from tokenfleet.runtime.model.attention.base import AttentionMetadata
 from tokenfleet.runtime.model.attention.metadata import build_step_metadata, to_device
@@ -163,6 +164,8 @@ class ModelRunner:
         # The sampling rows of the last step and their metadata: while a batch keeps its requests (most
         # decode steps) the parameter tensors are reused instead of rebuilt and copied to the device.
         self._sampling_rows: tuple[list[Request], SamplingMetadata | None] = ([], None)
+        # Model vs host time per step, on the host clock: only where the model runs on the host.
+        self.clock = StepClock(enabled=device.type == "cpu")
         self.compiled: CompiledDecode | None = None
         if compiled:
             self.compiled = CompiledDecode(
@@ -285,6 +288,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.broadcast(output)
         inputs = self.prepare_inputs(output)
+        self.clock.begin()
         try:
             logits = self.forward(inputs)
         except RuntimeError:  # a collective failed: name the worker that died, if one did
@@ -304,6 +308,7 @@ class ModelRunner:
         if inputs.verify_ids:
             verify_reqs = [requests[rid] for rid in inputs.verify_ids]
             self.verify(logits[num_sample:], verify_reqs, inputs.verify_drafts, sampled, logprobs)
+        self.clock.end()  # the model's work ends with the sampler's (on a GPU both are device kernels)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:

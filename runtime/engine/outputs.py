@@ -62,6 +62,11 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Time in the steps' model work (forward, logits, sampling), and from its end to the next step's while
+    # the engine stayed busy (step_clock.py); host clock, so all 0 unless the model runs on the CPU.
+    model_seconds_total: float = 0.0
+    host_gap_seconds_total: float = 0.0
+    num_host_gaps: int = 0
     # Speculative decoding (vLLM's spec_decode_* counters); all 0 when speculation is off.
     spec_decode_num_drafts: int = 0  # request-steps verified with >= 1 proposal
     spec_decode_num_draft_tokens: int = 0  # proposals verified

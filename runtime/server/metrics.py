@@ -220,6 +220,18 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter("engine_steps", "Engine steps run.", stats.num_steps)
+        if stats.model_seconds_total:  # the host clock runs only where the forward runs on the host
+            yield counter(
+                "engine_model_seconds",
+                "Seconds in the steps' model work (forward pass, logits, sampling).",
+                stats.model_seconds_total,
+            )
+            yield counter(
+                "engine_host_gap_seconds",
+                "Seconds from one step's model work to the next one's while the engine stayed busy.",
+                stats.host_gap_seconds_total,
+            )
+            yield counter("engine_host_gaps", "Gaps counted in engine_host_gap_seconds.", stats.num_host_gaps)
         # Speculative decoding (vLLM's spec_decode_* names); zero when speculation is off.
         yield counter(
             "spec_decode_num_drafts", "Request-steps verified with proposals.", stats.spec_decode_num_drafts

@@ -88,6 +88,13 @@ async def test_metrics_in_both_namings_move_under_load(start_real_server, naming
         assert not any(name.startswith(other) for name in after), "vllm: names must be opt-in"
     # Metrics vLLM has no counterpart for keep our names in both modes.
     assert after["tokenfleet:num_kv_blocks_total"].type == "gauge"
+    # The step clock runs on the CPU: model seconds, and gaps between the steps of a busy engine (requests
+    # queue behind one slot, so the engine never idles between them until the last one ends).
+    steps = _value(after["tokenfleet:engine_steps"])
+    gaps = _value(after["tokenfleet:engine_host_gaps"])
+    assert 0 < gaps < steps and after["tokenfleet:engine_host_gaps"].type == "counter"
+    assert _value(after["tokenfleet:engine_model_seconds"]) > 0
+    assert 0 < _value(after["tokenfleet:engine_host_gap_seconds"]) < 120
 
     # Label sets: model_name everywhere, plus vLLM's engine index in its naming.
     for base in ("num_requests_waiting", "kv_cache_usage_perc", "generation_tokens"):
