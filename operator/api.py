@@ -242,13 +242,14 @@ class Speculative(_Spec):
 
 
 class Engine(_Spec):
-    """Scheduler limits of each runtime pod."""
+    """Scheduler limits of each runtime pod, and how its streams are cut into events."""
 
     max_num_seqs: runtime_field("scheduler.max_num_seqs")
     max_num_batched_tokens: runtime_field("scheduler.max_num_batched_tokens")
     max_waiting: runtime_field("scheduler.max_waiting")
     scheduling_policy: runtime_field("scheduler.policy")
     fair_share: runtime_field("scheduler.fair_share")
+    stream_interval: runtime_field("server.stream_interval")
     speculative: Speculative = Speculative()
 
 

@@ -159,6 +159,14 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     drain_seconds: float = Field(30.0, ge=0, description="SIGTERM grace: in-flight requests may finish.")
     health_stall_seconds: float = Field(30.0, gt=0, description="/health fails when work waits this long.")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="A streamed request's tokens go out once at least this many are held (SGLang's "
+        "--stream-interval): fewer, larger SSE events, so the server's per-event work (and the GIL it shares "
+        "with the engine) costs less per token, at the price of burstier streams. The first token and the "
+        "last always go out at once; the tokens, text and stop points are the same at every interval.",
+    )
     enable_sleep_mode: bool = Field(
         False,
         description="Expose vLLM's sleep-mode endpoints (POST /sleep?level=1|2, POST /wake_up, GET "

@@ -112,7 +112,10 @@ class EngineCore:
             SpecDecoder(config.speculative, self.runner, self.scheduler) if proposer is not None else None
         )
         self.outputs = OutputProcessor(
-            self.tokenizer, lambda rid: self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED), clock
+            self.tokenizer,
+            lambda rid: self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED),
+            clock,
+            config.server.stream_interval,
         )
         # Grammars for constrained outputs, over the logits' vocabulary (may be padded past the tokenizer's).
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.arch.vocab_size)

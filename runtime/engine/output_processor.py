@@ -4,6 +4,14 @@ It keeps, per live request, the Request and its incremental detokenizer. After t
 step (`Scheduler.update`), `process` turns what each request appended into one delta: it detokenizes,
 detects stop strings (ending the request through `stop`, which the engine wires to the scheduler), and
 stamps first-token / finish times from the injected clock.
+
+`stream_interval` (SGLang's knob of the same name; `server.stream_interval`): a request's deltas go out
+once at least that many tokens are held, and always with its first token and when it ends; the steps
+between are merged into the next delta sent. Detokenizing and the stop checks still run every step, so
+the tokens, the text and where a request stops are the same at every interval; only the number of deltas
+changes. Each delta costs the server an SSE event, a socket write and the Python around them, under the
+engine's GIL: at 64 streams of a cheap model that is most of what a served step costs beyond the offline
+one. 1 (the default) sends every step's tokens as they come.
 """
 
 from __future__ import annotations
@@ -24,13 +32,21 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     want_logprobs: bool
     prompt_logprobs_sent: bool = False
+    delivered: bool = False  # a delta went out (the first one is never held)
+    # Merged steps not yet sent (stream_interval > 1): token ids, text pieces, logprobs.
+    held_ids: list[int] | None = None
+    held_text: list[str] | None = None
+    held_logprobs: list[TokenLogprobs] | None = None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stop: Callable[[str], None], clock: Clock):
+    def __init__(self, tokenizer, stop: Callable[[str], None], clock: Clock, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._tokenizer = tokenizer
         self._stop = stop  # ends a request whose text hit a stop string (the scheduler frees its KV)
         self._clock = clock
+        self.stream_interval = stream_interval
         self._tracked: dict[str, _Tracked] = {}
         self.generation_tokens_total = 0
 
@@ -69,6 +85,7 @@ class OutputProcessor:
         """
         now = self._clock()
         outputs: list[RequestDelta] = []
+        interval = self.stream_interval
         for rid, before in num_before.items():
             tracked = self._tracked[rid]
             req = tracked.request
@@ -88,6 +105,20 @@ class OutputProcessor:
             if rid in finished:
                 delta += tracked.detokenizer.flush()
             lps = logprobs.get(rid, [])[: len(new_ids)] if tracked.want_logprobs else None
+            new_lps = [lp for lp in lps if lp is not None] if lps else None
+            if interval > 1 and tracked.delivered and rid not in finished:
+                held = tracked.held_ids
+                if held is None:  # hold these back: fewer, larger deltas (see the module docstring)
+                    held = tracked.held_ids = []
+                    tracked.held_text = []
+                    tracked.held_logprobs = [] if tracked.want_logprobs else None
+                held += new_ids
+                tracked.held_text.append(delta)
+                if new_lps:
+                    tracked.held_logprobs.extend(new_lps)
+                if len(held) < interval:
+                    continue
+                new_ids, delta, new_lps = [], "", None  # what is held now goes out, as one delta
             prompt_lps = None
             if req.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
                 # The step that samples the first token ran the prompt's last chunk: it is all scored.
@@ -98,7 +129,7 @@ class OutputProcessor:
                     tracked,
                     new_ids,
                     delta,
-                    [lp for lp in lps if lp is not None] if lps else None,
+                    new_lps,
                     finished=rid in finished,
                     reason=req.status.finish_reason,
                     prompt_logprobs=prompt_lps,
@@ -120,6 +151,13 @@ class OutputProcessor:
         prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestDelta:
         req = tracked.request
+        tracked.delivered = True
+        if tracked.held_ids is not None:  # steps held back (stream_interval) go first
+            new_ids = tracked.held_ids + new_ids
+            text = "".join(tracked.held_text) + text
+            if tracked.held_logprobs:
+                logprobs = tracked.held_logprobs + (logprobs or [])
+            tracked.held_ids = tracked.held_text = tracked.held_logprobs = None
         metrics = None
         if finished:
             metrics = RequestMetrics(

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="within a priority, admit the waiting request of the least-served tenant first",
     )
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        help="send a stream's tokens once this many are held (first and last at once; default 1)",
+    )
+    p.add_argument(
         "--tensor-parallel-size", type=int, help="shard the model over this many worker processes / devices"
     )
     p.add_argument(
@@ -111,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         ("model", "weight_cache_dir"): args.weight_cache_dir,
         ("server", "host"): args.host,
         ("server", "port"): args.port,
+        ("server", "stream_interval"): args.stream_interval,
         ("server", "api_key_file"): args.api_key_file,
         ("scheduler", "max_waiting"): args.max_waiting,
         ("scheduler", "policy"): args.scheduling_policy,

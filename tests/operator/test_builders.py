@@ -50,6 +50,8 @@ def test_runtime_config_from_spec_and_cache_policy():
     assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_waiting) == (8, 10)
     assert not cfg.scheduler.fair_share
     assert _runtime({**CPU, "engine": {"fairShare": True}})[1].scheduler.fair_share
+    assert cfg.server.stream_interval == 1
+    assert _runtime({**CPU, "engine": {"streamInterval": 4}})[1].server.stream_interval == 4
     assert (cfg.cache.block_size, cfg.cache.ttl_seconds, cfg.cache.eviction) == (32, 30, "s3fifo")
     assert cfg.cache.cpu_offload_gib == 4
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)

@@ -64,9 +64,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    directory = build_tool_checkpoint(tmp_path_factory.mktemp("qwen-tools"))
-    server = ServerThread(real_config(model={"model": str(directory)}), AsyncEngine.from_config).start()
+def tool_checkpoint(tmp_path_factory):
+    return build_tool_checkpoint(tmp_path_factory.mktemp("qwen-tools"))
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_checkpoint):
+    server = ServerThread(real_config(model={"model": str(tool_checkpoint)}), AsyncEngine.from_config).start()
     yield server
     server.stop()
 
@@ -127,7 +131,7 @@ def _streamed(oai, **kwargs):
     return content, [calls[i] for i in sorted(calls)], finish
 
 
-def test_tool_call_round_trip_streamed_and_not(oai, tool_server):
+def test_tool_call_round_trip_streamed_and_not(oai, tool_server, tool_checkpoint):
     model = _model(oai)
     kwargs = {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
               "max_tokens": 200, "parallel_tool_calls": False}  # fmt: skip
@@ -138,6 +142,18 @@ def test_tool_call_round_trip_streamed_and_not(oai, tool_server):
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls
     ]
+    # Deltas of several tokens (server.stream_interval) cut the call's text elsewhere: the same call.
+    config = real_config(model={"model": str(tool_checkpoint)}, server={"stream_interval": 5})
+    chunky = ServerThread(config, AsyncEngine.from_config).start()
+    try:
+        client = openai.OpenAI(base_url=chunky.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        chunky_content, chunky_calls, chunky_finish = _streamed(client, **kwargs)
+        assert (chunky_content, chunky_finish) == (content, finish)
+        assert [(c["name"], c["arguments"]) for c in chunky_calls] == [
+            (c["name"], c["arguments"]) for c in streamed
+        ]
+    finally:
+        chunky.stop()
     # The assistant's calls and one result per call go back through the template.
     messages = [
         *ASK,
