@@ -165,7 +165,8 @@ class ServerConfig(_Strict):
         description="A streamed request's tokens go out once at least this many are held (SGLang's "
         "--stream-interval): fewer, larger SSE events, so the server's per-event work (and the GIL it shares "
         "with the engine) costs less per token, at the price of burstier streams. The first token and the "
-        "last always go out at once; the tokens, text and stop points are the same at every interval.",
+        "last always go out at once; the tokens, text and stop points are the same at every interval. Live: "
+        "a running pod applies a change between steps.",
     )
     enable_sleep_mode: bool = Field(
         False,
@@ -265,5 +266,6 @@ LIVE_FIELDS: frozenset[str] = frozenset(
         "server.api_key_file",
         "server.internal_api_key_file",
         "server.drain_seconds",
+        "server.stream_interval",
     }
 )

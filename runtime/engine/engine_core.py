@@ -345,6 +345,12 @@ class EngineCore:
         if events:
             self.kv_event_sink(events)
 
+    def set_stream_interval(self, interval: int) -> None:
+        """Between steps: deltas held under the old interval go out with the next one due under the new."""
+        if interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {interval}")
+        self.outputs.stream_interval = interval
+
     def apply_cache_policy(self, cache: CacheConfig) -> None:
         """Apply the live fields of a new CacheConfig (TTL, eviction, pins, host tier) between steps."""
         self._cache_config = cache

@@ -2,7 +2,7 @@
 
 `runtime/config_watch.ConfigWatcher` polls the mounted config file and hands live changes (LIVE_FIELDS)
 to `on_change`; here they reach the server (API keys, drain grace) and the engine (cache policy, queue
-limit, the LoRA adapters of `lora.modules` — removed ones unloaded, new ones loaded — and their host
+limit, stream interval, the LoRA adapters of `lora.modules` — removed ones unloaded, new ones loaded — and their host
 limit `lora.max_cpu_loras`: no restart). Restart-only changes are reported by /v1/config so the operator can roll the pod. API keys are
 redacted there: the endpoint sits behind the same keys, but a config dump must never echo secrets.
 """
@@ -22,12 +22,16 @@ logger = logging.getLogger(__name__)
 
 
 async def apply_to_engine(engine: Any, new: RuntimeConfig) -> None:
-    """The engine's share of a live change: cache policy on the engine thread, queue limit on the engine.
+    """The engine's share of a live change: cache policy and stream interval on the engine thread, queue
+    limit on the engine.
 
     `engine` is an AsyncEngine; `core.apply_cache_policy` runs between steps (TTL, eviction, pins, host
-    tier); `max_waiting` is read by `AsyncEngine.add_request` from its config.
+    tier), and so does `core.set_stream_interval`; `max_waiting` is read by `AsyncEngine.add_request` from
+    its config.
     """
     await engine.call(lambda core: core.apply_cache_policy(new.cache))
+    if new.server.stream_interval != engine.config.server.stream_interval:
+        await engine.call(lambda core: core.set_stream_interval(new.server.stream_interval))
     await sync_adapters(engine, engine.config.lora, new.lora)
     engine.config = new
 

@@ -85,6 +85,10 @@ def test_live_fields_keep_the_hash_restart_fields_change_it():
     assert config_hash(base) == config_hash(live)
     assert config_hash(base) != config_hash(restart)
     assert len(config_hash(base)) == 16
+    # The stream interval is applied by the running pods too: no roll.
+    engine = {**CPU["engine"], "streamInterval": 4}
+    _, chunky = _runtime({**CPU, "engine": engine}, {"prefixCaching": {"ttlSeconds": 30}})
+    assert chunky.server.stream_interval == 4 and config_hash(chunky) == config_hash(base)
 
 
 def test_cpu_deployment_manifest():

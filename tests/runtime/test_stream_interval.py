@@ -97,3 +97,30 @@ def test_an_interval_below_one_is_refused():
         RuntimeConfig.model_validate({"server": {"stream_interval": 0}})
     with pytest.raises(ValueError, match="stream_interval"):
         OutputProcessor(None, lambda rid: None, lambda: 0.0, stream_interval=0)
+
+
+def test_a_live_change_of_interval_applies_from_the_next_step_and_lowering_it_sends_what_is_held(
+    default_model,
+):
+    config = RuntimeConfig.model_validate(
+        {
+            "model": {"dtype": "float32", "attention_backend": "torch"},
+            "cache": {"num_blocks": 64},
+            "server": {"stream_interval": 8},
+        }
+    )
+    core = EngineCore(config, loaded=default_model)
+    try:
+        core.add_request("r", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        sizes = []
+        for step in range(12):
+            if step == 4:  # 1 token sent, 3 held under interval 8
+                core.set_stream_interval(2)
+            sizes += [len(d.new_token_ids) for d in core.step()]
+        assert not core.has_unfinished()
+        # Held 3 + this step's 1 go out at once, then two at a time to the end.
+        assert sizes == [1, 4, 2, 2, 2, 1], sizes
+        with pytest.raises(ValueError, match="stream_interval"):
+            core.set_stream_interval(0)
+    finally:
+        core.shutdown()

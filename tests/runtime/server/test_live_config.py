@@ -17,6 +17,9 @@ class _Core:
     def apply_cache_policy(self, cache):
         self.cache_policies.append(cache)
 
+    def set_stream_interval(self, interval):
+        self.stream_interval = interval
+
 
 async def test_reload_applies_keys_and_queue_limit_and_reports_restart_fields(
     tmp_path, make_client, fake_engine
@@ -36,7 +39,8 @@ async def test_reload_applies_keys_and_queue_limit_and_reports_restart_fields(
     state.watcher = ConfigWatcher(path, on_change_for(state), initial=config)
 
     path.write_text(
-        "server:\n  api_keys: [new]\n  drain_seconds: 5\nscheduler:\n  max_waiting: 3\ncache:\n  block_size: 32\n"
+        "server:\n  api_keys: [new]\n  drain_seconds: 5\n  stream_interval: 4\nscheduler:\n  max_waiting: 3\n"
+        "cache:\n  block_size: 32\n"
     )
     os.utime(path, (1, 1))
     assert await state.watcher.check_once()
@@ -48,6 +52,7 @@ async def test_reload_applies_keys_and_queue_limit_and_reports_restart_fields(
     assert state.config.server.drain_seconds == 5
     assert fake_engine.config.scheduler.max_waiting == 3
     assert len(fake_engine.core.cache_policies) == 1
+    assert fake_engine.core.stream_interval == 4
     snapshot = await (await client.get("/v1/config", headers=new)).json()
     assert snapshot["restart_required"] is True
     assert [c["path"] for c in snapshot["pending_restart"]] == ["cache.block_size"]
