@@ -14,6 +14,7 @@ from tokenfleet.runtime.engine.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    row_argmax,
     transform_logits,
 )
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -71,6 +72,28 @@ def _run_steps(batch_builders, target_index, steps=6, vocab=500):
             r.output_token_ids.append(tok)
         tokens.append(out.token_ids[target_index])
     return tokens
+
+
+@pytest.mark.parametrize("vocab", [2047, 2048, 2049, 5000, 49152])
+@pytest.mark.parametrize("kind", ["normal", "ties", "one_finite", "nan"])
+def test_row_argmax_is_argmax_exactly(vocab, kind):
+    # The CPU path searches blocks of columns; ties (first index wins), a row that is -inf but for one
+    # token (a grammar mask), NaN (counts as largest), a short last block: all as torch.argmax.
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 9
+    if kind == "ties":  # maxima in several blocks, and several times within a block
+        x = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    elif kind == "one_finite":
+        x = torch.full((rows, vocab), float("-inf"))
+        x[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)] = -1.0
+        x[0, vocab - 1] = 0.0  # in the last column, of the shorter last block
+    else:
+        x = torch.randn((rows, vocab), generator=gen)
+        x[3, 1] = x[3].max()  # a tie between the first block and a later one
+        if kind == "nan":
+            x[torch.rand((rows, vocab), generator=gen) < 2 / vocab] = float("nan")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[2:3]), x[2:3].argmax(dim=-1))  # one row
 
 
 def test_seeded_sampling_is_independent_of_the_batch():
