@@ -91,6 +91,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
             ChatCompletionChunk(id=response_id, created=created, model=served, choices=choices, usage=usage)
         )
 
+    text_events = sse.TextEvents(
+        lambda index, text: ChatCompletionChunk(
+            id=response_id,
+            created=created,
+            model=served,
+            choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=text))],
+        )
+    )
+
     async def events():
         start = wire.start(response_id, created, prompt.token_ids, why_not)
         if wire.continuation is not None and start:  # the client already has the opening delta
@@ -119,6 +128,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
                     yield wire.alone(progress)
                 continue  # e.g. a token held back because it may start a stop string or a tool call
             lps = chat_logprobs(renderer, out.new_logprobs or []) if req.logprobs else None
+            if text and not calls and lps is None and not out.finished:  # the common event, pre-serialised
+                yield progress + text_events.event(st.index, text)
+                continue
             delta = DeltaMessage(content=text or None, tool_calls=calls or None)
             finish = None
             if out.finished:

@@ -79,6 +79,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
             return counted.model_copy(update={"completion_tokens": 0, "total_tokens": counted.prompt_tokens})
         return counted
 
+    text_events = sse.TextEvents(lambda index, text: response([CompletionChoice(index=index, text=text)]))
+
     async def events():
         offsets = [0] * len(gen.choices)  # running character offsets, for logprobs' text_offset
         start = wire.start(response_id, created, prompts[0].token_ids, why_not)
@@ -109,6 +111,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
             if req.logprobs is not None:
                 lps = completion_logprobs(renderer, out.new_logprobs or [], offsets[st.index])
                 offsets[st.index] += sum(len(t) for t in lps.tokens)
+            if lps is None and not out.finished:  # the common event: its envelope serialised once
+                yield progress + text_events.event(st.index, out.new_text)
+                continue
             finish = out.finish_reason if out.finished else None
             choice = CompletionChoice(index=st.index, text=out.new_text, logprobs=lps, finish_reason=finish)
             yield progress + sse.event(response([choice]))
