@@ -40,6 +40,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_tensors import (
 from tokenfleet.runtime.engine.logprobs import compute_logprobs, compute_prompt_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
+from tokenfleet.runtime.engine.persistent_block_table import PersistentBlockTable
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, SchedulerOutput
@@ -164,6 +165,8 @@ class ModelRunner:
         # The sampling rows of the last step and their metadata: while a batch keeps its requests (most
         # decode steps) the parameter tensors are reused instead of rebuilt and copied to the device.
         self._sampling_rows: tuple[list[Request], SamplingMetadata | None] = ([], None)
+        # Last step's block table: a step rewrites only the rows whose request's blocks changed.
+        self.block_table = PersistentBlockTable()
         # Model vs host time per step, on the host clock: only where the model runs on the host.
         self.clock = StepClock(enabled=device.type == "cpu")
         self.compiled: CompiledDecode | None = None
@@ -319,6 +322,7 @@ class ModelRunner:
         asynchronous copy (`to_device`), so preparing a step never waits for the device.
         """
         input_ids: list[int] = []
+        rids: list[str] = []
         starts: list[int] = []
         query_lens: list[int] = []
         tables: list[tuple[int, ...]] = []
@@ -329,6 +333,7 @@ class ModelRunner:
         verify_drafts: list[tuple[int, ...]] = []
         for rid, token_ids, start_pos, block_ids, sample, spec in output.scheduled:
             input_ids += token_ids
+            rids.append(rid)
             starts.append(start_pos)
             tables.append(block_ids)
             if spec:
@@ -347,7 +352,8 @@ class ModelRunner:
                 sample_rows.append(last)
                 sample_ids.append(rid)
         prompt_rows = _prompt_rows(output) if output.prompt_logprobs else []
-        meta, positions = build_step_metadata(starts, query_lens, tables, self.block_size)
+        block_tables = self.block_table.build(rids, tables)
+        meta, positions = build_step_metadata(starts, query_lens, tables, self.block_size, block_tables)
         ids_t, positions, rows_t, slot_mapping, query_start_loc, seq_lens, block_tables = to_device(
             (
                 torch.tensor(input_ids, dtype=torch.long),

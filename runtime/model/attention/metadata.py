@@ -42,10 +42,15 @@ def build_attention_metadata(
 
 
 def build_step_metadata(
-    starts: Sequence[int], query_lens: Sequence[int], block_ids: Sequence[Sequence[int]], block_size: int
+    starts: Sequence[int],
+    query_lens: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    block_tables: torch.Tensor | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """CPU AttentionMetadata and int64 positions [T] of one step, from per-sequence lists (start position,
-    new tokens, block table).
+    new tokens, block table). `block_tables`: the same tables as an int32 [sequences, max blocks] tensor,
+    zero-padded, when the caller keeps one across steps (`PersistentBlockTable`); else built here.
 
     Built with whole-batch tensor operations: per-sequence tensor calls (an arange, a row copy) cost a few
     microseconds each, which at hundreds of sequences made this the largest host cost of a decode step.
@@ -64,15 +69,10 @@ def build_step_metadata(
             raise ValueError(f"{n} blocks of {block_size} cannot hold {seq_len} tokens")
 
     width = max(max(table_lens, default=0), 1)
-    pad = (0,) * width
-    flat = array(
-        "i", itertools.chain.from_iterable(itertools.chain(t, pad[: width - len(t)]) for t in block_ids)
-    )
-    block_tables = (
-        torch.frombuffer(flat, dtype=torch.int32).view(num_seqs, width)
-        if num_seqs
-        else (torch.zeros((0, width), dtype=torch.int32))
-    )
+    if block_tables is None:
+        block_tables = block_table_tensor(block_ids, width)
+    elif tuple(block_tables.shape) != (num_seqs, width):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} for {num_seqs} tables of {width} blocks")
     starts_t = torch.tensor(starts, dtype=torch.int64)
     positions = _positions(starts_t, query_lens, num_tokens)
     if num_tokens == num_seqs:  # all decodes: sequence i owns token i
@@ -101,6 +101,17 @@ def build_step_metadata(
         seq_lens_list=seq_lens,
     )
     return meta, positions
+
+
+def block_table_tensor(block_ids: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """int32 [len(block_ids), width]: each sequence's block ids, then zeros."""
+    if not block_ids:
+        return torch.zeros((0, width), dtype=torch.int32)
+    pad = (0,) * width
+    flat = array(
+        "i", itertools.chain.from_iterable(itertools.chain(t, pad[: width - len(t)]) for t in block_ids)
+    )
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(block_ids), width)
 
 
 def _positions(starts: torch.Tensor, query_lens: Sequence[int], num_tokens: int) -> torch.Tensor:
