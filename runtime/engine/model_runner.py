@@ -37,6 +37,7 @@ from tokenfleet.runtime.engine.kv_cache.kv_tensors import (
     release_kv_caches,
     restore_kv_caches,
 )
+from tokenfleet.runtime.engine.logits_buffer import LogitsBuffer
 from tokenfleet.runtime.engine.logprobs import compute_logprobs, compute_prompt_logprobs
 from tokenfleet.runtime.engine.outputs import TokenLogprobs
 from tokenfleet.runtime.engine.parallel.workers import TPWorkers
@@ -165,6 +166,10 @@ class ModelRunner:
         # The sampling rows of the last step and their metadata: while a batch keeps its requests (most
         # decode steps) the parameter tensors are reused instead of rebuilt and copied to the device.
         self._sampling_rows: tuple[list[Request], SamplingMetadata | None] = ([], None)
+        # CPU: big logits tensors written into one kept buffer instead of fresh pages every step.
+        self.logits_buffer = LogitsBuffer(
+            max_num_seqs, enabled=device.type == "cpu" and loaded.model.logits_into_buffer
+        )
         # Last step's block table: a step rewrites only the rows whose request's blocks changed.
         self.block_table = PersistentBlockTable()
         # Model vs host time per step, on the host clock: only where the model runs on the host.
@@ -237,6 +242,7 @@ class ModelRunner:
             freed["weights"] = self._sleep_weights.nbytes
         self._generators.clear()
         self._sampling_rows = ([], None)
+        self.logits_buffer.release()
         return freed
 
     @property
@@ -413,7 +419,9 @@ class ModelRunner:
             self.proposer.observe(inputs.input_ids, inputs.positions, inputs.attn_meta)
         if inputs.logit_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+        rows = inputs.logit_rows.numel()
+        out = self.logits_buffer.take(rows, self.model.arch.vocab_size)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows), out=out)
 
     def sample(
         self,

@@ -241,13 +241,27 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, kv_cache, attn_meta)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.arch.tp_size > 1:  # each rank holds a slice of the vocabulary
-            logits = tensor_parallel.all_gather_last_dim(logits, self.arch.tp_size)
+    @property
+    def logits_into_buffer(self) -> bool:
+        """Whether `compute_logits` writes into a given `out`: one rank's plain fp32 linear head, unhooked."""
+        head = self.lm_head
+        plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
+        return self.arch.tp_size == 1 and plain and head.weight.dtype == torch.float32
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab]. `out`: an fp32 tensor of that shape to write them into, a buffer the
+        caller keeps across steps; used where the head is one rank's plain fp32 linear (the same matmul
+        `nn.Linear` runs, the same bits), otherwise ignored."""
+        into = out is not None and self.logits_into_buffer and hidden.dtype == out.dtype == torch.float32
+        if into:
+            logits = torch.matmul(hidden, self.lm_head.weight.t(), out=out)
+        else:
+            logits = self.lm_head(hidden).float()
+            if self.arch.tp_size > 1:  # each rank holds a slice of the vocabulary
+                logits = tensor_parallel.all_gather_last_dim(logits, self.arch.tp_size)
         cap = self.arch.final_logit_softcap
         if cap is not None:  # Gemma 2; in fp32 (HF caps in the model dtype: identical in fp32, finer in bf16)
-            logits = torch.tanh(logits / cap) * cap
+            logits = logits.div_(cap).tanh_().mul_(cap) if into else torch.tanh(logits / cap) * cap
         return logits
 
     @torch.no_grad()

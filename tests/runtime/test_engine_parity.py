@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenfleet.runtime.config import RuntimeConfig
+from tokenfleet.runtime.engine import logits_buffer
 from tokenfleet.runtime.engine.llm import LLM
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
 
@@ -107,6 +108,15 @@ def test_prefix_cache_hits_and_matches_hf(loaded, reference, tokenizer):
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits >= 3 * shared_blocks * 16
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_logits_into_the_kept_buffer_match_hf(loaded, reference, monkeypatch):
+    # On CPU, logits above malloc's mmap threshold are written into one buffer kept across steps. The
+    # threshold set to 0 sends every step there, with as many rows as it samples (9, then fewer as chunked
+    # prompts finish at different steps): the same tokens as HF's.
+    monkeypatch.setattr(logits_buffer, "_MMAP_THRESHOLD_MAX", 0)
+    llm, _ = run(loaded, reference, PROMPTS, max_num_batched_tokens=7)
+    assert llm.engine.runner.logits_buffer._buffer is not None
 
 
 def test_preemption_matches_hf(loaded, reference):

@@ -355,6 +355,12 @@ def test_greedy_generation_matches_transformers(case, checkpoints):
     assert len(set(ours)) > 2
     top2 = ref_logits.topk(2, dim=-1).values
     assert bool(((top2[:, 0] - top2[:, 1]) > 1e-3).all())
+    # Logits written into a caller's buffer (the runner's on CPU) are the very same bits, softcap included.
+    assert loaded.model.logits_into_buffer
+    hidden = torch.randn((5, arch.hidden_size), generator=generator)
+    buffer = torch.full((8, arch.vocab_size), float("nan"))
+    into = loaded.model.compute_logits(hidden, out=buffer[:5])
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, loaded.model.compute_logits(hidden))
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3"])

@@ -208,9 +208,9 @@ def test_no_prompt_logprobs_computes_only_sampling_rows(default_model, tokenizer
     model = llm.engine.runner.model
     original = model.compute_logits
 
-    def counting(hidden):
+    def counting(hidden, out=None):
         rows.append(hidden.shape[0])
-        return original(hidden)
+        return original(hidden, out=out)
 
     monkeypatch.setattr(model, "compute_logits", counting)
     llm.generate([tokenizer.encode(LONG)], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
