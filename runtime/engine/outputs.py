@@ -27,11 +27,14 @@ class RequestMetrics:
     finished_time: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestDelta:
     """A delta: what one request produced in one engine step (the last one has finished=True).
 
-    Not vLLM's RequestOutput: that is the whole result `LLM.generate` returns (`offline_outputs.py`)."""
+    Not vLLM's RequestOutput: that is the whole result `LLM.generate` returns (`offline_outputs.py`).
+    Treat it as immutable. It is not declared frozen because one is built per request per step, and a
+    frozen dataclass's `__init__` sets each field through `object.__setattr__`: 2.0 instead of 0.9 us here,
+    0.3 ms of a 256-stream step."""
 
     request_id: str
     new_token_ids: list[int]
