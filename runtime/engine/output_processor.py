@@ -131,7 +131,7 @@ class OutputProcessor:
                     delta,
                     new_lps,
                     finished=rid in finished,
-                    reason=req.status.finish_reason,
+                    reason=req.status.finish_reason if rid in finished else None,
                     prompt_logprobs=prompt_lps,
                 )
             )
@@ -168,7 +168,7 @@ class OutputProcessor:
             )
         return RequestDelta(
             request_id=req.request_id,
-            new_token_ids=list(new_ids),
+            new_token_ids=new_ids,  # a list of its own already (a slice, a sum or a literal)
             new_text=text,
             new_logprobs=logprobs,
             finished=finished,
