@@ -94,12 +94,13 @@ def one_step(scheduler: Scheduler, rng: random.Random) -> tuple[int, float, floa
     w0, c0 = time.perf_counter(), time.process_time()
     out = scheduler.schedule()
     w1, c1 = time.perf_counter(), time.process_time()
-    sampled = {s.request_id: [rng.randrange(50_000)] for s in out.scheduled if s.sample}
+    sampling = [*out.decodes.request_ids, *(s.request_id for s in out.others if s.sample)]
+    sampled = {rid: [rng.randrange(50_000)] for rid in sampling}
     w2, c2 = time.perf_counter(), time.process_time()
     scheduler.update(out, sampled)
     scheduler.kv.take_events()  # the engine drains the KV events (for the router) every step
     w3, c3 = time.perf_counter(), time.process_time()
-    return len(out.scheduled), (w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2), c1 - c0, c3 - c2
+    return out.num_scheduled, (w1 - w0) + (w3 - w2), (c1 - c0) + (c3 - c2), c1 - c0, c3 - c2
 
 
 def run(

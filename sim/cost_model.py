@@ -45,26 +45,34 @@ class BatchShape:
 
 
 def batch_shape(output) -> BatchShape:
-    """From a `SchedulerOutput` (`scheduled` tuples: id, token_ids, start_pos, block_ids, sample, spec_ids).
+    """From a `SchedulerOutput`: its plain decodes (`decodes`, columns: one token each, sampled) and its other
+    entries (`others` tuples: id, token_ids, start_pos, block_ids, sample, spec_ids).
 
     Runs once per simulated step over every scheduled request, so it is written as C-level passes (map,
     sum) rather than a Python loop per request: sum over requests of q x (start + (q + 1) / 2) for q new
-    tokens = sum(q x start) + (sum(q^2) + sum(q)) / 2, and a pure decode step (every q = 1) needs neither
-    product.
+    tokens = sum(q x start) + (sum(q^2) + sum(q)) / 2, and a plain decode (q = 1) needs neither product.
     """
-    scheduled = output.scheduled
-    num_tokens = output.num_batched_tokens  # token ids + speculative proposals, as the budget counts them
-    qs = list(map(len, map(_token_ids, scheduled)))
-    starts = list(map(_start_pos, scheduled))
+    decodes, others = output.decodes, output.others
+    num_decodes = len(decodes)
+    decode_start = sum(decodes.start_pos)
+    num_tokens = output.num_batched_tokens - num_decodes  # the others' token ids + speculative proposals
+    qs = list(map(len, map(_token_ids, others)))
+    starts = list(map(_start_pos, others))
     sum_q, sum_start = sum(qs), sum(starts)
     if sum_q != num_tokens:  # speculative proposals ride along: count them per request
-        qs = [len(e[1]) + len(e[5]) for e in scheduled]
+        qs = [len(e[1]) + len(e[5]) for e in others]
         sum_q = sum(qs)
-    if sum_q == len(qs):  # every request gets one token (decodes)
+    if sum_q == len(qs):  # every other entry gets one token too
         attn = sum_start + sum_q
     else:
         attn = sum(map(mul, qs, starts)) + (sum(map(mul, qs, qs)) + sum_q) / 2
-    return BatchShape(sum_q, len(qs), sum(map(_sample, scheduled)), attn, sum_start + sum_q)
+    return BatchShape(
+        num_decodes + sum_q,
+        num_decodes + len(qs),
+        num_decodes + sum(map(_sample, others)),
+        decode_start + num_decodes + attn,
+        decode_start + num_decodes + sum_start + sum_q,
+    )
 
 
 class CostModel(Protocol):

@@ -246,8 +246,7 @@ class SimReplica:
         scheduler = self.scheduler
         num_before = len(scheduler.running)
         output = scheduler.schedule()
-        scheduled = output.scheduled
-        if not scheduled:
+        if output.is_empty:
             self.busy = False
             return None
         # Requests leave the waiting queue only by admission, which appends them to `running` (the
@@ -283,11 +282,12 @@ class SimReplica:
         """The step ends at `now`: tokens appear, finished requests leave; returns those."""
         output = self._pending
         self._pending = None
-        scheduled = output.scheduled
+        others = output.others
+        sampled = set(output.decodes.request_ids)  # every plain decode samples
         if self._all_sample:  # most steps: every request gets a token
-            sampled = set(map(_rid, scheduled))
+            sampled.update(map(_rid, others))
         else:
-            sampled = set(compress(map(_rid, scheduled), map(_sample, scheduled)))
+            sampled.update(compress(map(_rid, others), map(_sample, others)))
         finished = self.scheduler.update(output, self._tokens)
         self.generation_tokens_total += len(sampled)
         records = self.records

@@ -282,12 +282,13 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        if sched.is_empty:
             self.runner.clock.pause()  # waiting on something other than the host (a transfer, a wake)
             return []
         self._num_steps += 1
         now = self.clock()
-        requests = {s.request_id: self.outputs.get(s.request_id) for s in sched.scheduled}
+        get = self.outputs.get
+        requests = {rid: get(rid) for rid in sched.request_ids}
         announced = self.scheduler.started
         if announced:  # some requests start: a decode-only step skips this loop
             for req in requests.values():
@@ -296,7 +297,7 @@ class EngineCore:
             if self.kv_event_sink is not None:
                 self.kv_event_sink(announced)  # before the forward: routers learn of it while it runs
         if self._lora_requests:
-            adapters = [requests[s.request_id].lora for s in sched.scheduled]
+            adapters = [requests[rid].lora for rid in sched.request_ids]
             if any(a is not None for a in adapters):
                 sched = dataclasses.replace(sched, lora_slots=self.lora.slots_for(adapters))
         result = self.runner.execute(sched, requests)

@@ -327,17 +327,20 @@ class ModelRunner:
         Per request only list appends; the tensors are built batch-wide and reach the device in one
         asynchronous copy (`to_device`), so preparing a step never waits for the device.
         """
-        input_ids: list[int] = []
-        rids: list[str] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
-        tables: list[tuple[int, ...]] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
+        # The plain decodes first, whole columns at a time: row i is decode i, and each samples.
+        decodes = output.decodes
+        num_decodes = len(decodes)
+        input_ids: list[int] = list(decodes.token_ids)
+        rids: list[str] = list(decodes.request_ids)
+        starts: list[int] = list(decodes.start_pos)
+        query_lens: list[int] = [1] * num_decodes
+        tables: list[tuple[int, ...]] = list(decodes.block_ids)
+        sample_rows: list[int] = list(range(num_decodes))
+        sample_ids: list[str] = list(decodes.request_ids)
         verify_rows: list[int] = []  # k + 1 rows per request with proposals
         verify_ids: list[str] = []
         verify_drafts: list[tuple[int, ...]] = []
-        for rid, token_ids, start_pos, block_ids, sample, spec in output.scheduled:
+        for rid, token_ids, start_pos, block_ids, sample, spec in output.others:
             input_ids += token_ids
             rids.append(rid)
             starts.append(start_pos)
@@ -374,8 +377,7 @@ class ModelRunner:
         )
         lora = None
         if output.lora_slots:
-            pairs = zip(output.lora_slots, output.scheduled, strict=True)
-            runs = [(slot, entry.num_tokens) for slot, entry in pairs]
+            runs = list(zip(output.lora_slots, query_lens, strict=True))  # (slot, its rows) per entry
             lora = make_lora_batch_from_runs(runs, self.device)
         return StepInputs(
             input_ids=ids_t,

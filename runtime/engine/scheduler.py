@@ -30,10 +30,11 @@ Cost per step: a fleet simulator runs this class for every simulated step of eve
 server runs it between forward passes, so the common case is kept cheap. A running decode (one token, no
 proposals, no look-ahead) whose block table already holds its slot and fills no block is scheduled with
 two integer compares against its table's `fast_limit` (block_table.py), without a call into the KV cache
-manager; only one decode in `block_size` steps reaches `allocate_slots`. `update` applies the step's
-leading run of such decodes from their requests (remembered by `schedule`), without reading their entries
-back or looking anything up by id but the sampled token; other entries find a request and its stop
-figures with one lookup, and a single sampled token skips the speculative path.
+manager; only one decode in `block_size` steps reaches `allocate_slots`. Such decodes go into the output
+column-wise (`DecodeBatch`: four list appends, no tuple per request), and `update` applies them from their
+requests (remembered by `schedule`), without reading their entries back or looking anything up by id but
+the sampled token; other entries find a request and its stop figures with one lookup, and a single sampled
+token skips the speculative path.
 
 Fair share (`fair_share`, fair_share.py): each tenant (`Request.tenant`) has a virtual token counter, the
 service it received, charged as each step is scheduled: the prompt tokens of its chunks (cache hits are not
@@ -66,7 +67,12 @@ from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
 from tokenfleet.runtime.engine.request import Request, RequestStatus
-from tokenfleet.runtime.engine.scheduler_output import PromptLogprobsChunk, ScheduledRequest, SchedulerOutput
+from tokenfleet.runtime.engine.scheduler_output import (
+    DecodeBatch,
+    PromptLogprobsChunk,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from tokenfleet.runtime.engine.waiting_queue import FairWaitingQueue, WaitingQueue
 from tokenfleet.runtime.errors import ConfigError, InvalidRequest
 
@@ -137,11 +143,15 @@ class Scheduler:
         # Requests whose prompt is still being scored (prompt logprobs): only while one is here does a step
         # look for prompt positions to score.
         self._scoring: dict[str, Request] = {}
-        # The last output whose leading entries are all plain decodes (one token, sampled, no proposals),
-        # and the requests of those entries in order: `update` applies them from the requests alone,
-        # without reading the entries back or looking the requests up by id (see `_update_plain`).
+        # The last output with plain decodes, and the requests of its decodes in order:
+        # `update` applies them from the requests alone, without reading the columns back or looking the
+        # requests up by id (see `_update_plain`).
         self._plain_output: SchedulerOutput | None = None
         self._plain_requests: list[Request] = []
+        # The decodes of the step being scheduled and their requests: a request preempted while the step is
+        # scheduled is taken out of both.
+        self._step_decodes = DecodeBatch()
+        self._step_decoding: list[Request] = []
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -231,22 +241,23 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.started:
             self.started = []
-        # Entries are appended as soon as a request's allocation succeeds (its block table is final for
-        # the step then); a request preempted later in the step is taken out again. Order: running
-        # order, then admission order, then the running chunks that made way for the admissions.
+        # Entries are added as soon as a request's allocation succeeds (its block table is final for the
+        # step then); a request preempted later in the step is taken out again. Plain decodes go to
+        # `decodes` (and their requests to `decoding`), in running order; the other entries to `entries`:
+        # running order, then admission order, then the running chunks that made way for the admissions.
+        decodes = self._step_decodes = DecodeBatch()
+        decoding: list[Request] = []
+        self._step_decoding = decoding
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self.running
         plain = not self.num_lookahead_tokens
         i = 0
-        num_plain = 0  # leading entries from the first run of plain decodes (running[:num_plain])
         urgent = self._urgent_priority()
         deferred: list[Request] = []  # running prompt chunks that go after the admissions
         while i < len(running) and budget > 0:
             if plain:
-                n = self._schedule_decodes(i, budget, entries)
-                if i == 0:
-                    num_plain = n
+                n = self._schedule_decodes(i, budget, decodes, decoding)
                 i += n
                 budget -= n
                 if i == len(running) or budget == 0:
@@ -259,33 +270,34 @@ class Scheduler:
                     continue
             budget, i = self._schedule_running(i, budget, entries, preempted)
 
-        if self.fair is not None and entries:
-            self._charge_running(entries)  # before admissions: their picks see this step's service
+        if self.fair is not None and (decoding or entries):
+            self._charge_running(decoding, decodes.start_pos, entries)  # before admissions: they see it
         if not preempted:
             budget = self._admit_waiting(budget, entries, preempted)
         if deferred:
             budget = self._schedule_deferred(deferred, budget, entries, preempted)
 
         output = SchedulerOutput(
-            scheduled=tuple(entries),
+            decodes=decodes,
+            others=tuple(entries),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(preempted),
             aborted_ids=tuple(self._aborted_ids),
             finished_ids=tuple(self._finished_ids),
-            prompt_logprobs=self._prompt_positions(entries) if self._scoring else (),
+            prompt_logprobs=self._prompt_positions([*decodes.entries(), *entries]) if self._scoring else (),
         )
         self._aborted_ids.clear()
         self._finished_ids.clear()
-        # A preemption may have taken entries back (and moved running requests): then no shortcut.
-        if num_plain and not preempted:
+        if decoding:  # (a request preempted after it was scheduled left `decodes` and `decoding` both)
             self._plain_output = output
-            self._plain_requests = running[:num_plain]
+            self._plain_requests = decoding
         else:
             self._plain_output = None
         return output
 
-    def _schedule_decodes(self, i: int, budget: int, entries: list[ScheduledRequest]) -> int:
-        """Schedule `running[i:]` while they are plain decodes whose slot is free to take; how many.
+    def _schedule_decodes(self, i: int, budget: int, decodes: DecodeBatch, decoding: list[Request]) -> int:
+        """Schedule `running[i:]` while they are plain decodes whose slot is free to take, into `decodes`
+        (their requests appended to `decoding`); how many.
 
         A plain decode is one token, no proposals, no look-ahead slots (the caller checks those are off).
         When its blocks already hold the slot and no block fills (to be cached), `allocate_slots` would
@@ -296,8 +308,11 @@ class Scheduler:
         """
         tables = self.kv.tables
         allocate = self.kv.allocate_slots
-        append = entries.append
-        num_before = len(entries)
+        add_id = decodes.request_ids.append
+        add_token = decodes.token_ids.append
+        add_start = decodes.start_pos.append
+        add_blocks = decodes.block_ids.append
+        n = 0
         for request in itertools.islice(self.running, i, i + budget):
             output_ids = request.output_token_ids
             start = request.num_computed_tokens
@@ -309,12 +324,14 @@ class Scheduler:
                 break
             if start >= table.fast_limit and allocate(request, 1) is None:
                 break
-            # tuple.__new__ skips the NamedTuple's Python-level __new__ (~5x cheaper). Same fields, same
-            # order as ScheduledRequest. The one-token tuple is built in place: a memo of them (one per
-            # token id) measured slower at 1,024 sequences, its lookups missing the CPU caches.
-            token_ids = (output_ids[-1] if output_ids else request.prompt_token_ids[-1],)
-            append(_new_tuple(ScheduledRequest, (rid, token_ids, start, table.block_ids, True, ())))
-        return len(entries) - num_before
+            add_id(rid)
+            add_token(output_ids[-1] if output_ids else request.prompt_token_ids[-1])
+            add_start(start)
+            add_blocks(table.block_ids)
+            n += 1
+        if n:
+            decoding += itertools.islice(self.running, i, i + n)
+        return n
 
     def _schedule_running(
         self,
@@ -545,13 +562,14 @@ class Scheduler:
         rolled back. Tokens after a stop condition are dropped.
         """
         finished: list[Request] = []
-        scheduled = output.scheduled
         if output is self._plain_output:
             self._plain_output = None
             requests = self._plain_requests
             self._plain_requests = []
             self._update_plain(requests, sampled, finished)
-            scheduled = scheduled[len(requests) :]  # the rest, if any (chunks, admissions)
+            scheduled = output.others  # the rest, if any (chunks, admissions)
+        else:
+            scheduled = output.scheduled
         stop_info = self._stop_info
         for rid, token_ids, _, _, sample, spec_token_ids in scheduled:
             info = stop_info.get(rid)
@@ -597,12 +615,12 @@ class Scheduler:
     def _update_plain(
         self, requests: list[Request], sampled: dict[str, list[int]], finished: list[Request]
     ) -> None:
-        """`update` for the leading plain-decode entries of the last output, given their requests.
+        """`update` for the plain decodes of the last output, given their requests in order.
 
-        Each entry is (rid, (one token,), num_computed_tokens, blocks, True, ()) of the request at the same
-        place, so the request itself says everything the entry would: nearly every running request goes
-        through here every step, without its entry being unpacked or its id looked up. The same effect,
-        in the same order, as the general loop of `update`.
+        Each decode is (rid, one token, num_computed_tokens, blocks) of the request at the same place, so
+        the request itself says everything the columns would: nearly every running request goes through
+        here every step, without its decode being read back or its id looked up. The same effect as the
+        general loop of `update`.
         """
         for request in requests:
             if request.status is not _RUNNING:
@@ -714,8 +732,9 @@ class Scheduler:
         return refund
 
     def _take_back(self, victim: Request, entries: list[ScheduledRequest], charged: bool) -> int:
-        """Take a preempted request's entry of this step out of `entries`, if it has one; the tokens it
-        had been given. `charged`: its service was charged to fair share already, so it is refunded."""
+        """Take a preempted request's entry of this step out of `entries` or the step's decodes, if it has
+        one; the tokens it had been given. `charged`: its service was charged to fair share already, so it
+        is refunded."""
         vid = victim.request_id
         for j in range(len(entries) - 1, -1, -1):  # newest first: victims are the newest
             if entries[j][0] == vid:
@@ -724,7 +743,15 @@ class Scheduler:
                     start = entry.start_pos
                     self._charge_entry(victim, start, start + len(entry.token_ids), entry.sample, -1)
                 return entry.num_tokens
-        return 0
+        decodes = self._step_decodes
+        if vid not in decodes.request_ids:
+            return 0
+        j = decodes.request_ids.index(vid)
+        start = decodes.pop(j)
+        del self._step_decoding[j]
+        if charged and self.fair is not None:
+            self._charge_entry(victim, start, start + 1, True, -1)
+        return 1
 
     def _fair_victim(self, request: Request) -> int | None:
         """Fair share's preemption: the newest running request of the same priority whose tenant has
@@ -810,14 +837,23 @@ class Scheduler:
         if sample:
             fair.charge_output(tenant, sign)
 
-    def _charge_running(self, entries: list[ScheduledRequest]) -> None:
-        """Charge the chunks scheduled for running requests, summed per tenant (mostly one decode token
-        each: this runs for every running request in every step)."""
+    def _charge_running(
+        self, decoding: list[Request], starts: list[int], entries: list[ScheduledRequest]
+    ) -> None:
+        """Charge what was scheduled for running requests, summed per tenant: the plain decodes (`decoding`,
+        at positions `starts`) one sampled token each, and the other entries their chunks (this runs for
+        every running request in every step)."""
         fair = self.fair
         assert fair is not None
         requests = self._requests
         prompt: dict[str, int] = {}
         output: dict[str, int] = {}
+        for request, start in zip(decoding, starts, strict=True):
+            tenant = request.tenant or ""
+            if start < len(request.prompt_token_ids):  # the prompt's last token, recomputed
+                n = self._prompt_tokens_to_charge(request, start, start + 1)
+                prompt[tenant] = prompt.get(tenant, 0) + n
+            output[tenant] = output.get(tenant, 0) + 1
         for rid, token_ids, start, _, sample, _ in entries:
             request = requests[rid]
             tenant = request.tenant or ""

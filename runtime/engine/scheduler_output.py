@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -46,8 +46,45 @@ class PromptLogprobsChunk(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The step's plain decodes, one list per field: request `request_ids[i]` feeds `token_ids[i]` at position
+    `start_pos[i]` over its block table `block_ids[i]` and samples the token after it (no proposals).
+
+    Nearly every running request is one of these nearly every step. As columns, scheduling one costs four
+    list appends instead of two tuples (a `ScheduledRequest` and its one-token `token_ids`), which is what
+    per-request allocation cost the scheduler at 1,024 and 4,096 sequences (bench/scheduler_overhead.py), and
+    the runner and the simulator take whole columns (`torch.tensor(token_ids)`, `sum(start_pos)`) where they
+    unpacked entries one by one. The lists are filled by the scheduler while it schedules the step and never
+    changed once the output is handed over.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    start_pos: list[int] = field(default_factory=list)
+    block_ids: list[tuple[int, ...]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def entries(self) -> list[ScheduledRequest]:
+        """The same decodes as `ScheduledRequest`s, in order."""
+        columns = zip(self.request_ids, self.token_ids, self.start_pos, self.block_ids, strict=True)
+        return [ScheduledRequest(rid, (token,), start, blocks, True) for rid, token, start, blocks in columns]
+
+    def pop(self, i: int) -> int:
+        """Take decode `i` out (the scheduler preempted its request while scheduling the step); its start
+        position."""
+        del self.request_ids[i], self.token_ids[i], self.block_ids[i]
+        return self.start_pos.pop(i)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]
+    """A step: the plain decodes (`decodes`, column-wise), then every other entry (`others`: prompt chunks,
+    decodes that verify proposals or take look-ahead slots), in the order the runner lays out its rows."""
+
+    decodes: DecodeBatch
+    others: tuple[ScheduledRequest, ...]
     num_batched_tokens: int
     preempted_ids: tuple[str, ...] = ()  # preempted in this step: their KV is gone (recomputed on resume)
     aborted_ids: tuple[str, ...] = ()  # aborted since the previous step: drop any per-request state
@@ -55,10 +92,27 @@ class SchedulerOutput:
     # Prompt positions to score in this step; empty unless a scheduled request asks for prompt logprobs
     # (then, and only then, the runner computes logits beyond the sampling rows).
     prompt_logprobs: tuple[PromptLogprobsChunk, ...] = ()
-    # LoRA: the device slot of each scheduled entry's adapter (-1: the base model), set by the engine once
-    # the slots are loaded; empty when no entry uses an adapter.
+    # LoRA: the device slot of each scheduled entry's adapter (-1: the base model), in the order of
+    # `scheduled`, set by the engine once the slots are loaded; empty when no entry uses an adapter.
     lora_slots: tuple[int, ...] = ()
 
     @property
+    def scheduled(self) -> tuple[ScheduledRequest, ...]:
+        """Every entry, the decodes first, as `ScheduledRequest`s. Built at each call from the columns: code
+        that runs every step reads `decodes` and `others` instead."""
+        if not self.decodes:
+            return self.others
+        return (*self.decodes.entries(), *self.others)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The scheduled requests' ids, in the order of `scheduled`."""
+        return [*self.decodes.request_ids, *(entry.request_id for entry in self.others)]
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.decodes) + len(self.others)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.decodes and not self.others

@@ -158,3 +158,41 @@ def test_a_plain_decode_without_its_sampled_token_fails_as_in_the_general_loop()
             s.update(dataclasses.replace(out) if general else out, {"a": [9, 9]})
         errors.append(str(info.value))
     assert errors[0] == errors[1] and "expected 1..1 sampled tokens" in errors[0]
+
+
+def test_a_decode_preempted_later_in_its_step_leaves_the_step():
+    """Under `policy: priority` an urgent arrival preempts a running request whose decode the step had
+    already scheduled: the decode leaves the step's columns and the plain-decode run of `update`, and its
+    token of budget comes back."""
+    kv = KVCacheManager(32, BS, enable_caching=True, hash_extra=hash_extra("m"))
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
+    s = Scheduler(config, kv, 256)
+    low, mid = req("low", [1, 2, 3], priority=5, arrival=0.0), req("mid", [4, 5, 6], priority=0, arrival=1.0)
+    s.add_request(low)
+    s.add_request(mid)
+    s.update(s.schedule(), {"low": [9], "mid": [9]})
+    s.add_request(req("urgent", [7, 8, 9], priority=-5, arrival=2.0))  # the batch is full: low yields
+    out = s.schedule()
+    assert out.preempted_ids == ("low",)
+    assert out.decodes.request_ids == ["mid"] and out.decodes.start_pos == [3]
+    assert [(e.request_id, len(e.token_ids)) for e in out.scheduled] == [("mid", 1), ("urgent", 3)]
+    assert out.num_batched_tokens == 4
+    s.update(out, {"mid": [10], "urgent": [11]})
+    assert low.output_token_ids == [9] and low.num_computed_tokens == 0  # back in the queue, to recompute
+    assert mid.output_token_ids == [9, 10] and mid.num_computed_tokens == 4
+    assert [r.request_id for r in s.running] == ["mid", "urgent"]
+
+
+def test_decode_columns_and_entries_say_the_same():
+    """`scheduled` (entries, for code off the per-step path) is the columns of `decodes` then `others`, and
+    `request_ids` follows the same order."""
+    s = make(budget=12)
+    s.add_request(req("a", [1, 2, 3]))
+    s.add_request(req("b", [4, 5]))
+    s.update(s.schedule(), {"a": [9], "b": [8]})
+    s.add_request(req("c", list(range(20, 40))))
+    out = s.schedule()
+    d = out.decodes
+    assert (d.request_ids, d.token_ids, d.start_pos) == (["a", "b"], [9, 8], [3, 2])
+    assert out.scheduled[:2] == tuple(d.entries()) and out.scheduled[2:] == out.others
+    assert out.request_ids == ["a", "b", "c"] and out.num_scheduled == 3 and not out.is_empty

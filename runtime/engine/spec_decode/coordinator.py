@@ -36,7 +36,7 @@ class SpecDecoder:
 
     def record(self, sched: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> None:
         """Count one step's verification results (before tokens after a stop are dropped)."""
-        for entry in sched.scheduled:
+        for entry in sched.others:  # plain decodes verify nothing
             spec = entry.spec_token_ids
             tokens = sampled.get(entry.request_id)
             if not spec or not tokens:
