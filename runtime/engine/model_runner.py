@@ -201,7 +201,7 @@ class ModelRunner:
             device,
         )
 
-    def _generator(self, request: Request, vocab_size: int) -> torch.Generator | None:
+    def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
         if seed is None or request.sampling_params.greedy:
             return None
@@ -210,7 +210,7 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
             # A request resumed from another pod already drew one sample per output token there.
-            advance_generator(gen, len(request.output_token_ids), vocab_size)
+            advance_generator(gen, len(request.output_token_ids))
             self._generators[request.request_id] = gen
         return gen
 
@@ -439,9 +439,7 @@ class ModelRunner:
         ):  # the same Request objects in the same order (identity: eq=False)
             sampling_meta = sampling_meta.refresh(reqs, self.device)
         else:
-            generators = {
-                r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
-            }
+            generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
             sampling_meta = SamplingMetadata.build(reqs, generators, self.device)
             self._sampling_rows = (reqs, sampling_meta)
         result = self.sampler(logits, sampling_meta)
@@ -459,9 +457,7 @@ class ModelRunner:
     ) -> None:
         """Rejection-sample the proposals of `reqs` (k + 1 logit rows each); adds their emitted tokens (and
         logprobs) to the dicts."""
-        generators = {
-            r.request_id: g for r in reqs if (g := self._generator(r, logits.shape[-1])) is not None
-        }
+        generators = {r.request_id: g for r in reqs if (g := self._generator(r)) is not None}
         batch = build_verify_batch(reqs, list(drafts), generators, self.device)
         emitted = self.rejection_sampler(logits, batch)
         want = [r.sampling_params.logprobs for r in reqs]

@@ -4,9 +4,14 @@ Order of transforms (as in vLLM): grammar bitmask -> penalties -> min_tokens ban
 top-p -> min-p -> draw. Greedy rows take the argmax of the transformed logits, which equals the argmax of the
 penalised logits: their temperature is 1 and every truncation keeps the most likely token.
 
-Random rows use the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability
-exactly p_i, and needs no cumulative sum or per-row multinomial call. A seeded request draws its q from its
-own generator, so its tokens depend only on its seed and its own logits, not on what else is in the batch.
+Random rows are drawn by inverse transform, one uniform u per row: the token is the first index whose
+cumulative probability (vocabulary order) exceeds u times the row's total, which picks token i with
+probability exactly p_i. One uniform per row is what keeps it cheap: the exponential race it replaced
+(argmax(p / q) with q ~ Exp(1), a random number per vocabulary entry) cost 29.6 ms at 64 rows of a 49k
+vocabulary on CPU against 6.2 ms for the cumulative sum and search. A generator then advances by the same
+amount every step whatever the vocabulary, which `advance_generator` and the rejection sampler mirror. A
+seeded request draws its u from its own generator, so its tokens depend only on its seed and its own
+logits, not on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -63,9 +68,12 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
     return out
 
 
-# top-p looks at this many most likely tokens first: a partial top-k is far cheaper than sorting the whole
-# vocabulary (~10x on CPU for 49k tokens), and almost always holds the top-p boundary.
-TOP_P_CANDIDATES = 1024
+# top-p looks at the most likely tokens first, in rounds of partial top-k (each for the rows the last left
+# undecided), and sorts a row whole only past the last: on CPU a top-k of a few thousand of a 49k vocabulary
+# costs a fraction of the sort (the built-in model's logits, 8 rows: top-64 0.36 ms, top-1024 0.92, top-4096
+# 6.2, the sort 30). A trained model at a low temperature settles in the first round; at temperature 1.0
+# and top-p 0.95 most of its rows need between 167 and 2,171 tokens.
+TOP_P_ROUNDS = (64, 1024, 4096)
 
 
 def apply_top_k_top_p(
@@ -93,36 +101,47 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _top_p_keep(sorted_desc: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep mask over descending logits: a token stays while the tokens above it hold less than p."""
-    probs = (sorted_desc - log_norm).exp()
-    mass_above = probs.cumsum(dim=-1) - probs
+def _top_p_keep(probs_desc: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep mask over probabilities in descending order: a token stays while the tokens above it hold less
+    than p."""
+    mass_above = probs_desc.cumsum(dim=-1) - probs_desc
     return mass_above < top_p.unsqueeze(1)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
-    active = top_p < 1.0
-    log_norm = logits.logsumexp(dim=-1, keepdim=True)
-    num_candidates = min(vocab, TOP_P_CANDIDATES)
-    values, index = logits.topk(num_candidates, dim=-1)  # sorted, descending
-    keep = _top_p_keep(values, log_norm, top_p)
-    # The candidates decide the row when the boundary falls inside them (their last one is dropped);
-    # flatter rows, rare in practice, need the full sort.
-    covered = ~keep[:, -1] if num_candidates < vocab else torch.ones_like(active)
-    truncated = torch.full_like(logits, float("-inf")).scatter_(
-        1, index, values.masked_fill(~keep, float("-inf"))
-    )
-    out = torch.where((active & covered).unsqueeze(1), truncated, logits)
-    fallback = torch.nonzero(active & ~covered).flatten()
-    if fallback.numel():
-        rows = logits.index_select(0, fallback)
-        sorted_desc, sorted_index = rows.sort(dim=-1, descending=True)
-        keep_all = _top_p_keep(
-            sorted_desc, log_norm.index_select(0, fallback), top_p.index_select(0, fallback)
+    # The probabilities come from softmax, not from exp(logit - logsumexp): on CPU logsumexp is not
+    # vectorised (64 rows of 49k: 34.5 ms against softmax's 5.7).
+    probs = logits.softmax(dim=-1)
+    out = logits  # copied before the first row is written
+    pending = torch.nonzero(top_p < 1.0).flatten()  # rows whose boundary is not found yet
+    for num_candidates in (*TOP_P_ROUNDS, vocab):
+        if not pending.numel():
+            break
+        num_candidates = min(num_candidates, vocab)
+        every_row = pending.numel() == logits.shape[0]  # (pending is in row order): no copy
+        rows = logits if every_row else logits.index_select(0, pending)
+        row_probs = probs if every_row else probs.index_select(0, pending)
+        # topk rather than a sort while it is a part of the row (the whole row: sorted, descending).
+        values, index = (
+            rows.topk(num_candidates, dim=-1)
+            if num_candidates < vocab
+            else rows.sort(dim=-1, descending=True)
         )
-        kept = sorted_desc.masked_fill(~keep_all, float("-inf"))
-        out[fallback] = torch.empty_like(rows).scatter_(1, sorted_index, kept)
+        keep = _top_p_keep(row_probs.gather(1, index), top_p.index_select(0, pending))
+        # The candidates decide a row when its boundary falls inside them (their last one is dropped).
+        decided = ~keep[:, -1] if num_candidates < vocab else torch.ones_like(keep[:, -1])
+        done = pending[decided]
+        if every_row and bool(decided.all()):  # the usual step: one round decides every row
+            kept = values.masked_fill(~keep, float("-inf"))
+            return torch.full_like(logits, float("-inf")).scatter_(1, index, kept)
+        if done.numel():
+            if out is logits:
+                out = logits.clone()
+            kept = values[decided].masked_fill(~keep[decided], float("-inf"))
+            blank = torch.full((done.numel(), vocab), float("-inf"), dtype=out.dtype, device=out.device)
+            out[done] = blank.scatter_(1, index[decided], kept)
+        pending = pending[~decided]
     return out
 
 
@@ -194,34 +213,34 @@ class Sampler:
             token_ids = row_argmax(transformed)
         else:
             probs = transformed.softmax(dim=-1)
-            q = self._exponentials(probs, meta)
-            sampled = row_argmax(probs / q)
+            sampled = inverse_cdf(probs, self._uniforms(probs, meta))
             token_ids = (
                 sampled if meta.all_random else torch.where(meta.greedy, row_argmax(transformed), sampled)
             )
         logprobs = compute_logprobs(logits, token_ids, meta.num_logprobs, meta.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
-    def _exponentials(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """q ~ Exp(1) per row and token: from the row's own generator when seeded, else the shared one.
+    def _uniforms(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One U[0, 1) per row: from the row's own generator when seeded, else the shared one.
 
-        Greedy rows draw nothing (their q is 1 and unused) so a request's seeded stream only advances on the
+        Greedy rows draw nothing (their u is 0 and unused) so a request's seeded stream only advances on the
         steps where it really samples.
         """
         greedy = meta.greedy_rows
         shared_rows = [i for i, g in enumerate(meta.generators) if g is None and not greedy[i]]
+        shared = self._shared_generator(probs.device)
         if len(shared_rows) == meta.num_rows:
-            return _exponential(probs.shape, self._shared_generator(probs.device), probs)
-        q = torch.ones_like(probs)
+            return torch.rand((meta.num_rows,), generator=shared, dtype=probs.dtype, device=probs.device)
+        u = torch.zeros((meta.num_rows,), dtype=probs.dtype, device=probs.device)
         if shared_rows:
             index = torch.tensor(shared_rows, dtype=torch.int64, device=probs.device)
-            q[index] = _exponential(
-                (len(shared_rows), probs.shape[1]), self._shared_generator(probs.device), probs
+            u[index] = torch.rand(
+                (len(shared_rows),), generator=shared, dtype=probs.dtype, device=probs.device
             )
         for row, gen in enumerate(meta.generators):
             if gen is not None and not greedy[row]:
-                q[row] = _exponential((probs.shape[1],), gen, probs)
-        return q
+                u[row] = draw_uniform(gen, probs.dtype, probs.device)
+        return u
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -250,20 +269,29 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, inner.unsqueeze(1)).squeeze(1)
 
 
-def advance_generator(gen: torch.Generator, num_steps: int, vocab_size: int) -> None:
+def draw_uniform(gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A seeded request's one U[0, 1) of a sampled token, shape (1,): the same call every time, so that the
+    stream is the same on every device, whatever its generator's per-call offset rules."""
+    return torch.rand((1,), generator=gen, dtype=dtype, device=device)
+
+
+def advance_generator(gen: torch.Generator, num_steps: int) -> None:
     """Move a seeded request's generator past `num_steps` sampling steps, exactly as `Sampler` consumed it:
-    one `_exponential` draw of `vocab_size` values per sampled token (same shape and dtype per call, so
-    the result is the same on every device, whatever its generator's per-call offset rules). Used when a
-    request resumes on another pod with tokens it already drew."""
+    one `draw_uniform` (float32) per sampled token. Used when a request resumes on another pod with tokens it
+    already drew."""
     for _ in range(num_steps):
-        torch.rand((vocab_size,), generator=gen, dtype=torch.float32, device=gen.device)
+        draw_uniform(gen, torch.float32, gen.device)
 
 
-def _exponential(shape: tuple[int, ...], gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    """Exp(1) samples as -log(U), U ~ U[0, 1): on CPU ~3x faster than Tensor.exponential_, same law.
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token drawn from `weights[i]` (non-negative, not necessarily normalised) with its uniform
+    `u[i]` in [0, 1): the first index whose cumulative weight exceeds u times the row's total.
 
-    U is clamped away from 0: q = inf would make p / q = 0 for a surviving token, and a row with a single
-    survivor could then "sample" a removed one. q is never 0 since U < 1, so p / q is always finite.
+    A cumulative sum of non-negative floats never decreases, so the search is well defined, and it lands
+    only where the sum rises, on a token of positive weight. The target is kept below the total: u * total
+    can round up to it, and nothing exceeds the total.
     """
-    u = torch.rand(shape, generator=gen, dtype=like.dtype, device=like.device)
-    return u.clamp_(min=torch.finfo(like.dtype).tiny).log_().neg_()
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -10,10 +10,12 @@ import pytest
 import torch
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import (
+    TOP_P_ROUNDS,
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    inverse_cdf,
     row_argmax,
     transform_logits,
 )
@@ -146,7 +148,7 @@ def _kept(logits_row: torch.Tensor) -> set[int]:
 
 @pytest.mark.parametrize(("vocab", "scale"), [(7, 3.0), (1000, 3.0), (3000, 3.0), (3000, 0.3)])
 def test_top_k_top_p_min_p_masks_match_references(vocab, scale):
-    # vocab 3000: peaked rows settle top-p among the TOP_P_CANDIDATES most likely tokens, flat ones
+    # vocab 3000: peaked rows settle top-p among the first rounds of top-k candidates, flat ones
     # (scale 0.3) need the full sort; both paths must agree with the reference.
     logits = random_logits(8, vocab, seed=vocab, scale=scale)
     ks = torch.tensor([0, 1, 3, 5, vocab, 2, 0, 4])
@@ -169,6 +171,29 @@ def test_top_k_top_p_min_p_masks_match_references(vocab, scale):
         assert _kept(both[i]) == _reference_top_p(after_k, float(ps[i]))
         # Survivors keep their logit unchanged.
         assert torch.equal(both[i][torch.isfinite(both[i])], row[torch.isfinite(both[i])])
+
+
+def test_top_p_boundaries_found_in_each_round_match_the_reference():
+    """Each row's boundary is found in another round (the first top-k, the second, the third, the whole sort),
+    all in one batch: each row keeps what the reference keeps."""
+    vocab = 6000
+    base = random_logits(1, vocab, seed=21, scale=1.0)[0]
+    logits = torch.stack([base * 8.0, base * 2.5, base * 1.5, base * 0.05])  # flatter and flatter
+    out = apply_top_k_top_p(logits, None, torch.full((4,), 0.9))
+    sizes = []
+    for i in range(4):
+        kept = _kept(out[i])
+        assert kept == _reference_top_p(logits[i], 0.9)
+        sizes.append(len(kept))
+    first, second, third = TOP_P_ROUNDS
+    assert sizes[0] < first < sizes[1] < second < sizes[2] < third < sizes[3] < vocab, sizes
+
+
+def test_inverse_cdf_lands_only_on_tokens_of_positive_weight():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    for u, expected in ((0.0, [1, 5]), (0.5, [1, 5]), (0.7, [4, 5]), (float(below_one), [4, 5])):
+        assert inverse_cdf(weights, torch.tensor([u, u])).tolist() == expected, u
 
 
 def test_full_transform_applies_temperature_before_top_p():

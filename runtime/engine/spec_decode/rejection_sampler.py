@@ -14,8 +14,9 @@ draw from p with d_i removed. Dense draft distributions are supported for comple
 Greedy rows: accept while d_i equals the argmax of p_{i-1}; emit the argmax at the first mismatch (or the
 bonus argmax) — the tokens plain greedy decoding would have produced.
 
-Randomness: each request draws its k uniforms and then one Exp(1) vector (the exponential race picks token
-j with probability r_j / sum r) from its own seeded generator when it has one, else from a shared one.
+Randomness: each request draws its k uniforms and then one more for its final token (the inverse transform
+of the plain sampler picks token j with probability r_j / sum r) from its own seeded generator when it has
+one, else from a shared one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tokenfleet.runtime.engine.sampler import row_argmax, shared_generator, transform_logits
+from tokenfleet.runtime.engine.sampler import inverse_cdf, row_argmax, shared_generator, transform_logits
 from tokenfleet.runtime.engine.sampling_metadata import SamplingMetadata
 
 
@@ -177,9 +178,7 @@ class RejectionSampler:
                 # All-zero residual only by rounding (rejection implies p > q somewhere): fall back to p.
                 empty = residual.sum(dim=-1, keepdim=True) <= 0
                 dist[js] = torch.where(empty, dist[js], residual)
-        # Exponential race: argmax(r / E) with E ~ Exp(1) picks j with probability r_j / sum(r).
-        vocab = dist.shape[1]
-        u = self._draws(batch, requests, [vocab] * len(requests), device).view(len(requests), vocab)
-        exp = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
-        for r, token in zip(requests, row_argmax(dist / exp).tolist(), strict=True):
+        # One uniform per request: the inverse transform picks j with probability r_j / sum(r).
+        u = self._draws(batch, requests, [1] * len(requests), device)
+        for r, token in zip(requests, inverse_cdf(dist, u).tolist(), strict=True):
             final_tokens[r] = token
