@@ -1,7 +1,8 @@
 """The sampler's cost per step on a served model's own logits, beside HF transformers' sampling of the same rows.
 
 Rows: greedy, temperature 0.7, temperature 0.2 + top-p 0.9 (`make serve`'s built-in model's generation
-defaults), and temperature 1.0 + top-p 0.95, at 1, 8 and 64 rows. The peer is what HF `generate` runs per
+defaults), temperature 1.0 + top-p 0.95 and temperature 1.5 + top-p 0.95 (flat rows: top-p's boundary lies
+tens of thousands of tokens deep), at 1, 8 and 64 rows. The peer is what HF `generate` runs per
 step on the same logits: its logits warpers (temperature, top-p), softmax and `torch.multinomial`, or the
 argmax. The two are interleaved in one run; medians of `--reps`. CPU by default, where the sampler's
 vocabulary-wide passes cost most relative to the model.
@@ -30,6 +31,7 @@ SETTINGS = {
     "T 0.7": {"temperature": 0.7},
     "T 0.2, top-p 0.9": {"temperature": 0.2, "top_p": 0.9},
     "T 1.0, top-p 0.95": {"temperature": 1.0, "top_p": 0.95},
+    "T 1.5, top-p 0.95": {"temperature": 1.5, "top_p": 0.95},  # a nucleus of 10-20k tokens
 }
 
 PROMPTS = [

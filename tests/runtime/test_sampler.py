@@ -10,13 +10,15 @@ import pytest
 import torch
 from tokenfleet.runtime.engine.request import Request
 from tokenfleet.runtime.engine.sampler import (
-    TOP_P_ROUNDS,
+    TOP_P_CANDIDATES,
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
     inverse_cdf,
     row_argmax,
+    top_p_keep_by_bins,
+    top_p_keep_by_sort,
     transform_logits,
 )
 from tokenfleet.runtime.engine.sampling_params import SamplingParams
@@ -173,9 +175,9 @@ def test_top_k_top_p_min_p_masks_match_references(vocab, scale):
         assert torch.equal(both[i][torch.isfinite(both[i])], row[torch.isfinite(both[i])])
 
 
-def test_top_p_boundaries_found_in_each_round_match_the_reference():
-    """Each row's boundary is found in another round (the first top-k, the second, the third, the whole sort),
-    all in one batch: each row keeps what the reference keeps."""
+def test_top_p_boundaries_found_by_the_candidates_and_by_the_bins_match_the_reference():
+    """In one batch, a peaked row is decided by the first top-k candidates and flatter ones by the bins (a
+    few hundred tokens, thousands, nearly all): each row keeps what the reference keeps."""
     vocab = 6000
     base = random_logits(1, vocab, seed=21, scale=1.0)[0]
     logits = torch.stack([base * 8.0, base * 2.5, base * 1.5, base * 0.05])  # flatter and flatter
@@ -184,9 +186,40 @@ def test_top_p_boundaries_found_in_each_round_match_the_reference():
     for i in range(4):
         kept = _kept(out[i])
         assert kept == _reference_top_p(logits[i], 0.9)
+        assert torch.equal(out[i][torch.isfinite(out[i])], logits[i][torch.isfinite(out[i])])
         sizes.append(len(kept))
-    first, second, third = TOP_P_ROUNDS
-    assert sizes[0] < first < sizes[1] < second < sizes[2] < third < sizes[3] < vocab, sizes
+    assert sizes[0] < TOP_P_CANDIDATES < sizes[1] < 1024 < sizes[2] < 4096 < sizes[3] < vocab, sizes
+
+
+@pytest.mark.parametrize("p", [0.30001, 0.90001, 0.98999, 1.0 - 1e-9])  # (not where the uniform row ties p)
+def test_top_p_bins_keep_what_the_reference_keeps_with_ties_and_removed_tokens(p):
+    """Rows with many exactly tied logits (rounded to bfloat16, as a bf16 model's are; one row entirely
+    uniform), and rows with tokens already removed (-inf): ties at the boundary go by token id, as in the
+    reference, and a p within rounding of 1 keeps every token that has probability."""
+    vocab = 3000
+    raw = random_logits(4, vocab, seed=8, scale=2.0)
+    rows = raw.to(torch.bfloat16).float()
+    rows[1] = 0.5  # uniform: one bin holds the whole row
+    rows[2, ::3] = float("-inf")
+    rows[3] = rows[3] * 0.02
+    probs = rows.softmax(dim=-1)
+    keep = top_p_keep_by_bins(rows, probs, torch.full((4,), p))
+    for i in range(4):
+        assert set(torch.nonzero(keep[i] & (probs[i] > 0)).flatten().tolist()) == _reference_top_p(rows[i], p)
+
+
+def test_top_p_bins_agree_with_the_sort_and_do_not_depend_on_the_batch():
+    vocab = 5000
+    rows = random_logits(6, vocab, seed=13, scale=1.5)
+    rows[5] = rows[5].to(torch.bfloat16).float() * 0.1  # a boundary among tied tokens, a large boundary bin
+    top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.99, 0.9])
+    probs = rows.softmax(dim=-1)
+    together = top_p_keep_by_bins(rows, probs, top_p)
+    for i in range(6):
+        alone = top_p_keep_by_bins(rows[i : i + 1], probs[i : i + 1], top_p[i : i + 1])
+        assert torch.equal(together[i], alone[0])
+    sort = top_p_keep_by_sort(probs[:5], top_p[:5])  # (no ties there: the sort's order among them is its own)
+    assert torch.equal(together[:5], sort)
 
 
 def test_inverse_cdf_lands_only_on_tokens_of_positive_weight():
