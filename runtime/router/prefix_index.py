@@ -13,8 +13,8 @@ first miss. Every index answers `match(hashes, endpoint_ids) -> {endpoint_id: nu
   meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
   pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
   pod reports an eviction (from then on its events alone say what it holds). It runs on every routed
-  request, so it keeps each route by reference under its first block (O(1) to record) and matches by
-  bisection (see the class).
+  request, so it keeps routes by reference in a trie of their shared paths (O(1) memory per route) and
+  matches by walking the prompt's path once (see the class).
 
 Representation (exact and approximate): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
 integer per endpoint, the lowest free one reused). A match is one pass over the prompt's blocks for all
@@ -258,95 +258,148 @@ class ApproximatePrefixIndex:
         return leading_matches(hashes, endpoint_ids, self._entries, self._slots)
 
 
-# At most this many routes are kept per (first block, endpoint) in a generation: the newest. A route that
-# extends the newest one replaces it, one that the newest extends adds nothing, so conversations growing turn
-# by turn take one entry; only this many *diverging* prompts under one first block and one pod are kept.
-_ROUTES_PER_KEY = 16
+class _Node:
+    """A point on the routes' shared paths: `depth` leading blocks, reached by the routes of the endpoints in
+    `bits`; `children` (None while it has none) maps the hash at position `depth` to the edge leading on."""
+
+    __slots__ = ("bits", "children", "depth")
+
+    def __init__(self, depth: int, bits: int, children: dict[bytes, _Edge] | None = None) -> None:
+        self.depth = depth
+        self.bits = bits
+        self.children = children
+
+
+class _Edge:
+    """The blocks from its parent's depth to `node.depth`: positions of `route`, a route's hash sequence held
+    by reference (every route through the edge agrees there: chained hashes)."""
+
+    __slots__ = ("node", "route")
+
+    def __init__(self, route: Sequence[bytes], node: _Node) -> None:
+        self.route = route
+        self.node = node
+
+
+def _shared_until(route: Sequence[bytes], hashes: Sequence[bytes], lo: int, hi: int) -> int:
+    """The first position in [lo, hi) where `route` and `hashes` differ, else hi; they agree at lo - 1 (or
+    lo is 0). Chained hashes agree at i only if they agree before it, so one comparison settles a shared
+    run and a difference is bisected."""
+    if route[hi - 1] == hashes[hi - 1]:
+        return hi
+    return bisect_left(range(hi), True, lo=lo, key=lambda i: route[i] != hashes[i])
 
 
 class _Generation:
-    """One generation of recent routes: first block hash -> endpoint -> the routes' hash sequences (held by
-    reference, never copied), newest last."""
+    """One generation of recent routes as a trie of their shared paths: edges reference the routes' hash
+    sequences (never copied), so a route costs O(1) memory and O(branch points on its path) to record, and
+    a match walks the prompt's path once for every endpoint together, whatever the number of routes.
 
-    __slots__ = ("blocks", "keys", "routes")
+    Routes that diverge after a shared system prompt hang off one node there: a prompt that diverges too
+    stops at that node in one dict lookup (a list of routes per endpoint had to be scanned route by route:
+    16 endpoints x 16 routes under one first block cost ~58 us a match). A route that extends a path only
+    its endpoint ends on (the next turn of a conversation) extends that edge in place."""
+
+    __slots__ = ("blocks", "owners", "root", "slots")
 
     def __init__(self) -> None:
-        self.routes: dict[bytes, dict[str, list[Sequence[bytes]]]] = {}
-        self.keys: dict[str, set[bytes]] = {}  # endpoint -> its first blocks here, so `forget` is O(own)
-        self.blocks = 0  # blocks referenced (the capacity bound)
+        self.root = _Node(0, 0)
+        # endpoint -> bit, never reused within the generation: `forget` retires a bit (the trie keeps it,
+        # unowned, until the generation goes) and the endpoint's next route takes a new one.
+        self.slots: dict[str, int] = {}
+        self.owners: list[str | None] = []  # bit position -> endpoint (None once retired)
+        self.blocks = 0  # blocks of the sequences the edges hold (the capacity bound)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
-        first = hashes[0]
-        per_endpoint = self.routes.get(first)
-        if per_endpoint is None:
-            per_endpoint = self.routes[first] = {}
-        routes = per_endpoint.get(endpoint_id)
+        bit = self.slots.get(endpoint_id)
+        if bit is None:
+            bit = self.slots[endpoint_id] = 1 << len(self.owners)
+            self.owners.append(endpoint_id)
         n = len(hashes)
-        if routes is None:
-            per_endpoint[endpoint_id] = [hashes]
-            self.keys.setdefault(endpoint_id, set()).add(first)
-            self.blocks += n
-            return
-        # Chained hashes: a sequence is a prefix of another iff their last common position agrees.
-        last = routes[-1]
-        m = len(last)
-        if m <= n and hashes[m - 1] == last[m - 1]:
-            routes[-1] = hashes  # extends the newest route (the next turn of a conversation)
-            self.blocks += n - m
-        elif n < m and last[n - 1] == hashes[n - 1]:
-            return  # a prefix of the newest route: already answered for
-        else:
-            routes.append(hashes)
-            self.blocks += n
-            if len(routes) > _ROUTES_PER_KEY:
-                self.blocks -= len(routes.pop(0))
+        node = self.root
+        node.bits |= bit
+        depth = 0
+        while depth < n:
+            children = node.children
+            edge = children.get(hashes[depth]) if children is not None else None
+            if edge is None:
+                # A new branch from here.
+                if children is None:
+                    children = node.children = {}
+                children[hashes[depth]] = _Edge(hashes, _Node(n, bit))
+                self.blocks += n  # the whole sequence is held, shared part included
+                return
+            below = edge.node
+            end = min(below.depth, n)
+            shared = _shared_until(edge.route, hashes, depth + 1, end)
+            if shared < below.depth:
+                if shared == n and below.bits & bit:
+                    return  # a prefix of a route this endpoint already has here
+                # The route leaves (or ends) inside the edge: split it there.
+                mid = _Node(shared, below.bits | bit, {edge.route[shared]: _Edge(edge.route, below)})
+                edge.node = mid
+                node, depth = mid, shared
+                continue
+            if below.children is None and below.bits == bit and shared < n:
+                # Only this endpoint's route ended here and this one goes on: extend the edge in place.
+                edge.route = hashes
+                below.depth = n
+                self.blocks += n - shared
+                return
+            below.bits |= bit
+            node, depth = below, shared
 
     def forget(self, endpoint_id: str) -> None:
-        for first in self.keys.pop(endpoint_id, ()):
-            per_endpoint = self.routes[first]
-            for r in per_endpoint.pop(endpoint_id, ()):
-                self.blocks -= len(r)
-            if not per_endpoint:
-                del self.routes[first]
+        bit = self.slots.pop(endpoint_id, None)
+        if bit is not None:
+            self.owners[bit.bit_length() - 1] = None
 
     def match_into(self, hashes: Sequence[bytes], result: dict[str, int]) -> None:
         """Raise `result[e]` (for the endpoints in it) to the longest prefix of `hashes` routed to e here."""
-        per_endpoint = self.routes.get(hashes[0])
-        if not per_endpoint:
-            return
+        owners = self.owners
         n = len(hashes)
-        for endpoint_id, routes in per_endpoint.items():
+        node = self.root
+        depth = 0
+        while True:
+            children = node.children
+            edge = children.get(hashes[depth]) if children is not None and depth < n else None
+            if edge is None:
+                _raise(result, owners, node.bits, depth)
+                return
+            below = edge.node
+            _raise(result, owners, node.bits & ~below.bits, depth)  # their routes end or turn off here
+            end = min(below.depth, n)
+            shared = _shared_until(edge.route, hashes, depth + 1, end)
+            if shared < below.depth:
+                _raise(result, owners, below.bits, shared)
+                return
+            node, depth = below, shared
+
+
+def _raise(result: dict[str, int], owners: list[str | None], bits: int, count: int) -> None:
+    """result[e] = max(result[e], count) for the endpoints of `bits` that `result` asks about."""
+    if not count:
+        return
+    while bits:
+        low = bits & -bits
+        endpoint_id = owners[low.bit_length() - 1]
+        if endpoint_id is not None:
             best = result.get(endpoint_id)
-            if best is None:
-                continue
-            for r in routes:
-                if best:
-                    if best == n:
-                        break  # the whole prompt: nothing longer to find
-                    if best >= len(r) or r[best] != hashes[best]:
-                        # Not one block past the best so far: nothing to find (one comparison). Routes
-                        # under one first block mostly share a system prompt and then diverge, so after
-                        # the first route nearly every other one stops here instead of bisecting.
-                        continue
-                m = min(n, len(r))
-                if r[m - 1] == hashes[m - 1]:
-                    best = m  # the whole shorter one is shared: one comparison
-                else:
-                    # Equal at i means equal at every j < i (chaining): bisect the first difference.
-                    best = bisect_left(range(m), True, lo=best, key=lambda i, r=r: r[i] != hashes[i])
-            result[endpoint_id] = best
+            if best is not None and best < count:
+                result[endpoint_id] = count
+        bits ^= low
 
 
 class RecentRoutes:
     """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations, the older dropped whole at
     each rotation, so expiry costs nothing per entry.
 
-    A route is kept by reference (the prompt's hash sequence; the caller must not change it afterwards) under
-    its first block hash and its endpoint, so recording one costs O(1) whatever the prompt's length. Block
-    hashes are chained, so a route shares a prompt's first i blocks iff their hashes at position i - 1 agree:
-    a match looks only at the routes under the prompt's first block and finds each one's shared run by
-    bisection, O(log prompt blocks) per route — or one comparison for a route that does not reach a block
-    past the longest run found so far for its endpoint, which after the first is nearly every route.
+    A route is kept by reference (the prompt's hash sequence; the caller must not change it afterwards) on
+    the edges of a trie of the routes' shared paths (`_Generation`), so recording one costs O(1) memory and
+    O(branch points on its path) time whatever the prompt's length. Block hashes are chained, so a route
+    shares a prompt's first i blocks iff their hashes at position i - 1 agree: a match walks the prompt's
+    path once for every endpoint together, one dict lookup per branch point and a bisection within the
+    edge where the prompt leaves the trie, however many routes there are.
     `capacity_blocks` bounds the blocks a generation references: a generation that reaches it rotates
     early."""
 

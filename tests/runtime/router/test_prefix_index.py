@@ -272,24 +272,38 @@ def test_recent_routes_keep_a_route_by_reference():
     assert recent.match([*long_prompt[:7_001], b"x"], ["b"]) == {"b": 7_001}  # a bisected difference
 
 
-def test_recent_routes_extend_a_conversation_in_place_and_bound_diverging_ones():
-    from tokenfleet.runtime.router import prefix_index
+def test_recent_routes_extend_a_conversation_in_place_and_branch_diverging_ones_at_their_shared_prefix():
     from tokenfleet.runtime.router.prefix_index import RecentRoutes
 
     recent = RecentRoutes(capacity_blocks=100_000, ttl_s=30.0)
     turns = [block_hashes_for(list(range(16 * k)), 16, EXTRA) for k in range(1, 6)]
-    for t in turns:  # each turn extends the last: one route, the longest
+    for t in turns:  # each turn extends the last: one edge, holding the longest
         recent.record("a", t)
     recent.record("a", turns[1])  # a prefix of what is held: nothing new
-    assert recent._current.routes[turns[0][0]]["a"] == [turns[-1]]
+    root = recent._current.root
+    (edge,) = root.children.values()
+    assert edge.route is turns[-1] and edge.node.depth == 5 and edge.node.children is None
+    assert recent._current.blocks == 5
     assert recent.match(turns[-1], ["a"]) == {"a": 5}
-    # Diverging prompts under one first block and one pod: the newest _ROUTES_PER_KEY are kept.
-    cap = prefix_index._ROUTES_PER_KEY
-    branches = [block_hashes_for([0] * 16 + [k + 1] * 16, 16, EXTRA) for k in range(cap + 1)]
-    for b in branches:
-        recent.record("b", b)
-    assert recent.match(branches[0], ["b"]) == {"b": 1}  # the oldest branch went; its first block is shared
-    assert recent.match(branches[-1], ["b"]) == {"b": 2}
+    assert recent.match(turns[2], ["a"]) == {"a": 3}
+    # Diverging prompts after a shared first block, from two pods: every one is kept, as one branch each
+    # off the node where they part.
+    branches = [block_hashes_for([0] * 16 + [k + 1] * 16, 16, EXTRA) for k in range(40)]
+    for k, b in enumerate(branches):
+        recent.record("b" if k % 2 else "c", b)
+    shared = root.children[branches[0][0]].node
+    assert shared.depth == 1 and len(shared.children) == 40
+    assert recent.match(branches[0], ["b", "c"]) == {"b": 1, "c": 2}
+    assert recent.match(branches[-1], ["b", "c"]) == {"b": 2, "c": 1}
+    new = block_hashes_for([0] * 16 + [99] * 16, 16, EXTRA)
+    assert recent.match(new, ["a", "b", "c"]) == {"a": 0, "b": 1, "c": 1}
+    # A shorter prompt ending inside an edge splits it there; a forgotten pod's branches stop counting.
+    recent.record("a", branches[3][:1])
+    assert recent.match(branches[3], ["a", "b"]) == {"a": 1, "b": 2}
+    recent.forget("b")
+    assert recent.match(branches[3], ["a", "b", "c"]) == {"a": 1, "b": 0, "c": 1}
+    recent.record("b", branches[5])
+    assert recent.match(branches[3], ["b"]) == {"b": 1} and recent.match(branches[5], ["b"]) == {"b": 2}
 
 
 def test_recent_routes_rotate_early_at_capacity():
