@@ -258,6 +258,11 @@ class ApproximatePrefixIndex:
         return leading_matches(hashes, endpoint_ids, self._entries, self._slots)
 
 
+# Retired endpoint bits a generation tolerates (or as many as its live endpoints, if more) before it
+# clears them from its nodes (`_Generation._compact`).
+_COMPACT_AT = 64
+
+
 class _Node:
     """A point on the routes' shared paths: `depth` leading blocks, reached by the routes of the endpoints in
     `bits`; `children` (None while it has none) maps the hash at position `depth` to the edge leading on."""
@@ -300,21 +305,28 @@ class _Generation:
     16 endpoints x 16 routes under one first block cost ~58 us a match). A route that extends a path only
     its endpoint ends on (the next turn of a conversation) extends that edge in place."""
 
-    __slots__ = ("blocks", "owners", "root", "slots")
+    __slots__ = ("blocks", "free", "owners", "retired", "root", "slots")
 
     def __init__(self) -> None:
         self.root = _Node(0, 0)
-        # endpoint -> bit, never reused within the generation: `forget` retires a bit (the trie keeps it,
-        # unowned, until the generation goes) and the endpoint's next route takes a new one.
+        # endpoint -> bit. `forget` retires the endpoint's bit (the nodes keep it, unowned) and its next
+        # route takes another; a retired position is reused only once `_compact` has cleared it everywhere.
         self.slots: dict[str, int] = {}
         self.owners: list[str | None] = []  # bit position -> endpoint (None once retired)
+        self.retired = 0  # the retired positions still set in some node
+        self.free: list[int] = []  # cleared positions, a heap: the lowest is reused first
         self.blocks = 0  # blocks of the sequences the edges hold (the capacity bound)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         bit = self.slots.get(endpoint_id)
         if bit is None:
-            bit = self.slots[endpoint_id] = 1 << len(self.owners)
-            self.owners.append(endpoint_id)
+            if self.free:
+                position = heapq.heappop(self.free)
+                self.owners[position] = endpoint_id
+            else:
+                position = len(self.owners)
+                self.owners.append(endpoint_id)
+            bit = self.slots[endpoint_id] = 1 << position
         n = len(hashes)
         node = self.root
         node.bits |= bit
@@ -351,8 +363,40 @@ class _Generation:
 
     def forget(self, endpoint_id: str) -> None:
         bit = self.slots.pop(endpoint_id, None)
-        if bit is not None:
-            self.owners[bit.bit_length() - 1] = None
+        if bit is None:
+            return
+        self.owners[bit.bit_length() - 1] = None
+        self.retired |= bit
+        if self.retired.bit_count() > max(_COMPACT_AT, len(self.slots)):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Clear the retired bits from every node and drop the branches only they reached, so that their
+        positions are reused: a pod reporting evictions at every poll must not grow every bitset by a bit
+        per report. O(nodes), once per at least as many forgets as there are live endpoints."""
+        keep = ~self.retired
+        self.root.bits &= keep
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            children = node.children
+            if children is None:
+                continue
+            for key, edge in list(children.items()):
+                below = edge.node
+                below.bits &= keep  # (a node's bits include all of its descendants')
+                if below.bits:
+                    stack.append(below)
+                else:
+                    del children[key]
+            if not children:
+                node.children = None
+        retired = self.retired
+        while retired:
+            low = retired & -retired
+            heapq.heappush(self.free, low.bit_length() - 1)
+            retired ^= low
+        self.retired = 0
 
     def match_into(self, hashes: Sequence[bytes], result: dict[str, int]) -> None:
         """Raise `result[e]` (for the endpoints in it) to the longest prefix of `hashes` routed to e here."""

@@ -306,6 +306,30 @@ def test_recent_routes_extend_a_conversation_in_place_and_branch_diverging_ones_
     assert recent.match(branches[3], ["b"]) == {"b": 1} and recent.match(branches[5], ["b"]) == {"b": 2}
 
 
+def test_recent_routes_reuse_a_forgotten_endpoints_bit_once_cleared():
+    """A pod that reports an eviction at every poll is forgotten as often: its retired bits are cleared from
+    the trie in bulk (and the branches only they reached dropped), so bitsets stay as small as the live
+    endpoints, and what each endpoint matches is what it recorded since it was last forgotten."""
+    from tokenfleet.runtime.router import prefix_index
+    from tokenfleet.runtime.router.prefix_index import RecentRoutes
+
+    recent = RecentRoutes(capacity_blocks=10_000_000, ttl_s=1e9)
+    system = block_hashes_for([7] * 32, 16, EXTRA)
+    for k in range(500):
+        own = block_hashes_for([7] * 32 + [k + 1] * 16, 16, EXTRA)
+        recent.record("steady", system)
+        recent.record("churning", own)
+        assert recent.match(own, ["steady", "churning"]) == {"steady": 2, "churning": 3}
+        recent.forget("churning")
+        assert recent.match(own, ["steady", "churning"]) == {"steady": 2, "churning": 0}
+    generation = recent._current
+    assert len(generation.owners) <= prefix_index._COMPACT_AT + 2
+    # The branches only cleared bits reached are gone: of 500 sessions' branches off the system prompt, at
+    # most those forgotten since the last clearing are left.
+    (edge,) = generation.root.children.values()
+    assert edge.node.depth == 2 and len(edge.node.children) <= prefix_index._COMPACT_AT + 1
+
+
 def test_recent_routes_rotate_early_at_capacity():
     from tokenfleet.runtime.router.prefix_index import RecentRoutes
 
