@@ -13,8 +13,8 @@ first miss. Every index answers `match(hashes, endpoint_ids) -> {endpoint_id: nu
   meanwhile must follow the first one instead of spreading over every pod. The exact index answers for what
   pods hold; this one only bridges that lag, so its entries expire, and a pod's are dropped as soon as that
   pod reports an eviction (from then on its events alone say what it holds). It runs on every routed
-  request, so it keeps routes by reference in a trie of their shared paths (O(1) memory per route) and
-  matches by walking the prompt's path once (see the class).
+  request, so it keeps routes in a trie of their shared paths (no entry per block: a route is held by
+  reference, or its own part as pointers) and matches by walking the prompt's path once (see the class).
 
 Representation (exact and approximate): block hash -> an int bitset of endpoint *slots* (`EndpointSlots`: a small
 integer per endpoint, the lowest free one reused). A match is one pass over the prompt's blocks for all
@@ -276,29 +276,34 @@ class _Node:
 
 
 class _Edge:
-    """The blocks from its parent's depth to `node.depth`: positions of `route`, a route's hash sequence held
-    by reference (every route through the edge agrees there: chained hashes)."""
+    """The blocks from its parent's depth to `node.depth`: `blocks[i - start]` is the hash at position i (every
+    route through the edge agrees there: chained hashes). `blocks` is a route's own hash sequence (held by
+    reference, `start` 0) on an edge from the root, else a copy of the part of a route from where it
+    branched off (so the part it shares is held once, by the edge above)."""
 
-    __slots__ = ("node", "route")
+    __slots__ = ("blocks", "node", "start")
 
-    def __init__(self, route: Sequence[bytes], node: _Node) -> None:
-        self.route = route
+    def __init__(self, blocks: Sequence[bytes], start: int, node: _Node) -> None:
+        self.blocks = blocks
+        self.start = start
         self.node = node
 
 
-def _shared_until(route: Sequence[bytes], hashes: Sequence[bytes], lo: int, hi: int) -> int:
-    """The first position in [lo, hi) where `route` and `hashes` differ, else hi; they agree at lo - 1 (or
-    lo is 0). Chained hashes agree at i only if they agree before it, so one comparison settles a shared
-    run and a difference is bisected."""
-    if route[hi - 1] == hashes[hi - 1]:
+def _shared_until(edge: _Edge, hashes: Sequence[bytes], lo: int, hi: int) -> int:
+    """The first position in [lo, hi) where the edge's blocks and `hashes` differ, else hi; they agree at
+    lo - 1. Chained hashes agree at i only if they agree before it, so one comparison settles a shared run
+    and a difference is bisected."""
+    blocks, start = edge.blocks, edge.start
+    if blocks[hi - 1 - start] == hashes[hi - 1]:
         return hi
-    return bisect_left(range(hi), True, lo=lo, key=lambda i: route[i] != hashes[i])
+    return bisect_left(range(hi), True, lo=lo, key=lambda i: blocks[i - start] != hashes[i])
 
 
 class _Generation:
-    """One generation of recent routes as a trie of their shared paths: edges reference the routes' hash
-    sequences (never copied), so a route costs O(1) memory and O(branch points on its path) to record, and
-    a match walks the prompt's path once for every endpoint together, whatever the number of routes.
+    """One generation of recent routes as a trie of their shared paths, so a match walks the prompt's path
+    once for every endpoint together, whatever the number of routes. A route costs a node and an edge, and
+    the blocks it adds: a route under a new first block is held by reference, one that branches off a
+    shared path copies its own part (pointers to its hashes), so what it shares is held once.
 
     Routes that diverge after a shared system prompt hang off one node there: a prompt that diverges too
     stops at that node in one dict lookup (a list of routes per endpoint had to be scanned route by route:
@@ -315,7 +320,7 @@ class _Generation:
         self.owners: list[str | None] = []  # bit position -> endpoint (None once retired)
         self.retired = 0  # the retired positions still set in some node
         self.free: list[int] = []  # cleared positions, a heap: the lowest is reused first
-        self.blocks = 0  # blocks of the sequences the edges hold (the capacity bound)
+        self.blocks = 0  # blocks the edges added (the capacity bound)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
         bit = self.slots.get(endpoint_id)
@@ -338,23 +343,27 @@ class _Generation:
                 # A new branch from here.
                 if children is None:
                     children = node.children = {}
-                children[hashes[depth]] = _Edge(hashes, _Node(n, bit))
-                self.blocks += n  # the whole sequence is held, shared part included
+                own = hashes if depth == 0 else hashes[depth:]
+                children[hashes[depth]] = _Edge(own, depth, _Node(n, bit))
+                self.blocks += n - depth
                 return
             below = edge.node
             end = min(below.depth, n)
-            shared = _shared_until(edge.route, hashes, depth + 1, end)
+            shared = _shared_until(edge, hashes, depth + 1, end)
             if shared < below.depth:
                 if shared == n and below.bits & bit:
                     return  # a prefix of a route this endpoint already has here
-                # The route leaves (or ends) inside the edge: split it there.
-                mid = _Node(shared, below.bits | bit, {edge.route[shared]: _Edge(edge.route, below)})
+                # The route leaves (or ends) inside the edge: split it there (both halves keep its blocks).
+                lower = _Edge(edge.blocks, edge.start, below)
+                mid = _Node(shared, below.bits | bit, {edge.blocks[shared - edge.start]: lower})
                 edge.node = mid
                 node, depth = mid, shared
                 continue
             if below.children is None and below.bits == bit and shared < n:
-                # Only this endpoint's route ended here and this one goes on: extend the edge in place.
-                edge.route = hashes
+                # Only this endpoint's route ended here and this one goes on (the next turn of a
+                # conversation): extend the edge in place.
+                edge.blocks = hashes if depth == 0 else hashes[depth:]
+                edge.start = depth
                 below.depth = n
                 self.blocks += n - shared
                 return
@@ -413,7 +422,7 @@ class _Generation:
             below = edge.node
             _raise(result, owners, node.bits & ~below.bits, depth)  # their routes end or turn off here
             end = min(below.depth, n)
-            shared = _shared_until(edge.route, hashes, depth + 1, end)
+            shared = _shared_until(edge, hashes, depth + 1, end)
             if shared < below.depth:
                 _raise(result, owners, below.bits, shared)
                 return
@@ -438,14 +447,14 @@ class RecentRoutes:
     """Prefixes routed within the last `ttl_s` (up to 2 * `ttl_s`): two generations, the older dropped whole at
     each rotation, so expiry costs nothing per entry.
 
-    A route is kept by reference (the prompt's hash sequence; the caller must not change it afterwards) on
-    the edges of a trie of the routes' shared paths (`_Generation`), so recording one costs O(1) memory and
-    O(branch points on its path) time whatever the prompt's length. Block hashes are chained, so a route
-    shares a prompt's first i blocks iff their hashes at position i - 1 agree: a match walks the prompt's
-    path once for every endpoint together, one dict lookup per branch point and a bisection within the
-    edge where the prompt leaves the trie, however many routes there are.
-    `capacity_blocks` bounds the blocks a generation references: a generation that reaches it rotates
-    early."""
+    Routes live on the edges of a trie of their shared paths (`_Generation`): a route under a new first
+    block is kept by reference (the prompt's hash sequence; the caller must not change it afterwards), one
+    that branches off a path already there keeps a copy of its own part's pointers, so no block costs an
+    index entry and a shared prefix is held once. Block hashes are chained, so a route shares a prompt's
+    first i blocks iff their hashes at position i - 1 agree: a match walks the prompt's path once for every
+    endpoint together, one dict lookup per branch point and a bisection within the edge where the prompt
+    leaves the trie, however many routes there are. `capacity_blocks` bounds the blocks a generation adds (a shared prefix counts once): a generation that
+    reaches it rotates early."""
 
     def __init__(
         self, capacity_blocks: int, ttl_s: float, clock: Callable[[], float] = time.monotonic

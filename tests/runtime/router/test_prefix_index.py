@@ -252,24 +252,33 @@ def test_recent_routes_match_the_longest_shared_run_of_any_route_there():
             assert got == expected
 
 
-def test_recent_routes_keep_a_route_by_reference():
-    """Recording a long prompt costs its route, not a copy of its blocks: a 15k-block route (a 240k-token
-    prompt) takes well under a kilobyte, where one index entry per block took megabytes."""
+def test_recent_routes_hold_a_route_by_reference_or_a_pointer_per_block_of_its_own():
+    """Recording a long prompt costs no index entry per block. A 15k-block route (a 240k-token prompt) under a
+    new first block is held by reference: well under a kilobyte. One that branches off it after 10 blocks
+    holds a pointer per block of its own part (8 bytes, where one index entry per block took ~150), the
+    part it shares being held once, by the path it branches off."""
     import tracemalloc
 
     from tokenfleet.runtime.router.prefix_index import RecentRoutes
 
     recent = RecentRoutes(capacity_blocks=1_000_000, ttl_s=30.0)
     long_prompt = [i.to_bytes(32, "little") for i in range(15_000)]
-    recent.record("a", long_prompt[:10])  # the first record of an endpoint allocates its containers
+    branch = long_prompt[:10] + [(i + 10**6).to_bytes(32, "little") for i in range(15_000)]
+    for name in ("a", "b", "c"):  # each endpoint's first record allocates its slot
+        recent.record(name, [name.encode()])
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     recent.record("b", long_prompt)
-    used = tracemalloc.get_traced_memory()[0] - base
+    by_reference = tracemalloc.get_traced_memory()[0] - base
+    recent.record("c", branch)
+    own_part = tracemalloc.get_traced_memory()[0] - base - by_reference
     tracemalloc.stop()
-    assert used < 1024
-    assert recent.match(long_prompt, ["a", "b"]) == {"a": 10, "b": 15_000}
+    assert by_reference < 1024
+    assert own_part < 8 * 15_000 + 1024
+    assert recent.match(long_prompt, ["a", "b", "c"]) == {"a": 0, "b": 15_000, "c": 10}
+    assert recent.match(branch, ["b", "c"]) == {"b": 10, "c": 15_010}
     assert recent.match([*long_prompt[:7_001], b"x"], ["b"]) == {"b": 7_001}  # a bisected difference
+    assert recent.match([*branch[:9_001], b"x"], ["c"]) == {"c": 9_001}  # bisected in a copied part
 
 
 def test_recent_routes_extend_a_conversation_in_place_and_branch_diverging_ones_at_their_shared_prefix():
@@ -282,7 +291,7 @@ def test_recent_routes_extend_a_conversation_in_place_and_branch_diverging_ones_
     recent.record("a", turns[1])  # a prefix of what is held: nothing new
     root = recent._current.root
     (edge,) = root.children.values()
-    assert edge.route is turns[-1] and edge.node.depth == 5 and edge.node.children is None
+    assert edge.blocks is turns[-1] and edge.node.depth == 5 and edge.node.children is None
     assert recent._current.blocks == 5
     assert recent.match(turns[-1], ["a"]) == {"a": 5}
     assert recent.match(turns[2], ["a"]) == {"a": 3}
