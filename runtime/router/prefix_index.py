@@ -74,11 +74,24 @@ class EndpointSlots:
 
     def release(self, endpoint_id: str) -> None:
         """Only once no bitset carries the endpoint's bit any more (a reused slot must start empty)."""
+        self.reuse(self.retire(endpoint_id))
+
+    def retire(self, endpoint_id: str) -> int:
+        """Forget which endpoint the slot was but keep it taken (bitsets still carry its bit): its bit, or 0
+        if unknown. The endpoint's next `bit` takes another slot; `reuse` frees this one."""
         slot = self._slot.pop(endpoint_id, None)
-        if slot is not None:
-            del self.bits[endpoint_id]
-            self.owners[slot] = None
-            heapq.heappush(self._free, slot)
+        if slot is None:
+            return 0
+        del self.bits[endpoint_id]
+        self.owners[slot] = None
+        return 1 << slot
+
+    def reuse(self, bits: int) -> None:
+        """Free the retired slots of `bits`, which no bitset carries any more."""
+        while bits:
+            low = bits & -bits
+            heapq.heappush(self._free, low.bit_length() - 1)
+            bits ^= low
 
     def owner(self, slot: int) -> str | None:
         return self.owners[slot]
@@ -310,28 +323,18 @@ class _Generation:
     16 endpoints x 16 routes under one first block cost ~58 us a match). A route that extends a path only
     its endpoint ends on (the next turn of a conversation) extends that edge in place."""
 
-    __slots__ = ("blocks", "free", "owners", "retired", "root", "slots")
+    __slots__ = ("blocks", "retired", "root", "slots")
 
     def __init__(self) -> None:
         self.root = _Node(0, 0)
-        # endpoint -> bit. `forget` retires the endpoint's bit (the nodes keep it, unowned) and its next
-        # route takes another; a retired position is reused only once `_compact` has cleared it everywhere.
-        self.slots: dict[str, int] = {}
-        self.owners: list[str | None] = []  # bit position -> endpoint (None once retired)
-        self.retired = 0  # the retired positions still set in some node
-        self.free: list[int] = []  # cleared positions, a heap: the lowest is reused first
+        # `forget` retires the endpoint's slot (the nodes keep its bit, unowned) and its next route takes
+        # another; a retired slot is reused only once `_compact` has cleared its bit everywhere.
+        self.slots = EndpointSlots()
+        self.retired = 0  # the retired bits still set in some node
         self.blocks = 0  # blocks the edges added (the capacity bound)
 
     def record(self, endpoint_id: str, hashes: Sequence[bytes]) -> None:
-        bit = self.slots.get(endpoint_id)
-        if bit is None:
-            if self.free:
-                position = heapq.heappop(self.free)
-                self.owners[position] = endpoint_id
-            else:
-                position = len(self.owners)
-                self.owners.append(endpoint_id)
-            bit = self.slots[endpoint_id] = 1 << position
+        bit = self.slots.bit(endpoint_id)
         n = len(hashes)
         node = self.root
         node.bits |= bit
@@ -371,12 +374,8 @@ class _Generation:
             node, depth = below, shared
 
     def forget(self, endpoint_id: str) -> None:
-        bit = self.slots.pop(endpoint_id, None)
-        if bit is None:
-            return
-        self.owners[bit.bit_length() - 1] = None
-        self.retired |= bit
-        if self.retired.bit_count() > max(_COMPACT_AT, len(self.slots)):
+        self.retired |= self.slots.retire(endpoint_id)
+        if self.retired.bit_count() > max(_COMPACT_AT, len(self.slots.bits)):
             self._compact()
 
     def _compact(self) -> None:
@@ -400,16 +399,12 @@ class _Generation:
                     del children[key]
             if not children:
                 node.children = None
-        retired = self.retired
-        while retired:
-            low = retired & -retired
-            heapq.heappush(self.free, low.bit_length() - 1)
-            retired ^= low
+        self.slots.reuse(self.retired)
         self.retired = 0
 
     def match_into(self, hashes: Sequence[bytes], result: dict[str, int]) -> None:
         """Raise `result[e]` (for the endpoints in it) to the longest prefix of `hashes` routed to e here."""
-        owners = self.owners
+        owners = self.slots.owners
         n = len(hashes)
         node = self.root
         depth = 0

@@ -332,7 +332,7 @@ def test_recent_routes_reuse_a_forgotten_endpoints_bit_once_cleared():
         recent.forget("churning")
         assert recent.match(own, ["steady", "churning"]) == {"steady": 2, "churning": 0}
     generation = recent._current
-    assert len(generation.owners) <= prefix_index._COMPACT_AT + 2
+    assert len(generation.slots.owners) <= prefix_index._COMPACT_AT + 2
     # The branches only cleared bits reached are gone: of 500 sessions' branches off the system prompt, at
     # most those forgotten since the last clearing are left.
     (edge,) = generation.root.children.values()
