@@ -34,7 +34,9 @@ manager; only one decode in `block_size` steps reaches `allocate_slots`. Such de
 column-wise (`DecodeBatch`: four list appends, no tuple per request), and `update` applies them from their
 requests (remembered by `schedule`), without reading their entries back or looking anything up by id but
 the sampled token; other entries find a request and its stop figures with one lookup, and a single sampled
-token skips the speculative path.
+token skips the speculative path. And `update` hands the decodes it applied on to the next step
+(carried_decodes.py): while they still lead the running requests, that step schedules them as whole
+columns, touching one at a time only those that reach the end of their blocks.
 
 Fair share (`fair_share`, fair_share.py): each tenant (`Request.tenant`) has a virtual token counter, the
 service it received, charged as each step is scheduled: the prompt tokens of its chunks (cache hits are not
@@ -62,7 +64,9 @@ from collections import Counter
 
 from tokenfleet.runtime.config import SchedulerConfig
 from tokenfleet.runtime.engine.admission import AdmissionLimits
+from tokenfleet.runtime.engine.carried_decodes import CarriedDecodes
 from tokenfleet.runtime.engine.fair_share import RETURN_CREDIT, FairShare
+from tokenfleet.runtime.engine.kv_cache.block_table import RequestBlocks
 from tokenfleet.runtime.engine.kv_cache.kv_events import PrefillScheduled
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.kv_cache.request_tokens import token_slice
@@ -148,10 +152,18 @@ class Scheduler:
         # requests up by id (see `_update_plain`).
         self._plain_output: SchedulerOutput | None = None
         self._plain_requests: list[Request] = []
-        # The decodes of the step being scheduled and their requests: a request preempted while the step is
-        # scheduled is taken out of both.
+        self._plain_tables: list[RequestBlocks] = []
+        # The decodes of the step being scheduled, their requests and their block tables: a request
+        # preempted while the step is scheduled is taken out of all three.
         self._step_decodes = DecodeBatch()
         self._step_decoding: list[Request] = []
+        self._step_tables: list[RequestBlocks] = []
+        # The last step's plain decodes as `update` left them, for the next step to start from
+        # (carried_decodes.py); None when something since may have changed what they are.
+        self._carried: CarriedDecodes | None = None
+        # Whether a running request was finished from outside (`finish`) since the last schedule(): only
+        # then may `update` meet a decode whose request is no longer running.
+        self._left_running = False
 
     # ---- queries -----------------------------------------------------------------------------------------
 
@@ -175,6 +187,7 @@ class Scheduler:
         All accepted proposals plus the bonus token must stay within the length limit; with look-ahead
         slots, a draft may write KV only where this request holds slots.
         """
+        self._carried = None  # proposals may follow: the carried decodes may not be plain any more
         limit = self._stop_info[request.request_id][0]
         k = min(k, limit - request.num_tokens - 1)
         if self.num_lookahead_tokens and k > 0:
@@ -225,6 +238,7 @@ class Scheduler:
             return None
         if request.status is _RUNNING:
             self.running.remove(request)
+            self._left_running = True
         else:
             self.waiting.remove(request_id)
         request.status = status
@@ -248,16 +262,23 @@ class Scheduler:
         decodes = self._step_decodes = DecodeBatch()
         decoding: list[Request] = []
         self._step_decoding = decoding
+        tables: list[RequestBlocks] = []
+        self._step_tables = tables
         entries: list[ScheduledRequest] = []
         preempted: list[str] = []
         running = self.running
         plain = not self.num_lookahead_tokens
         i = 0
+        carried, self._carried = self._carried, None
+        self._left_running = False
+        if carried is not None:  # the last step's plain decodes (so `plain` holds)
+            i = carried.schedule(running, self.kv.allocate_slots, decodes, decoding, tables)
+            budget -= i
         urgent = self._urgent_priority()
         deferred: list[Request] = []  # running prompt chunks that go after the admissions
         while i < len(running) and budget > 0:
             if plain:
-                n = self._schedule_decodes(i, budget, decodes, decoding)
+                n = self._schedule_decodes(i, budget, decodes, decoding, tables)
                 i += n
                 budget -= n
                 if i == len(running) or budget == 0:
@@ -291,13 +312,21 @@ class Scheduler:
         if decoding:  # (a request preempted after it was scheduled left `decodes` and `decoding` both)
             self._plain_output = output
             self._plain_requests = decoding
+            self._plain_tables = tables
         else:
             self._plain_output = None
         return output
 
-    def _schedule_decodes(self, i: int, budget: int, decodes: DecodeBatch, decoding: list[Request]) -> int:
+    def _schedule_decodes(
+        self,
+        i: int,
+        budget: int,
+        decodes: DecodeBatch,
+        decoding: list[Request],
+        decoding_tables: list[RequestBlocks],
+    ) -> int:
         """Schedule `running[i:]` while they are plain decodes whose slot is free to take, into `decodes`
-        (their requests appended to `decoding`); how many.
+        (their requests appended to `decoding`, their block tables to `decoding_tables`); how many.
 
         A plain decode is one token, no proposals, no look-ahead slots (the caller checks those are off).
         When its blocks already hold the slot and no block fills (to be cached), `allocate_slots` would
@@ -312,6 +341,7 @@ class Scheduler:
         add_token = decodes.token_ids.append
         add_start = decodes.start_pos.append
         add_blocks = decodes.block_ids.append
+        add_table = decoding_tables.append
         n = 0
         for request in itertools.islice(self.running, i, i + budget):
             output_ids = request.output_token_ids
@@ -328,6 +358,7 @@ class Scheduler:
             add_token(output_ids[-1] if output_ids else request.prompt_token_ids[-1])
             add_start(start)
             add_blocks(table.block_ids)
+            add_table(table)
             n += 1
         if n:
             decoding += itertools.islice(self.running, i, i + n)
@@ -566,7 +597,8 @@ class Scheduler:
             self._plain_output = None
             requests = self._plain_requests
             self._plain_requests = []
-            self._update_plain(requests, sampled, finished)
+            tables, self._plain_tables = self._plain_tables, []
+            self._carried = self._update_plain(requests, tables, output.decodes, sampled, finished)
             scheduled = output.others  # the rest, if any (chunks, admissions)
         else:
             scheduled = output.scheduled
@@ -613,18 +645,31 @@ class Scheduler:
         return finished
 
     def _update_plain(
-        self, requests: list[Request], sampled: dict[str, list[int]], finished: list[Request]
-    ) -> None:
-        """`update` for the plain decodes of the last output, given their requests in order.
+        self,
+        requests: list[Request],
+        tables: list[RequestBlocks],
+        decodes: DecodeBatch,
+        sampled: dict[str, list[int]],
+        finished: list[Request],
+    ) -> CarriedDecodes | None:
+        """`update` for the plain decodes of the last output, given their requests and block tables in order;
+        the decodes still running, for the next step to start from (None if one was skipped).
 
         Each decode is (rid, one token, num_computed_tokens, blocks) of the request at the same place, so
         the request itself says everything the columns would: nearly every running request goes through
         here every step, without its decode being read back or its id looked up. The same effect as the
         general loop of `update`.
         """
+        carry = True
+        if self._left_running:  # some request left since the step was scheduled (a stop string, an abort)
+            still = [r for r in requests if r.status is _RUNNING]
+            if len(still) < len(requests):
+                requests = still
+                carry = False
+        tokens: list[int] = []
+        add_token = tokens.append
+        num_finished = len(finished)
         for request in requests:
-            if request.status is not _RUNNING:
-                continue  # finished, aborted or preempted since the step was scheduled
             rid = request.request_id
             try:
                 (token_id,) = sampled[rid]
@@ -634,9 +679,8 @@ class Scheduler:
                 raise AssertionError("unreachable") from None
             output_ids = request.output_token_ids
             output_ids.append(token_id)
+            add_token(token_id)
             request.num_computed_tokens += 1
-            if request.spec_token_ids:
-                request.spec_token_ids = []  # not scheduled this step; the proposer sets fresh ones
             stop_ids, min_tokens, max_output = request.stop_figures
             if token_id in stop_ids and len(output_ids) >= min_tokens:
                 request.status = self._stop_token_status(request, token_id)
@@ -645,6 +689,12 @@ class Scheduler:
             else:
                 continue
             finished.append(request)
+        if not carry:
+            return None
+        carried = CarriedDecodes(requests, decodes.request_ids, tables, decodes.start_pos, tokens)
+        if len(finished) > num_finished:
+            return carried.kept([r.status is _RUNNING for r in requests])
+        return carried
 
     def _apply_sampled(
         self,
@@ -749,6 +799,7 @@ class Scheduler:
         j = decodes.request_ids.index(vid)
         start = decodes.pop(j)
         del self._step_decoding[j]
+        del self._step_tables[j]
         if charged and self.fair is not None:
             self._charge_entry(victim, start, start + 1, True, -1)
         return 1
