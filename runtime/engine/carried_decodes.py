@@ -14,8 +14,8 @@ The carry is only a shortcut. It is used for as many of its requests as still le
 the same order (compared by identity, a C loop over pointers): a request removed from the running ones (a
 stop string, an abort) ends it there, and the general loop goes on from that point. It is dropped by
 anything that could make one of them something other than a plain decode before the next step: proposals
-about to be set (`Scheduler.max_spec_tokens`), a request `update` skipped. Positions, block tables and `fast_limit`s
-are read afresh each step, so a block table changed by the manager is seen as it is.
+about to be set (`Scheduler.max_spec_tokens`), a request `update` skipped. Block tables and their
+`fast_limit`s are read afresh each step, so a table the manager changed is seen as it is.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ class CarriedDecodes:
         `decoding`, their tables to `tables`); how many. Only those still leading `running` in the same order
         are: the first that is not ends the carry (0 when none is).
 
-        They fit the step's token budget: they fitted the last step's, the same, and come first in this
-        one. A decode that reaches its table's `fast_limit` gets its slot from `allocate`
-        first, in order; at the first that cannot, scheduling stops before it (a failed allocation
-        changes nothing), and the scheduler's general path takes it from there, preempting.
+        They fit the step's token budget: they fitted the last step's, which is the same, and come first
+        in this one. A decode that reaches its table's `fast_limit` gets its slot from `allocate` first, in
+        order; at the first that cannot, scheduling stops before it (a failed allocation changes nothing),
+        and the scheduler's general path takes it from there, preempting.
         """
         requests = self.requests
         n = len(requests)

@@ -658,7 +658,8 @@ class Scheduler:
         Each decode is (rid, one token, num_computed_tokens, blocks) of the request at the same place, so
         the request itself says everything the columns would: nearly every running request goes through
         here every step, without its decode being read back or its id looked up. The same effect as the
-        general loop of `update`.
+        general loop of `update` (which also clears proposals a request was not given: a plain decode had
+        none when it was scheduled, and the proposer sets them only after `update`).
         """
         carry = True
         if self._left_running:  # some request left since the step was scheduled (a stop string, an abort)
