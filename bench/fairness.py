@@ -1,7 +1,7 @@
 """Fair share and fleet-wide quotas on real CPU pods: two tenants, one flooding; two routers, one quota.
 
     python bench/fairness.py [--slots 4] [--b-workers 2] [--flood-multiple 10] [--max-tokens 24]
-                             [--seconds 40] [--quota-rpm 120] [--quota-seconds 30]
+                             [--seconds 40] [--quota-rpm 120] [--quota-seconds 30] [--pod-threads 1]
 
 Two real runtime pods (the built-in model, `max_num_seqs` = --slots each) behind the real router, which
 holds back what the pods cannot start at once (`maxInFlightPerEndpoint` = --slots), so the order of its
@@ -170,8 +170,11 @@ async def quota(args, pod_urls, session, share: bool) -> dict:
 async def main_async(args) -> tuple[list[dict], list[dict]]:
     tmp = Path(tempfile.mkdtemp(prefix="tf-bench-fairness-"))
     ports = [free_port() for _ in range(2)]
+    # One core per pod, as each real pod has its own accelerator: two pods with a thread per core each would
+    # oversubscribe this box's cores, and B's step would wait on the flood's threads instead of its queue.
+    env = {"OMP_NUM_THREADS": str(args.pod_threads), "MKL_NUM_THREADS": str(args.pod_threads)}
     scheduler = {"max_num_seqs": args.slots}
-    procs = [start_pod(tmp, p, args.num_blocks, scheduler=scheduler) for p in ports]
+    procs = [start_pod(tmp, p, args.num_blocks, scheduler=scheduler, env=env) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
@@ -195,7 +198,7 @@ async def main_async(args) -> tuple[list[dict], list[dict]]:
             # hold the flood and their scheduler preempts it for B (fresh pods: a restart-only field).
             stop_pods(procs)
             scheduler = {"max_num_seqs": args.slots, "fair_share": True}
-            procs = [start_pod(tmp, p, args.num_blocks, scheduler=scheduler) for p in ports]
+            procs = [start_pod(tmp, p, args.num_blocks, scheduler=scheduler, env=env) for p in ports]
             await asyncio.gather(*(wait_ready(session, u, p) for u, p in zip(urls, procs, strict=True)))
             await asyncio.gather(*(one_stream(session, u, KEY_B, 4) for u in urls for _ in range(2)))
             name = "flood, fair share, router + pods"
@@ -209,7 +212,8 @@ async def main_async(args) -> tuple[list[dict], list[dict]]:
 
 def print_tables(phases: list[dict], quotas: list[dict], args) -> None:
     print(
-        f"\ntwo CPU pods ({MODEL}), max_num_seqs {args.slots} each, router maxInFlightPerEndpoint {args.slots}; "
+        f"\ntwo CPU pods ({MODEL}, {args.pod_threads} torch thread each), max_num_seqs {args.slots} each, "
+        f"router maxInFlightPerEndpoint {args.slots}; "
         f"B {args.b_workers} closed-loop streams, A {args.b_workers * args.flood_multiple}; "
         f"{args.max_tokens} tokens each, {args.seconds:.0f} s per phase"
     )
@@ -255,6 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quota-rpm", type=float, default=120.0)
     p.add_argument("--quota-seconds", type=float, default=30.0)
     p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--pod-threads", type=int, default=1, help="torch threads per pod (OMP_NUM_THREADS)")
     return p.parse_args(argv)
 
 

@@ -4,6 +4,7 @@
     python -m tokenfleet.sim.experiments speed [--duration 20] [--replicas 16] [--rate 880]
     python -m tokenfleet.sim.experiments disaggregation [--duration 60] [--rate 60] [--replicas 8]
     python -m tokenfleet.sim.experiments fairness [--duration 20] [--replicas 8] [--flood 10] [--b-share 1]
+                                                  [--budget 8192]
     python -m tokenfleet.sim.experiments priority [--duration 40] [--replicas 8] [--rate BATCH_RATE]
 
 `routing`: the routing benchmark's question at GPU scale — 16 H100 replicas of an 8B model, 150 tenants
@@ -184,6 +185,7 @@ def fairness(
     b_share: float = 1.0,
     warmup: float = 10.0,
     seed: int = 0,
+    budget: int = 8192,
 ) -> list[tuple]:
     """B at `b_share` of its share of the fleet, A at `flood` times its share; rows: B alone, A + B without
     fair share, with it in the router, and with it in the router and the pods. A floods from the start and
@@ -192,7 +194,8 @@ def fairness(
     in the router once every pod holds `max_num_seqs`, up to `queueTimeoutSeconds` (5 s: then 429); the
     queue's bound is out of the way (a full queue refuses B as well as A, whatever the order), so the order
     alone decides who is served. In the last row the router lets each pod hold POD_QUEUE_IN_FLIGHT, so the
-    pods' own fair-share queues hold most of the flood and their schedulers preempt A's requests for B."""
+    pods' own fair-share queues hold most of the flood and their schedulers preempt A's requests for B.
+    `budget`: the pods' `max_num_batched_tokens` (how long a step of prefill chunks may be)."""
     share = FAIR_CAPACITY_PER_REPLICA * replicas / 2
     b = {"name": "B", "rate": b_share * share, "start_s": warmup, **FAIR_REQUEST}
     a = {"name": "A", "rate": flood * share, **FAIR_REQUEST}
@@ -203,9 +206,9 @@ def fairness(
     )
     print(
         "| run | B TTFT p50 s | B TTFT p99 s | B TTFT p99 / alone | B goodput | B rejected | B tok/s "
-        "| A goodput | A rejected | A tok/s | wall s |"
+        "| A goodput | A rejected | A tok/s | mean step ms | wall s |"
     )
-    print("|" + "---|" * 11)
+    print("|" + "---|" * 12)
     rows = []
     solo_p99 = None
     # (label, tenants, fair share in the router, in the pods' schedulers, router's in-flight bound per pod)
@@ -222,7 +225,7 @@ def fairness(
                 "fleet": {"gpu": "h100-sxm", "replicas": replicas},
                 "scheduler": {
                     "max_num_seqs": 256,
-                    "max_num_batched_tokens": 8192,
+                    "max_num_batched_tokens": budget,
                     "max_waiting": 100_000,
                     "fair_share": pods_fair,
                 },
@@ -258,6 +261,7 @@ def fairness(
             at["goodput_fraction"] if at else None,
             at["requests"]["rejected"] if at else None,
             at["output_tokens_per_s"] if at else None,
+            r["load"]["step_s_mean"],
             wall,
         )
         rows.append(row)
@@ -265,7 +269,7 @@ def fairness(
         print(
             f"| {label} | {row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f}x | {row[4]:.1%} | {row[5]} | {row[6]:.0f} "
             f"| {dash if at is None else f'{row[7]:.1%}'} | {dash if at is None else row[8]} "
-            f"| {dash if at is None else f'{row[9]:.0f}'} | {wall:.0f} |",
+            f"| {dash if at is None else f'{row[9]:.0f}'} | {1000 * row[10]:.1f} | {wall:.0f} |",
             flush=True,
         )
     return rows
@@ -461,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", help="disaggregation: prefill pod counts to try, e.g. 4,3,2")
     p.add_argument("--flood", type=float, default=10.0, help="fairness: A's rate over its share")
     p.add_argument("--b-share", type=float, default=1.0, help="fairness: B's rate over its share")
+    p.add_argument("--budget", type=int, default=8192, help="fairness: the pods' max_num_batched_tokens")
     args = p.parse_args(argv)
     if args.experiment == "routing":
         print(HEADER)
@@ -470,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = [int(x) for x in args.splits.split(",")] if args.splits else [args.replicas // 2]
         disaggregation(args.duration, args.rate or 60.0, args.replicas, splits)
     elif args.experiment == "fairness":
-        fairness(args.duration, args.replicas, args.flood, args.b_share)
+        fairness(args.duration, args.replicas, args.flood, args.b_share, budget=args.budget)
     elif args.experiment == "priority":
         priority(args.duration, args.replicas, args.rate)  # --rate: the batch flood's
     else:

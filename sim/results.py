@@ -308,6 +308,11 @@ class Collector:
                 "served_min": min(served.values(), default=0),
                 "busy_fraction_max": _r(max(busy.values(), default=0.0)),
                 "busy_fraction_min": _r(min(busy.values(), default=0.0)),
+                # What a request arriving mid-step waits for, and what its own step costs.
+                "step_s_mean": _r(
+                    sum(p.replica.busy_seconds for p in pods.values())
+                    / max(sum(p.replica.num_steps for p in pods.values()), 1)
+                ),
                 "per_replica_served": served,
             },
             "preemptions": sum(p.replica.scheduler.num_preemptions_total for p in pods.values()),

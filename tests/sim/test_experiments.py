@@ -19,6 +19,8 @@ def test_fairness_rows_show_fair_share_keeping_the_light_tenant_served(capsys):
     # the router's queue or the pods' own queues hold the flood.
     assert off[1] > 4.0 and on[1] * 3 < off[1] and pods[1] * 3 < off[1]
     assert on[5] == 0 == pods[5] < off[5]  # B refused only first come first served
+    # The flood fills every pod's batch, so each step B waits through is longer than with B alone.
+    assert 0 < alone[10] < on[10] and alone[10] < pods[10]
     assert "| A + B, fair share in the router and the pods |" in capsys.readouterr().out
 
 
