@@ -225,7 +225,12 @@ class Resources(_Spec):
     gpus: int = Field(
         0, ge=0, le=64, description="GPUs per replica (0 = CPU); a multiple of tensorParallelSize."
     )
-    cpu: str = Field("2", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request (Kubernetes quantity).")
+    cpu: str = Field(
+        "2",
+        pattern=r"^[0-9]+(\.[0-9]+)?m?$",
+        description="CPU request (Kubernetes quantity). A CPU pod (gpus 0) also runs this many torch threads "
+        "(OMP_NUM_THREADS, rounded down, at least 1) instead of one per core of the node.",
+    )
     memory: str = Field(
         "4Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$", description="Memory request and limit (quantity)."
     )

@@ -253,8 +253,9 @@ def load_model(
         log.info("fp8: quantised the projections on load, %.1f MiB of weights saved", saved / 2**20)
     _set_kernel_backend(model, backend_name)
     log.info(
-        "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d",
+        "loaded %s (%s, %d layers) on %s as %s, attention=%s, max_model_len=%d%s",
         model_config.model, arch.model_type, arch.num_layers, device, dtype, backend_name, max_model_len,
+        f", torch threads: {torch.get_num_threads()}" if device.type == "cpu" else "",
     )  # fmt: skip
     startup_timing.mark("model_finish")
     return LoadedModel(

@@ -143,6 +143,20 @@ def test_cpu_deployment_manifest():
     assert annotations["serving.tokenfleet.dev/config-hash"] == config_hash(cfg)
 
 
+@pytest.mark.parametrize(("cpu", "threads"), [("2", "2"), ("500m", "1"), ("3.5", "3"), ("16", "16")])
+def test_cpu_pods_size_torch_threads_by_their_cpu_request(cpu, threads):
+    md, cfg = _runtime({**CPU, "resources": {"cpu": cpu}})
+    (c,) = build_deployment("smol", md, cfg)["spec"]["template"]["spec"]["containers"]
+    assert {"name": "OMP_NUM_THREADS", "value": threads} in c["env"]
+    assert c["resources"]["requests"]["cpu"] == cpu
+
+
+def test_gpu_pods_leave_torch_threads_alone():
+    md, cfg = _runtime(GPU)
+    (c,) = build_deployment("llama", md, cfg)["spec"]["template"]["spec"]["containers"]
+    assert all(e["name"] != "OMP_NUM_THREADS" for e in c["env"])
+
+
 def test_gpu_deployment_manifest():
     md, cfg = _runtime(GPU)
     assert cfg.model.model == "/models/models/llama-8b" and cfg.model.name == "llama-8b"

@@ -198,6 +198,19 @@ def test_a_separate_draft_model_at_tp2_runs_on_rank_0_and_matches_plain_decoding
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0  # draft = target
 
 
+def test_cpu_ranks_split_the_thread_budget_the_pod_was_given(monkeypatch):
+    from tokenfleet.runtime.engine.parallel.workers import threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a ModelDeployment pod's CPU request, not the node's cores
+    assert (threads_per_rank(2), threads_per_rank(3), threads_per_rank(16)) == (4, 2, 1)
+    for unusable in ("", "0", "four"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert threads_per_rank(2) == max(1, cores // 2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert threads_per_rank(1) == cores
+
+
 def test_sizes_that_do_not_divide_fail_at_start_up_with_the_reason():
     with pytest.raises(ConfigError, match="9 attention heads"):
         LLM(config=_tp(2, model={"dtype": "float32"}, cache={"num_blocks": 16}))

@@ -55,8 +55,11 @@ def rank_device(model: ModelConfig, rank: int) -> torch.device:
 
 
 def threads_per_rank(size: int) -> int:
-    """CPU ranks share the machine's cores instead of each taking all of them."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """CPU ranks share the process's cores instead of each taking all of them: OMP_NUM_THREADS when set (a
+    ModelDeployment's pod gets its CPU request there), else the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, (int(budget) if budget.isdigit() and int(budget) > 0 else cores) // size)
 
 
 def collective_timeout_s(config: RuntimeConfig) -> float:
