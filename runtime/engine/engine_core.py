@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tokenfleet.runtime.config import CacheConfig, RuntimeConfig
 from tokenfleet.runtime.engine.cache_policy import CachePolicyRuntime
+from tokenfleet.runtime.engine.cpu_threads import cpu_thread_budget
 from tokenfleet.runtime.engine.kv_cache.manager import KVCacheManager
 from tokenfleet.runtime.engine.lora_manager import LoRAAdapter, LoRAManager
 from tokenfleet.runtime.engine.model_runner import ModelRunner, kv_cache_dtype, num_kv_blocks, resolve_device
@@ -59,6 +60,8 @@ class EngineCore:
             check_tensor_parallel_config(config, loaded)
             if self.device.type == "cpu":  # the ranks share the cores (process-wide setting)
                 torch.set_num_threads(threads_per_rank(tp_size))
+        elif self.device.type == "cpu" and (budget := cpu_thread_budget()) < torch.get_num_threads():
+            torch.set_num_threads(budget)  # a CPU quota below the cores torch saw (cpu_threads.py)
         self.loaded = loaded if loaded is not None else load_model(config.model, self.device, tp_size=tp_size)
         # Tensor parallel: this process is rank 0 (scheduler, server, shard 0); ranks 1.. are workers.
         self.workers = TPWorkers.start(config) if tp_size > 1 else None

@@ -199,9 +199,10 @@ def test_a_separate_draft_model_at_tp2_runs_on_rank_0_and_matches_plain_decoding
 
 
 def test_cpu_ranks_split_the_thread_budget_the_pod_was_given(monkeypatch):
+    from tokenfleet.runtime.engine.cpu_threads import cpu_thread_budget
     from tokenfleet.runtime.engine.parallel.workers import threads_per_rank
 
-    cores = len(os.sched_getaffinity(0))
+    cores = cpu_thread_budget({})  # this process's cores (capped by its cgroup's CPU quota, if any)
     monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a ModelDeployment pod's CPU request, not the node's cores
     assert (threads_per_rank(2), threads_per_rank(3), threads_per_rank(16)) == (4, 2, 1)
     for unusable in ("", "0", "four"):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenfleet.runtime.config import ModelConfig, RuntimeConfig
+from tokenfleet.runtime.engine.cpu_threads import cpu_thread_budget
 from tokenfleet.runtime.engine.kv_cache.kv_connector import KVTransferError
 from tokenfleet.runtime.engine.parallel.host_kv import HostKVOp
 from tokenfleet.runtime.engine.parallel.support import SHARDED_DRAFTS
@@ -55,11 +56,8 @@ def rank_device(model: ModelConfig, rank: int) -> torch.device:
 
 
 def threads_per_rank(size: int) -> int:
-    """CPU ranks share the process's cores instead of each taking all of them: OMP_NUM_THREADS when set (a
-    ModelDeployment's pod gets its CPU request there), else the cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    budget = os.environ.get("OMP_NUM_THREADS", "")
-    return max(1, (int(budget) if budget.isdigit() and int(budget) > 0 else cores) // size)
+    """CPU ranks split the process's thread budget (cpu_threads.py) instead of each taking every core."""
+    return max(1, cpu_thread_budget() // size)
 
 
 def collective_timeout_s(config: RuntimeConfig) -> float:
