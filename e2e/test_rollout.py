@@ -97,6 +97,8 @@ def test_examples_run_and_serve(cluster, ns, wait, router_url, pod_network):
     assert c["command"] == ["tokenfleet", "serve", "--config", "/etc/tokenfleet/runtime.yaml"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+    # A CPU pod's torch threads are its CPU request, not one per core of the node.
+    assert {"name": "OMP_NUM_THREADS", "value": "2"} in c["env"]
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     svc = cluster.get("service", "smollm2", ns)
     assert _owner(svc, "ModelDeployment")["uid"] == uid
