@@ -206,9 +206,10 @@ def fairness(
     )
     print(
         "| run | B TTFT p50 s | B TTFT p99 s | B TTFT p99 / alone | B goodput | B rejected | B tok/s "
-        "| A goodput | A rejected | A tok/s | mean step ms | wall s |"
+        "| A goodput | A rejected | A tok/s | mean step ms | B TTFT mean ms = router + pod queue + prefill "
+        "| wall s |"
     )
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     rows = []
     solo_p99 = None
     # (label, tenants, fair share in the router, in the pods' schedulers, router's in-flight bound per pod)
@@ -263,13 +264,16 @@ def fairness(
             at["output_tokens_per_s"] if at else None,
             r["load"]["step_s_mean"],
             wall,
+            # B's mean TTFT in its three consecutive parts (they sum to it): where it waited, and its own steps.
+            tuple(bt["latency_s"][part]["mean"] for part in ("router_queue", "pod_queue", "prefill")),
         )
         rows.append(row)
         dash = "-"
         print(
             f"| {label} | {row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f}x | {row[4]:.1%} | {row[5]} | {row[6]:.0f} "
             f"| {dash if at is None else f'{row[7]:.1%}'} | {dash if at is None else row[8]} "
-            f"| {dash if at is None else f'{row[9]:.0f}'} | {1000 * row[10]:.1f} | {wall:.0f} |",
+            f"| {dash if at is None else f'{row[9]:.0f}'} | {1000 * row[10]:.1f} "
+            f"| {1000 * sum(row[12]):.0f} = {' + '.join(f'{1000 * t:.0f}' for t in row[12])} | {wall:.0f} |",
             flush=True,
         )
     return rows

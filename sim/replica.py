@@ -66,6 +66,7 @@ class RequestRecord:
 
     request: SimRequest
     replica: str
+    reached: float | None = None  # when it reached its pod (after the router's queue and the hop there)
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -176,7 +177,7 @@ class SimReplica:
         """Hand the pod a request; `max_tokens` (default: its whole output) ends it early (a prefill pod
         runs the prompt and the first token only). `resumed_at`: another pod produced the first token,
         which reached the client then; this pod continues after it (a decode pod)."""
-        record = RequestRecord(sreq, self.name)
+        record = RequestRecord(sreq, self.name, reached=now)
         output = sreq.output
         params = SamplingParams(max_tokens=max_tokens or len(output), ignore_eos=True, temperature=0.0)
         adapter = sreq.adapter if self.adapters is not None else None

@@ -4,6 +4,8 @@ replica-seconds, GPU-hours and cost — as a JSON-able dict (stable: same seed, 
 Per-request figures are what a client measures: TTFT = first token - arrival (router queueing included),
 TPOT = (last token - first token) / (output tokens - 1), E2E = last token - arrival; ITL is every gap between
 consecutive tokens of a request, kept in a histogram of 1%-wide log bins (there are too many to keep).
+TTFT is also split into the three parts that sum to it (`router_queue`, `pod_queue`, `prefill`: where a
+request waited, and what its own steps cost), and `queue` is the first two together.
 A request is *good* when its TTFT <= slo.ttft_s and its TPOT <= slo.tpot_s; the fleet *meets* the SLO when
 the p99 TTFT and p99 TPOT do and nothing was left unfinished or rejected.
 
@@ -46,7 +48,7 @@ class _Class:
     """The per-request figures of one tenant or one priority."""
 
     __slots__ = ("arrived", "finished", "good", "output_tokens", "preempted", "preemptions", "rejected")
-    __slots__ += ("e2e", "tpot", "ttft")
+    __slots__ += ("e2e", "tpot", "ttft", "ttft_parts")
 
     def __init__(self) -> None:
         self.arrived = self.finished = self.good = self.output_tokens = 0
@@ -54,6 +56,7 @@ class _Class:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.e2e: list[float] = []
+        self.ttft_parts = _TTFTParts()
 
     def summary(self, duration: float) -> dict:
         return {
@@ -65,10 +68,42 @@ class _Class:
                 "preempted": self.preempted,
             },
             "preemptions": self.preemptions,  # of its finished requests
-            "latency_s": {"ttft": _pcts(self.ttft), "tpot": _pcts(self.tpot), "e2e": _pcts(self.e2e)},
+            "latency_s": {
+                "ttft": _pcts(self.ttft),
+                "tpot": _pcts(self.tpot),
+                "e2e": _pcts(self.e2e),
+                **self.ttft_parts.summary(),
+            },
             "goodput_fraction": _r(self.good / self.arrived) if self.arrived else 0.0,
             "goodput_rps": _r(self.good / duration),
             "output_tokens_per_s": _r(self.output_tokens / duration),
+        }
+
+
+class _TTFTParts:
+    """Where a request's time to first token went, in three consecutive parts that sum to it: `router_queue`
+    (arrival -> it reached its pod: the router's queue and the hop there), `pod_queue` (-> its engine first
+    scheduled it: the pod's waiting queue, and an adapter's load when it waited for one) and `prefill`
+    (-> its first token: vLLM's prefill time, the steps that ran its prompt, and any it spent preempted).
+    A disaggregated request's parts are its prefill phase's."""
+
+    __slots__ = ("pod_queue", "prefill", "router_queue")
+
+    def __init__(self) -> None:
+        self.router_queue: list[float] = []
+        self.pod_queue: list[float] = []
+        self.prefill: list[float] = []
+
+    def add(self, rec) -> None:
+        self.router_queue.append(rec.reached - rec.request.arrival)
+        self.pod_queue.append(rec.first_scheduled - rec.reached)
+        self.prefill.append(rec.first_token - rec.first_scheduled)
+
+    def summary(self) -> dict:
+        return {
+            "router_queue": _pcts(self.router_queue),
+            "pod_queue": _pcts(self.pod_queue),
+            "prefill": _pcts(self.prefill),
         }
 
 
@@ -83,6 +118,7 @@ class Collector:
         self.tpot: list[float] = []
         self.e2e: list[float] = []
         self.queue: list[float] = []
+        self.ttft_parts = _TTFTParts()
         self.good = 0
         self.num_finished = 0
         self.rejected: list[str] = []
@@ -141,6 +177,7 @@ class Collector:
         self.tpot.append(tpot)
         self.e2e.append(rec.last_token - req.arrival)
         self.queue.append(rec.first_scheduled - req.arrival)
+        self.ttft_parts.add(rec)
         slo = self.config.slo
         self.good += ttft <= slo.ttft_s and tpot <= slo.tpot_s
         self.num_finished += 1
@@ -161,6 +198,7 @@ class Collector:
                 c.ttft.append(ttft)
                 c.tpot.append(tpot)
                 c.e2e.append(rec.last_token - req.arrival)
+                c.ttft_parts.add(rec)
                 c.output_tokens += n_out
                 c.preempted += rec.num_preemptions > 0
                 c.preemptions += rec.num_preemptions
@@ -286,6 +324,7 @@ class Collector:
                 "itl": self._itl_pcts(pods.values()),
                 "e2e": _pcts(self.e2e),
                 "queue": _pcts(self.queue),
+                **self.ttft_parts.summary(),
             },
             "slo": {
                 "ttft_s": cfg.slo.ttft_s,
@@ -344,12 +383,12 @@ def table(results: dict) -> str:
     lat = results["latency_s"]
     rq, slo, fleet = results["requests"], results["slo"], results["fleet"]
     lines = [
-        f"{'':10} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}",
+        f"{'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}",
     ]
-    for key in ("ttft", "tpot", "itl", "e2e", "queue"):
+    for key in ("ttft", "tpot", "itl", "e2e", "queue", "router_queue", "pod_queue", "prefill"):
         v = lat[key]
         lines.append(
-            f"{key.upper():10} " + " ".join(f"{v.get(p, 0.0):9.4f}" for p in ("p50", "p90", "p99", "mean"))
+            f"{key.upper():12} " + " ".join(f"{v.get(p, 0.0):9.4f}" for p in ("p50", "p90", "p99", "mean"))
         )
     lines += [
         "",

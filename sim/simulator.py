@@ -420,7 +420,7 @@ class Simulation:
             return
         if pod.role == "decode":  # the client's view spans both phases
             first = self._phases.pop(sreq.request_id)
-            rec.first_scheduled = first.first_scheduled
+            rec.reached, rec.first_scheduled = first.reached, first.first_scheduled
             rec.num_cached_tokens = first.num_cached_tokens
             rec.num_preemptions += first.num_preemptions
         self._ended(rec)

@@ -21,6 +21,9 @@ def test_fairness_rows_show_fair_share_keeping_the_light_tenant_served(capsys):
     assert on[5] == 0 == pods[5] < off[5]  # B refused only first come first served
     # The flood fills every pod's batch, so each step B waits through is longer than with B alone.
     assert 0 < alone[10] < on[10] and alone[10] < pods[10]
+    # B's TTFT in its parts: under the flood its own prefill runs in those longer steps, and it also waits.
+    assert all(len(r[12]) == 3 and min(r[12]) >= 0 for r in (alone, off, on, pods))
+    assert on[12][2] > alone[12][2] and sum(on[12][:2]) > sum(alone[12][:2])
     assert "| A + B, fair share in the router and the pods |" in capsys.readouterr().out
 
 

@@ -168,3 +168,19 @@ def test_breakdowns_add_up_to_the_totals_and_are_absent_unless_asked():
     model = build_model(plain)
     sim = Simulation(plain, build_workload(plain), build_cost(plain, model), model.name, model.max_model_len)
     assert not {"by_tenant", "by_priority"} & set(sim.run())
+
+
+def test_ttft_splits_into_router_queue_pod_queue_and_prefill():
+    """Each request's TTFT is its router queue (arrival to its pod), pod queue (to its first step) and
+    prefill (to its first token), none negative; their means add up to the TTFT's, overall and per class.
+    Fair share off, the flood held in the router's queue makes both tenants wait there."""
+    sim = _simulation(False, [FLOOD, {**LIGHT, "priority": 0}], queueTimeoutSeconds=1, maxQueued=20)
+    r = sim.run()
+    parts = sim.collector.ttft_parts
+    assert min(parts.router_queue) >= 0 and min(parts.pod_queue) >= 0 and min(parts.prefill) > 0
+    for lat in (r["latency_s"], *(c["latency_s"] for c in r["by_tenant"].values())):
+        total = sum(lat[part]["mean"] for part in ("router_queue", "pod_queue", "prefill"))
+        assert abs(total - lat["ttft"]["mean"]) <= 1e-5 * lat["ttft"]["mean"]
+    for tenant in ("A", "B"):
+        lat = r["by_tenant"][tenant]["latency_s"]
+        assert lat["router_queue"]["mean"] > lat["pod_queue"]["mean"]

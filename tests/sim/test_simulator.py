@@ -352,6 +352,13 @@ def test_disaggregated_fleet_moves_kv_and_keeps_long_prefills_off_the_decodes():
     # client's gap between the prefill pod's token and the decode pod's first one included).
     assert r["latency_s"]["itl"]["p99"] < 0.5 * aggregated["latency_s"]["itl"]["p99"]
     assert r["latency_s"]["tpot"]["p99"] < 0.7 * aggregated["latency_s"]["tpot"]["p99"]
+    # The client's TTFT is the prefill phase's: its parts are that phase's and add up to it.
+    parts = sim.collector.ttft_parts
+    assert min(parts.router_queue) >= 0 and min(parts.pod_queue) >= 0 and min(parts.prefill) > 0
+    for queued, waited, prefill, ttft in zip(
+        parts.router_queue, parts.pod_queue, parts.prefill, sim.collector.ttft, strict=True
+    ):
+        assert abs(queued + waited + prefill - ttft) < 1e-9
     assert to_json(r) == to_json(
         Simulation(
             config,
