@@ -416,7 +416,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         # Held requests count under the model the chosen backends serve, not the alias the client sent: that
         # is the deployment whose autoscaler must see the demand (an alias wakes a deployment at zero).
         pending_key = targets[0].model
+        arrived = time.monotonic()
         spill = await _admit(router, model, draw, priority, tenant, pending_key)
+        router.metrics.queue_wait_seconds.labels(model).observe(time.monotonic() - arrived)
         targets = spill if spill is not None else fleet.targets(model, draw)
         if not targets:
             raise _json_error(

@@ -44,6 +44,16 @@ class RouterMetrics:
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1),
             registry=r,
         )
+        # The router's part of a client's time to first token; the pod's parts are its
+        # request_queue_time_seconds (waiting there) and request_prefill_time_seconds (its prompt's steps).
+        self.queue_wait_seconds = Histogram(
+            PREFIX + "queue_wait_seconds",
+            "Time a request waited in the router's queue before it could be sent to a pod (0 when it was "
+            "not held), by the model the client named.",
+            ["model"],
+            buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+            registry=r,
+        )
         self.in_flight = Gauge(
             PREFIX + "endpoint_in_flight", "Requests in flight per endpoint.", ["endpoint"], registry=r
         )

@@ -123,6 +123,8 @@ VLLM_DEFINED = frozenset(
         "inter_token_latency_seconds",
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
     }
 )
 
@@ -367,6 +369,18 @@ class ServerMetrics:
             "Histogram of time spent in WAITING phase for request.",
             E2E_BUCKETS,
         )
+        # With the queue time, the pod's parts of a request's TTFT (the router's own queue is
+        # tokenfleet:router_queue_wait_seconds); vLLM's names, meanings and buckets.
+        self._prefill = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            E2E_BUCKETS,
+        )
+        self._decode = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            E2E_BUCKETS,
+        )
         self._success = Counter(
             n.name("request_success"),
             "Count of successfully processed requests.",
@@ -414,8 +428,12 @@ class ServerMetrics:
             self._ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.first_scheduled_time is not None:
             self._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self._prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.finished_time is not None:
             self._e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+            if m.first_token_time is not None:
+                self._decode.observe(max(0.0, m.finished_time - m.first_token_time))
 
     def observe_aborted(self) -> None:
         """A request the server aborted (client gone): the engine's final output never reaches us."""

@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
@@ -238,6 +239,20 @@ async def test_lower_priority_numbers_wait_less(serve_app, start_router, make_po
         assert pod.requests[2]["headers"]["x-tokenfleet-priority"] == "5"
         status, _, _ = await post(url, completion(), {"x-priority-class": "vip"})
         assert status == 400
+        # The router's part of each one's TTFT: w0 went at once, w2 waited for w0 (~0.25 s), w1 for w0 and
+        # w2 (~0.55 s); the refused one was never admitted.
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            waits = {
+                sample.name + sample.labels.get("le", ""): sample.value
+                for family in text_string_to_metric_families(await r.text())
+                if family.name == "tokenfleet:router_queue_wait_seconds"
+                for sample in family.samples
+                if sample.labels.get("model") == "m"
+            }
+        assert waits["tokenfleet:router_queue_wait_seconds_count"] == 3
+        assert waits["tokenfleet:router_queue_wait_seconds_bucket0.05"] == 1
+        assert waits["tokenfleet:router_queue_wait_seconds_bucket0.1"] == 1
+        assert 0.7 < waits["tokenfleet:router_queue_wait_seconds_sum"] < 2.0
 
 
 async def test_a_full_queue_times_out_with_429(serve_app, start_router, make_pod, wait_until):

@@ -185,6 +185,8 @@ async def test_metrics_expose_engine_stats_and_latency_histograms(client):
     assert f"tokenfleet:time_to_first_token_seconds_count{{{label}}} 1.0" in text
     assert f"tokenfleet:e2e_request_latency_seconds_count{{{label}}} 1.0" in text
     assert f"tokenfleet:request_queue_time_seconds_count{{{label}}} 1.0" in text
+    assert f"tokenfleet:request_prefill_time_seconds_count{{{label}}} 1.0" in text
+    assert f"tokenfleet:request_decode_time_seconds_count{{{label}}} 1.0" in text
     assert f"tokenfleet:inter_token_latency_seconds_count{{{label}}} 2.0" in text
     assert f'tokenfleet:request_success_total{{finished_reason="length",{label}}} 1.0' in text
 

@@ -79,6 +79,8 @@ async def test_metrics_in_both_namings_move_under_load(start_real_server, naming
         "inter_token_latency_seconds": "histogram",
         "e2e_request_latency_seconds": "histogram",
         "request_queue_time_seconds": "histogram",
+        "request_prefill_time_seconds": "histogram",
+        "request_decode_time_seconds": "histogram",
     }
     for base, kind in types.items():
         family = after[prefix + base]
@@ -113,6 +115,22 @@ async def test_metrics_in_both_namings_move_under_load(start_real_server, naming
     # The queue under one running slot shows up in the queue-time histogram too.
     queue = after[prefix + "request_queue_time_seconds"]
     assert _value(queue, prefix + "request_queue_time_seconds_sum") > 0
+    # The phases split each request's latency: queue + prefill = TTFT, TTFT + decode = E2E, so their sums
+    # add up too (the same timestamps, subtracted).
+    sums = {
+        base: _value(after[prefix + base], prefix + base + "_sum")
+        for base in (
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "time_to_first_token_seconds",
+            "e2e_request_latency_seconds",
+        )
+    }
+    assert sums["request_prefill_time_seconds"] > 0 and sums["request_decode_time_seconds"] > 0
+    ttft, e2e = sums["time_to_first_token_seconds"], sums["e2e_request_latency_seconds"]
+    assert abs(sums["request_queue_time_seconds"] + sums["request_prefill_time_seconds"] - ttft) < 1e-6
+    assert abs(ttft + sums["request_decode_time_seconds"] - e2e) < 1e-6
 
     # The cache facts an endpoint picker reads: block size and capacity in blocks.
     (info,) = after[prefix + "cache_config_info"].samples
