@@ -294,7 +294,11 @@ def test_the_dashboard_covers_each_signal(available):
         "tokenfleet_modeldeployment_spec_replicas",
         "tokenfleet_modeldeployment_status_ready_replicas",
         "tokenfleet:router_pending_requests",
+        "tokenfleet:router_pod_waiting_requests",
         "tokenfleet:router_resumes_total",
+        "tokenfleet:router_queue_wait_seconds_sum",
+        "tokenfleet:request_queue_time_seconds_sum",
+        "tokenfleet:request_prefill_time_seconds_sum",
     ):
         assert name in used, name
     alerts = {
